@@ -1,0 +1,3 @@
+from ddlscope.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""Analysis: run comparison, bottleneck verdict, reports."""

@@ -1,0 +1,219 @@
+"""Reports: a Markdown and an HTML page with PNG plots, and a summary table for the terminal.
+
+``write_report`` takes run summaries (see :mod:`ddlscope.analyze.compare`) and writes, into one
+folder: ``report.md``, ``report.html``, ``summary.json`` and the plots
+
+- ``step_breakdown.png``: stacked mean step time per worker (data loading, forward, backward,
+  local optimizer, averaging);
+- ``accuracy.png``: held-out accuracy over training time (time-to-accuracy);
+- ``loss.png``: training loss over time;
+- ``network.png``: TCP bytes sent/received per peer.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from ddlscope.analyze.compare import PHASES, Comparison, RunSummary  # noqa: E402
+
+PHASE_LABELS = {"data_load_s": "data loading", "forward_s": "forward", "backward_s": "backward",
+                "optimizer_local_s": "optimizer (local)", "averaging_s": "averaging"}
+
+
+def _fmt(value, spec: str = ".2f", none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def summary_rows(comparisons: list[Comparison]) -> list[dict[str, str]]:
+    """One row of display strings per run: the table in the terminal and in the report."""
+    rows = []
+    for c in comparisons:
+        r = c.run
+        rows.append({
+            "run": r.name, "id": r.run_id, "status": r.status, "peers": str(r.peers),
+            "runtime s": _fmt(r.runtime_s, ".1f"),
+            "samples/s": _fmt(r.throughput_samples_per_s, ".1f"),
+            "speedup": _fmt(c.speedup, ".2f"),
+            "accuracy": _fmt(r.accuracy, ".3f"),
+            "acc. decrease": _fmt(c.accuracy_decrease, "+.3f"),
+            "time-to-acc s": _fmt(c.time_to_accuracy_s, ".1f", "not reached"),
+            "net MB/peer": f"{r.mean_net_bytes_per_peer / 1e6:.1f}",
+            "bottleneck": r.verdict.kind if r.verdict else "-",
+        })
+    return rows
+
+
+def print_summary(comparisons: list[Comparison], threshold: float | None) -> None:
+    """Print the comparison table with rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = summary_rows(comparisons)
+    title = "ddlscope: runs vs. baseline" + (f" (time-to-accuracy at {threshold:.3f})" if threshold else "")
+    table = Table(title=title)
+    for col in rows[0]:
+        table.add_column(col, justify="left" if col in ("run", "id", "status", "bottleneck") else "right")
+    for row in rows:
+        table.add_row(*row.values())
+    console = Console(width=200)
+    console.print(table)
+    for c in comparisons:
+        if c.run.verdict:
+            console.print(f"[bold]{c.run.name}[/bold]: {c.run.verdict.explanation}")
+        if c.run.status != "completed":
+            console.print(f"[bold]{c.run.name}[/bold] {c.run.status}: {c.run.reason}")
+
+
+# ---------------------------------------------------------------------- plots
+def plot_step_breakdown(summaries: list[RunSummary], path: Path) -> None:
+    labels, bottoms = [], []
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * sum(len(s.workers) for s in summaries) + 2), 4.5))
+    bars = [(f"{s.name}\nworker {w.worker_index}", w.mean_phase_s) for s in summaries for w in s.workers if w.steps]
+    labels = [b[0] for b in bars]
+    bottoms = [0.0] * len(bars)
+    for phase in PHASES:
+        heights = [b[1][phase] * 1000 for b in bars]
+        ax.bar(labels, heights, bottom=bottoms, label=PHASE_LABELS[phase])
+        bottoms = [a + b for a, b in zip(bottoms, heights)]
+    ax.set_ylabel("mean step time (ms), warm-up excluded")
+    ax.set_title("Where each step's time goes")
+    ax.legend(fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_curves(summaries: list[RunSummary], attr: str, ylabel: str, path: Path, threshold: float | None = None) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for s in summaries:
+        points = getattr(s, attr)
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if attr == "eval_curve" else None,
+                    label=s.name, linewidth=1)
+    if threshold is not None:
+        ax.axhline(threshold, color="grey", linestyle="--", linewidth=0.8, label=f"threshold {threshold:.3f}")
+    ax.set_xlabel("training seconds (held-out evaluations excluded)")
+    ax.set_ylabel(ylabel)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_network(summaries: list[RunSummary], path: Path) -> None:
+    bars = [(f"{s.name}\nworker {w.worker_index}", w.net_sent_bytes / 1e6, w.net_recv_bytes / 1e6)
+            for s in summaries for w in s.workers]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(bars) + 2), 4))
+    xs = range(len(bars))
+    ax.bar([x - 0.2 for x in xs], [b[1] for b in bars], width=0.4, label="sent")
+    ax.bar([x + 0.2 for x in xs], [b[2] for b in bars], width=0.4, label="received")
+    ax.set_xticks(list(xs), [b[0] for b in bars], fontsize=7)
+    ax.set_ylabel("TCP payload (MB)")
+    ax.set_title("Network bytes per peer")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------- documents
+def _markdown(comparisons: list[Comparison], threshold: float | None, plots: list[str]) -> str:
+    rows = summary_rows(comparisons)
+    lines = ["# ddlscope report", "",
+             f"Baseline: **{comparisons[0].run.name}** (`{comparisons[0].run.run_id}`). Runtime = max over peers; "
+             "accuracy = max over peers' final held-out accuracy; system metrics averaged over peers (thesis 000).",
+             ""]
+    if threshold is not None:
+        lines += [f"Time-to-accuracy threshold: {threshold:.3f}.", ""]
+    lines += ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(r.values()) + " |" for r in rows]
+    lines += ["", "## Bottleneck verdicts", ""]
+    for c in comparisons:
+        r = c.run
+        lines.append(f"- **{r.name}** ({r.status}): {r.verdict.explanation if r.verdict else 'no steps measured'}")
+        if r.reason:
+            lines.append(f"  - reason: {r.reason}")
+    lines += ["", "## Per-worker step-time breakdown (mean ms per step, warm-up excluded)", "",
+              "| run | worker | status | steps | " + " | ".join(PHASE_LABELS.values()) +
+              " | samples/s | CPU % | peak RSS MB | sent MB | recv MB | rounds (failed) | mean group |",
+              "|" + "---|" * (13 + len(PHASES) - 5)]
+    for c in comparisons:
+        for w in c.run.workers:
+            phases = " | ".join(f"{w.mean_phase_s[p] * 1000:.1f}" for p in PHASES)
+            lines.append(
+                f"| {c.run.name} | {w.worker_index} | {w.status} | {w.steps} | {phases} | "
+                f"{_fmt(w.throughput_samples_per_s, '.1f')} | {_fmt(w.mean_cpu_percent, '.0f')} | "
+                f"{_fmt(w.peak_rss_bytes / 1e6 if w.peak_rss_bytes else None, '.0f')} | {w.net_sent_bytes / 1e6:.1f} | "
+                f"{w.net_recv_bytes / 1e6:.1f} | {w.averaging_rounds} ({w.averaging_rounds_failed}) | "
+                f"{_fmt(w.mean_group_size, '.1f')} |")
+    lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def _html(markdown: str) -> str:
+    """A small, dependency-free rendering of the report's Markdown (tables, lists, images, headings)."""
+    out, in_table = [], False
+    for line in markdown.splitlines():
+        if line.startswith("|"):
+            cells = [html.escape(c.strip()) for c in line.strip("|").split("|")]
+            if set("".join(cells)) <= set("-"):
+                continue
+            if not in_table:
+                out.append("<table>")
+                in_table = True
+                out.append("<tr>" + "".join(f"<th>{c}</th>" for c in cells) + "</tr>")
+            else:
+                out.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+            continue
+        if in_table:
+            out.append("</table>")
+            in_table = False
+        if line.startswith("!["):
+            src = line[line.index("(") + 1:-1]
+            out.append(f'<p><img src="{html.escape(src)}" alt="{html.escape(src)}"></p>')
+        elif line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            out.append(f"<h{level}>{html.escape(line.lstrip('#').strip())}</h{level}>")
+        elif line.strip():
+            out.append(f"<p>{html.escape(line).replace('**', '')}</p>")
+    if in_table:
+        out.append("</table>")
+    style = ("body{font-family:sans-serif;max-width:1200px;margin:2em auto}table{border-collapse:collapse;font-size:13px}"
+             "td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}img{max-width:100%}")
+    return f"<!doctype html><html><head><meta charset='utf-8'><title>ddlscope report</title><style>{style}</style></head>" \
+           f"<body>{''.join(out)}</body></html>\n"
+
+
+def write_report(comparisons: list[Comparison], out_dir: Path, threshold: float | None = None) -> Path:
+    """Write the report folder and return the path of ``report.html``.
+
+    Args:
+        comparisons: from :func:`ddlscope.analyze.compare.compare`, baseline first.
+        out_dir: created if missing; existing report files in it are replaced.
+        threshold: the accuracy used for time-to-accuracy (drawn on the accuracy plot).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summaries = [c.run for c in comparisons]
+    plots = ["step_breakdown.png", "accuracy.png", "loss.png", "network.png"]
+    plot_step_breakdown(summaries, out_dir / plots[0])
+    plot_curves(summaries, "eval_curve", "held-out accuracy", out_dir / plots[1], threshold)
+    plot_curves(summaries, "loss_curve", "training loss", out_dir / plots[2])
+    plot_network(summaries, out_dir / plots[3])
+    md = _markdown(comparisons, threshold, plots)
+    (out_dir / "report.md").write_text(md)
+    (out_dir / "report.html").write_text(_html(md))
+    payload = [dict(c.run.to_dict(), speedup=c.speedup, accuracy_decrease=c.accuracy_decrease,
+                    time_to_accuracy_s=c.time_to_accuracy_s) for c in comparisons]
+    for p in payload:
+        p.pop("loss_curve", None)
+    (out_dir / "summary.json").write_text(json.dumps({"threshold": threshold, "runs": payload}, indent=2, default=str))
+    return out_dir / "report.html"

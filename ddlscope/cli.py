@@ -1,0 +1,280 @@
+"""The ``ddlscope`` command line.
+
+Commands: ``quickstart`` (the main job), ``run``, ``peer``, ``bootstrap``, ``report``, ``runs``
+and ``data``. User errors print one line ``error: ...`` and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from ddlscope.errors import UserError
+from ddlscope.store.db import default_db_path
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Measure, compare and explain distributed deep-learning training.")
+data_app = typer.Typer(no_args_is_help=True, help="Prepare datasets: the built-in digits, synthetic copies.")
+app.add_typer(data_app, name="data")
+
+DbOption = typer.Option(None, "--db", help="results database (default ./ddlscope-results/ddlscope.db)")
+
+
+def _db(db: Optional[Path]) -> Path:
+    return Path(db) if db else default_db_path()
+
+
+def _parse_sets(sets: list[str]) -> dict[str, Any]:
+    """``key=value`` pairs; values parsed as TOML scalars (numbers, booleans, strings)."""
+    import tomllib
+
+    out: dict[str, Any] = {}
+    for item in sets:
+        if "=" not in item:
+            raise UserError(f"--set {item!r}: expected key=value, e.g. --set batch_size=64")
+        key, raw = item.split("=", 1)
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        target = out
+        *parents, leaf = key.strip().split(".")
+        for p in parents:
+            target = target.setdefault(p, {})
+        target[leaf] = value
+    return out
+
+
+@contextmanager
+def _interruptible():
+    """Ctrl-C during a run: the launcher has stopped every worker and stored the run; exit 130."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        typer.echo("interrupted: every worker was stopped; what was measured is stored", err=True)
+        raise typer.Exit(130) from None
+
+
+def _echo_outcome(db: Path, run_id: str) -> None:
+    """One line: the run's id, status and, if it did not complete, why; exit 1 if it failed."""
+    from ddlscope.store.db import ResultsStore
+
+    with ResultsStore(db) as store:
+        row = store.run(run_id)
+    line = f"run {run_id} {row['status']}" + (f": {row['reason']}" if row["reason"] else "") + f" (stored in {db})"
+    typer.echo(line, err=row["status"] != "completed")
+    if row["status"] != "completed":
+        raise typer.Exit(130 if row["status"] == "interrupted" else 1)
+
+
+def _report(db: Path, run_ids: list[str], out_dir: Path, threshold: Optional[float]) -> Path:
+    from ddlscope.analyze.compare import compare, pick_baseline, summarize_run
+    from ddlscope.analyze.report import print_summary, write_report
+    from ddlscope.store.db import ResultsStore
+
+    with ResultsStore(db) as store:
+        summaries = [summarize_run(store, r) for r in run_ids]
+    baseline = pick_baseline(summaries)
+    comparisons = compare(baseline, summaries, threshold)
+    if threshold is None and baseline.accuracy is not None:
+        threshold = 0.9 * baseline.accuracy
+    print_summary(comparisons, threshold)
+    return write_report(comparisons, out_dir, threshold)
+
+
+@app.command()
+def quickstart(
+    db: Optional[Path] = DbOption,
+    model: str = typer.Option("resnet18", help="zoo network (thesis 000 uses ResNet-18)"),
+    dataset: str = typer.Option("digits", help="dataset name or local path"),
+    sample_budget: int = typer.Option(3200, help="samples shared by all peers of a run"),
+    batch_size: int = typer.Option(32, help="samples per peer per step"),
+    target_batch_size: int = typer.Option(128, help="collaborative: samples per global epoch"),
+    matchmaking_time_s: float = typer.Option(2.0, help="collaborative: seconds to form an averaging group"),
+    peers: int = typer.Option(2, help="collaborative peers; the cores are split evenly among them"),
+    progress: bool = typer.Option(True, help="show progress bars"),
+):
+    """The main job: one machine vs. collaborating Hivemind peers with the same total CPUs.
+
+    Trains the baseline (``single``) on all cores, then ``peers`` collaborative peers with an equal
+    share of the cores each, on the same sample budget and real data (the bundled handwritten
+    digits), and writes a report comparing runtime, throughput, accuracy and where the time went.
+    """
+    from ddlscope.config import available_cores, validate_config
+    from ddlscope.launch.local import run_local
+
+    cores = available_cores()
+    if peers > len(cores):
+        raise UserError(f"--peers {peers} needs one core per peer, this machine gives {len(cores)}; allowed: 1..{len(cores)}")
+    group = f"quickstart-{time.strftime('%Y%m%d-%H%M%S')}"
+    common = dict(model=model, dataset=dataset, sample_budget=sample_budget, batch_size=batch_size,
+                  eval_every_steps=10, loader_workers=1)
+    baseline = validate_config(dict(common, name="baseline-single", strategy="single",
+                                    vcpus_per_peer=len(cores)))
+    collab = validate_config(dict(common, name=f"collaborative-{peers}peers", strategy="collaborative", peers=peers,
+                                  vcpus_per_peer=len(cores) // peers,
+                                  collaborative=dict(target_batch_size=target_batch_size,
+                                                     matchmaking_time_s=matchmaking_time_s, averaging_timeout_s=60)))
+    db_path = _db(db)
+    typer.echo(f"baseline: {model} on {dataset}, {len(cores)} cores, budget {sample_budget} samples")
+    with _interruptible():
+        run_ids = [run_local(baseline, db_path, group, progress)]
+        typer.echo(f"collaborative: {peers} peers x {len(cores) // peers} core(s), target batch size {target_batch_size}")
+        run_ids.append(run_local(collab, db_path, group, progress))
+    path = _report(db_path, run_ids, db_path.parent / "reports" / group, None)
+    typer.echo(f"report: {path}")
+
+
+@app.command()
+def run(
+    config: Optional[Path] = typer.Argument(None, help="TOML run config ([run] and [collaborative] tables)"),
+    set_: list[str] = typer.Option([], "--set", help="override a field, e.g. --set batch_size=64 --set collaborative.target_batch_size=512"),
+    db: Optional[Path] = DbOption,
+    group: Optional[str] = typer.Option(None, help="label tying runs together for reports"),
+    local_peers: Optional[int] = typer.Option(None, help="start only this many peers here; the rest join with 'ddlscope peer'"),
+    progress: bool = typer.Option(True),
+):
+    """Train one run (any distribution model), measured and stored."""
+    from ddlscope.config import load_config, validate_config
+    from ddlscope.launch.local import run_local
+
+    overrides = _parse_sets(set_)
+    cfg = load_config(config, overrides) if config else validate_config(overrides)
+    with _interruptible():
+        run_id = run_local(cfg, _db(db), group, progress, local_peers)
+    _echo_outcome(_db(db), run_id)
+
+
+@app.command()
+def peer(
+    run_id: str = typer.Option(..., help="the run id printed by 'ddlscope run --local-peers'"),
+    index: int = typer.Option(..., help="this peer's index (0 .. peers-1), unique in the run"),
+    peers: int = typer.Option(..., help="peers in the run"),
+    initial_peers: list[str] = typer.Option(..., help="multiaddr of a peer in the swarm (repeatable)"),
+    config: Optional[Path] = typer.Option(None, help="the run's TOML config (same as the other peers')"),
+    set_: list[str] = typer.Option([], "--set", help="config overrides, as for 'run'"),
+    listen: list[str] = typer.Option([], help="multiaddr to listen on, e.g. /ip4/0.0.0.0/tcp/31337 (default loopback)"),
+    cores: Optional[str] = typer.Option(None, help="comma-separated core ids (default: all)"),
+    db: Optional[Path] = DbOption,
+):
+    """Join a collaborative run by hand (e.g. from another host); results go to this host's --db."""
+    from ddlscope.config import available_cores, load_config, validate_config
+    from ddlscope.store.db import ResultsStore
+    from ddlscope.train.worker import serve_worker
+
+    overrides = dict(_parse_sets(set_), peers=peers, strategy="collaborative", vcpus_per_peer=1)
+    cfg = load_config(config, overrides) if config else validate_config(overrides)
+    if not 0 <= index < peers:
+        raise UserError(f"--index {index}: allowed 0..{peers - 1}")
+    core_ids = [int(c) for c in cores.split(",")] if cores else available_cores()
+    with ResultsStore(_db(db)) as store:
+        store.create_run(cfg.run_label, cfg.strategy, cfg.model_dump(mode="json"), run_id=run_id)
+    code = serve_worker(str(_db(db)), run_id, index, peers, core_ids, initial_peers, listen or None)
+    with ResultsStore(_db(db)) as store:
+        store.finish_run(run_id, {0: "completed", 130: "interrupted"}.get(code, "failed"))
+    raise typer.Exit(code)
+
+
+@app.command()
+def bootstrap(listen: list[str] = typer.Option(["/ip4/127.0.0.1/tcp/0"], help="multiaddr(s) to listen on")):
+    """Run a DHT-only bootstrap peer (the thesis's "messenger") until Ctrl-C; prints its multiaddrs."""
+    import hivemind
+
+    dht = hivemind.DHT(host_maddrs=listen, start=True)
+    for addr in dht.get_visible_maddrs():
+        typer.echo(str(addr))
+    typer.echo("pass these as collaborative.initial_peers; Ctrl-C to stop", err=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        dht.shutdown()
+
+
+@app.command()
+def report(
+    run_ids: list[str] = typer.Argument(None, help="runs to compare (default: the newest group)"),
+    group: Optional[str] = typer.Option(None, help="compare all runs of this group"),
+    db: Optional[Path] = DbOption,
+    out: Optional[Path] = typer.Option(None, help="report folder"),
+    threshold: Optional[float] = typer.Option(None, help="accuracy for time-to-accuracy (default 0.9 x baseline's)"),
+):
+    """Compare runs (baseline = first completed single run) and write an HTML/Markdown report."""
+    from ddlscope.store.db import ResultsStore
+
+    db_path = _db(db)
+    if not db_path.exists():
+        raise UserError(f"no results database at {db_path}; run 'ddlscope quickstart' or pass --db")
+    with ResultsStore(db_path) as store:
+        if not run_ids:
+            runs = store.runs()
+            if not runs:
+                raise UserError(f"no runs in {db_path}")
+            group = group or runs[0]["group_name"]
+            run_ids = [r["run_id"] for r in store.runs(group)] if group else [runs[0]["run_id"]]
+        known = {r["run_id"] for r in store.runs()}
+        missing = [r for r in run_ids if r not in known]
+        if missing:
+            raise UserError(f"unknown run id(s) {missing} in {db_path}; see 'ddlscope runs'")
+    out = out or db_path.parent / "reports" / (group or "-".join(run_ids))
+    typer.echo(f"report: {_report(db_path, run_ids, out, threshold)}")
+
+
+@app.command()
+def runs(db: Optional[Path] = DbOption):
+    """List stored runs, newest first."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ddlscope.store.db import ResultsStore
+
+    table = Table()
+    for col in ("id", "group", "name", "strategy", "status", "created", "reason"):
+        table.add_column(col)
+    with ResultsStore(_db(db)) as store:
+        for r in store.runs():
+            table.add_row(r["run_id"], r["group_name"] or "", r["name"], r["strategy"], r["status"],
+                          time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_at"])), (r["reason"] or "")[:60])
+    Console(width=200).print(table)
+
+
+@data_app.command("digits")
+def data_digits(root: Optional[Path] = typer.Option(None, help="data root (default $DDLSCOPE_DATA or ~/.cache/ddlscope/data)")):
+    """Write scikit-learn's bundled handwritten digits as PNG files at MNIST geometry (once)."""
+    from ddlscope.workloads.datasets import default_data_root, materialize_digits
+
+    typer.echo(materialize_digits(root or default_data_root()))
+
+
+@data_app.command("synthetic")
+def data_synthetic(
+    name: str = typer.Argument(..., help="mnist, cifar10, imagenet or highres"),
+    train_size: int = typer.Option(1024, min=1),
+    test_size: int = typer.Option(256, min=1),
+    root: Optional[Path] = typer.Option(None, help="data root"),
+    seed: int = typer.Option(0),
+):
+    """Write a synthetic dataset in the real dataset's standard format (thesis 002 Table 3.2 shapes)."""
+    from ddlscope.workloads.datasets import default_data_root, write_synthetic
+
+    typer.echo(write_synthetic(name, root or default_data_root(), train_size, test_size, seed))
+
+
+def main() -> None:
+    """Console entry point: user errors become one ``error:`` line and exit status 2."""
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        app()
+    except UserError as e:
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

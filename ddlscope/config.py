@@ -1,0 +1,206 @@
+"""Run configuration: one validated object that says what to train, how, and when to stop.
+
+A run is a workload (model + dataset + preprocessing + loss + optimizer hyperparameters) trained
+under one distribution model by one or more workers/peers. Every field is checked here, before
+anything starts, so that bad input gives one message naming the field and what is allowed.
+
+Configs come from TOML files (``[run]`` table plus an optional ``[collaborative]`` table), from
+CLI flags, or from Python. Field names carry their units (``_s`` seconds, ``_bytes``).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ddlscope.errors import UserError
+
+STRATEGIES = ("single", "collaborative")
+COMPRESSIONS = ("none", "float16", "scaled-float16", "uniform8bit")
+
+
+def available_cores() -> list[int]:
+    """CPU core ids this process may run on (its affinity mask), sorted."""
+    return sorted(os.sched_getaffinity(0))
+
+
+class CollaborativeConfig(BaseModel):
+    """Settings of ``hivemind.Optimizer`` for the ``collaborative`` distribution model.
+
+    Defaults follow thesis 000 (matchmaking_time 10 s, averaging_timeout 300 s, no gradient
+    compression) except where a field says otherwise.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    target_batch_size: int = Field(256, ge=1, description="samples all peers accumulate per global epoch (TBS)")
+    use_local_updates: bool = Field(False, description="step the local optimizer every batch and average parameters (LU)")
+    matchmaking_time_s: float = Field(10.0, gt=0, description="seconds peers wait to form an averaging group")
+    averaging_timeout_s: float = Field(300.0, gt=0, description="give up an averaging round after this many seconds")
+    gradient_compression: Literal["none", "float16", "scaled-float16", "uniform8bit"] = "none"
+    average_state_every: int = Field(1, ge=1, description="average parameters and optimizer state every N global epochs")
+    listen_host: str = Field("127.0.0.1", description="address peers listen on; loopback unless you ask")
+    join_timeout_s: float = Field(60.0, gt=0, description="a peer that cannot join the swarm in this time fails")
+    initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of a running swarm or bootstrap peer to join")
+
+
+class RunConfig(BaseModel):
+    """Everything one run needs. Validated on construction; see :func:`load_config`.
+
+    Raises:
+        pydantic.ValidationError: on bad values (wrapped into :class:`UserError` by
+            :func:`validate_config`, which is what the CLI uses).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, description="human label; defaults to strategy-model-dataset")
+    strategy: Literal["single", "collaborative"] = "single"
+    model: str = Field("resnet18", description="zoo network name or 'package.module:factory'")
+    dataset: str = Field("digits", description="dataset name or path to a local copy")
+    data_root: Path | None = Field(None, description="folder holding datasets; default $DDLSCOPE_DATA or ~/.cache/ddlscope/data")
+    batch_size: int = Field(32, ge=1, description="samples per worker per step")
+    learning_rate: float = Field(0.01, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    gradient_accumulation_steps: int = Field(1, ge=1, le=1024, description="micro-steps per optimizer step (GAS)")
+    loader_workers: int = Field(1, ge=0, le=64, description="DataLoader worker processes per peer")
+    augment: bool = True
+    seed: int = 0
+    device: Literal["cpu", "cuda"] = "cpu"
+
+    peers: int = Field(1, ge=1, le=256, description="workers/peers trained at once (1 for single)")
+    vcpus_per_peer: int | None = Field(None, ge=1, description="CPU cores pinned to each peer; default all cores / peers")
+
+    sample_budget: int | None = Field(3200, ge=1, description="samples shared by all peers; each peer runs budget/(peers*batch_size) steps")
+    target_accuracy: float | None = Field(None, gt=0, le=1, description="stop when held-out accuracy reaches this")
+    time_limit_s: float | None = Field(None, gt=0, description="stop training after this many seconds")
+    eval_every_steps: int | None = Field(None, ge=1, description="evaluate on the held-out split every N steps (and at the end)")
+    eval_max_samples: int | None = Field(None, ge=1, description="evaluate on at most this many held-out samples")
+    warmup_steps: int = Field(2, ge=0, description="first steps are recorded but flagged and excluded from rates")
+    host_sample_interval_s: float = Field(1.0, gt=0, le=60)
+
+    collaborative: CollaborativeConfig = Field(default_factory=CollaborativeConfig)
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> "RunConfig":
+        if self.strategy == "single" and self.peers != 1:
+            raise ValueError(f"peers = {self.peers} but strategy 'single' trains on exactly 1 worker; use peers = 1")
+        if self.sample_budget is None and self.target_accuracy is None and self.time_limit_s is None:
+            raise ValueError("no stop condition: set at least one of sample_budget, target_accuracy, time_limit_s")
+        if self.sample_budget is not None and self.sample_budget < self.peers * self.batch_size:
+            raise ValueError(
+                f"sample_budget = {self.sample_budget} is smaller than one step of all peers "
+                f"(peers x batch_size = {self.peers * self.batch_size}); allowed: >= {self.peers * self.batch_size}"
+            )
+        if self.target_accuracy is not None and self.eval_every_steps is None:
+            self.eval_every_steps = 10
+        if self.strategy == "collaborative":
+            per_step = self.batch_size * self.gradient_accumulation_steps
+            if self.collaborative.target_batch_size < per_step:
+                raise ValueError(
+                    f"collaborative.target_batch_size = {self.collaborative.target_batch_size} is below one optimizer "
+                    f"step of a peer (batch_size x gradient_accumulation_steps = {per_step}); allowed: >= {per_step}"
+                )
+        return self
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def run_label(self) -> str:
+        """The name, or ``strategy-model-dataset[-Npeers]`` when none was given."""
+        if self.name:
+            return self.name
+        suffix = f"-{self.peers}p" if self.peers > 1 else ""
+        return f"{self.strategy}-{self.model}-{Path(self.dataset).name}{suffix}"
+
+    def cores_per_peer(self, cores: list[int] | None = None) -> int:
+        """Cores each peer gets: ``vcpus_per_peer`` or an equal share of the available cores."""
+        cores = cores if cores is not None else available_cores()
+        return self.vcpus_per_peer or max(1, len(cores) // self.peers)
+
+    def core_sets(self, cores: list[int] | None = None) -> list[list[int]]:
+        """Disjoint core ids for each peer, in peer order.
+
+        Raises:
+            UserError: peers x vcpus_per_peer exceeds the cores this process may use.
+        """
+        cores = cores if cores is not None else available_cores()
+        per_peer = self.cores_per_peer(cores)
+        if per_peer * self.peers > len(cores):
+            raise UserError(
+                f"vcpus_per_peer = {per_peer} x peers = {self.peers} needs {per_peer * self.peers} cores, "
+                f"but this machine gives ddlscope {len(cores)} ({cores}); allowed: peers x vcpus_per_peer <= {len(cores)}"
+            )
+        return [cores[i * per_peer:(i + 1) * per_peer] for i in range(self.peers)]
+
+    def max_steps_per_peer(self) -> int | None:
+        """Steps (micro-batches) each peer runs under the sample budget: budget / (peers x batch_size)."""
+        if self.sample_budget is None:
+            return None
+        return self.sample_budget // (self.peers * self.batch_size)
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "config"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        got = e.get("input")
+        got_text = "" if e["type"] in ("extra_forbidden",) or isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"{field}: {msg}{got_text}")
+    return "invalid run config: " + "; ".join(lines)
+
+
+def validate_config(values: dict[str, Any]) -> RunConfig:
+    """Build a :class:`RunConfig` and check the names and resources it refers to.
+
+    Checks, besides the field ranges: the model is a zoo network or ``module:factory``; the
+    dataset is a known name or an existing path; peers x vCPUs fit the available cores.
+
+    Raises:
+        UserError: with one message naming each bad field and what is allowed.
+    """
+    try:
+        cfg = RunConfig(**values)
+    except ValidationError as err:
+        raise UserError(_format_validation_error(err)) from None
+    from ddlscope.workloads.datasets import DATASETS
+    from ddlscope.workloads.models import NETWORKS
+
+    if ":" not in cfg.model and cfg.model not in NETWORKS:
+        raise UserError(f"model: unknown network {cfg.model!r}; allowed: {', '.join(NETWORKS)} or 'package.module:factory'")
+    if cfg.dataset not in DATASETS and not Path(cfg.dataset).exists():
+        raise UserError(
+            f"dataset: unknown dataset {cfg.dataset!r} and no such path; allowed: {', '.join(DATASETS)} or a folder with a local copy"
+        )
+    cfg.core_sets()
+    return cfg
+
+
+def load_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read a TOML run config (``[run]`` and optional ``[collaborative]`` tables) and validate it.
+
+    Raises:
+        UserError: missing file, TOML syntax error, or invalid values.
+    """
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise UserError(f"config file {path} is not valid TOML: {err}") from None
+    values = dict(data.get("run", {}))
+    unknown = set(data) - {"run", "collaborative"}
+    if unknown:
+        raise UserError(f"config file {path}: unknown table(s) {sorted(unknown)}; allowed: [run], [collaborative]")
+    if "collaborative" in data:
+        values["collaborative"] = data["collaborative"]
+    values.update(overrides or {})
+    return validate_config(values)

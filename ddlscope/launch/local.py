@@ -1,0 +1,255 @@
+"""Start a run's workers as local processes, watch them, and end them all together.
+
+Each worker is ``python -m ddlscope.train.worker`` in its own session/process group, pinned to
+its own cores (the thesis's vCPUs per peer), with its DataLoader workers and, for collaborative
+runs, hivemind's averager and p2pd daemon inside the same group. For a collaborative run the
+first peer starts first and bootstraps the swarm; the others get its multiaddrs as initial peers
+(or everyone joins ``collaborative.initial_peers``, e.g. a ``ddlscope bootstrap`` messenger).
+
+The run ends when every worker has ended. If a worker fails, the others are stopped and the run
+is stored as ``failed`` with that worker's reason; Ctrl-C stores it as ``interrupted``. Either
+way every process group is ended (SIGTERM, then SIGKILL after a grace period), so no worker,
+peer or daemon outlives the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ddlscope.config import RunConfig
+from ddlscope.errors import UserError
+from ddlscope.store.db import ResultsStore
+
+GRACE_S = 8.0
+
+
+@dataclass
+class WorkerProcess:
+    index: int
+    cores: list[int]
+    popen: subprocess.Popen
+    log_path: Path
+
+
+@dataclass
+class LocalLauncher:
+    """Launches and supervises the workers of one run on this machine.
+
+    Args:
+        cfg: validated run config.
+        db_path: results store file.
+        group_name: label that ties runs together (e.g. the quickstart's baseline and peers).
+        local_workers: how many of ``cfg.peers`` to start here (the rest join by hand with
+            ``ddlscope peer``); default all.
+        progress: show a progress bar per worker.
+    """
+
+    cfg: RunConfig
+    db_path: Path
+    group_name: str | None = None
+    local_workers: int | None = None
+    progress: bool = True
+    workers: list[WorkerProcess] = field(default_factory=list)
+
+    def run(self) -> str:
+        """Run to the end; return the run id. Raises KeyboardInterrupt after recording it."""
+        cfg = self.cfg
+        prepare_dataset(cfg)
+        core_sets = cfg.core_sets()
+        store = ResultsStore(self.db_path)
+        run_id = store.create_run(cfg.run_label, cfg.strategy, cfg.model_dump(mode="json"), self.group_name)
+        log_dir = self.db_path.parent / "logs" / run_id
+        log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            status, reason = self._start_and_watch(store, run_id, core_sets, log_dir)
+        except KeyboardInterrupt:
+            self._stop_all()
+            self._mark_unfinished_workers(store, run_id, "interrupted", "run interrupted (Ctrl-C)")
+            store.finish_run(run_id, "interrupted", "interrupted by the user (Ctrl-C)")
+            raise
+        except BaseException as e:
+            self._stop_all()
+            self._mark_unfinished_workers(store, run_id, "failed", f"launcher error: {e}")
+            store.finish_run(run_id, "failed", f"launcher error: {type(e).__name__}: {e}")
+            raise
+        finally:
+            self._stop_all()
+        self._mark_unfinished_workers(store, run_id, "failed" if status != "completed" else "completed", reason)
+        store.finish_run(run_id, status, reason)
+        store.close()
+        return run_id
+
+    # ------------------------------------------------------------------ start
+    def _spawn(self, run_id: str, index: int, cores: list[int], initial_peers: list[str], log_dir: Path) -> WorkerProcess:
+        cmd = [sys.executable, "-m", "ddlscope.train.worker", "--db", str(self.db_path), "--run-id", run_id,
+               "--worker-index", str(index), "--num-workers", str(self.cfg.peers),
+               "--cores", ",".join(map(str, cores)), "--die-with-parent"]
+        if initial_peers:
+            cmd += ["--initial-peers", *initial_peers]
+        env = dict(os.environ, OMP_NUM_THREADS=str(len(cores)), MKL_NUM_THREADS=str(len(cores)), PYTHONUNBUFFERED="1")
+        log_path = log_dir / f"worker-{index}.log"
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        wp = WorkerProcess(index, cores, popen, log_path)
+        self.workers.append(wp)
+        return wp
+
+    def _start_and_watch(self, store: ResultsStore, run_id: str, core_sets: list[list[int]], log_dir: Path
+                         ) -> tuple[str, str | None]:
+        cfg = self.cfg
+        n_local = self.local_workers or cfg.peers
+        initial = list(cfg.collaborative.initial_peers) if cfg.strategy == "collaborative" else []
+        first = self._spawn(run_id, 0, core_sets[0], initial, log_dir)
+        if cfg.strategy == "collaborative" and not initial:
+            initial = self._wait_for_maddrs(store, run_id, first)
+            if n_local < cfg.peers:
+                print(f"waiting for {cfg.peers - n_local} remote peer(s); join with:\n  ddlscope peer --run-id {run_id} "
+                      f"--index {n_local} --peers {cfg.peers} --initial-peers {' '.join(initial)} "
+                      f"--config <the same run config>", file=sys.stderr)
+        for i in range(1, n_local):
+            self._spawn(run_id, i, core_sets[i], initial, log_dir)
+        return self._watch(store, run_id)
+
+    def _wait_for_maddrs(self, store: ResultsStore, run_id: str, first: WorkerProcess) -> list[str]:
+        deadline = time.monotonic() + self.cfg.collaborative.join_timeout_s
+        while time.monotonic() < deadline:
+            rows = [r for r in store.workers(run_id) if r["worker_index"] == 0]
+            if rows and rows[0]["maddrs"]:
+                return json.loads(rows[0]["maddrs"])
+            if first.popen.poll() is not None:
+                raise RuntimeError(f"the first peer exited (code {first.popen.returncode}) before listening: "
+                                   f"{_log_tail(first.log_path)}")
+            time.sleep(0.1)
+        raise RuntimeError(f"the first peer did not start listening within join_timeout_s = "
+                           f"{self.cfg.collaborative.join_timeout_s:g} s; see {first.log_path}")
+
+    # ------------------------------------------------------------------ watch
+    def _watch(self, store: ResultsStore, run_id: str) -> tuple[str, str | None]:
+        total = self.cfg.max_steps_per_peer()
+        bar = _ProgressBars(len(self.workers), total, self.cfg.run_label) if self.progress else None
+        try:
+            while True:
+                codes = {w.index: w.popen.poll() for w in self.workers}
+                if bar:
+                    bar.update(store.step_counts(run_id))
+                failed = [i for i, c in codes.items() if c not in (None, 0)]
+                if failed:
+                    return "failed", self._failure_reason(store, run_id, failed[0])
+                if all(c == 0 for c in codes.values()):
+                    return "completed", None
+                time.sleep(0.5)
+        finally:
+            if bar:
+                bar.update(store.step_counts(run_id))
+                bar.close()
+
+    def _failure_reason(self, store: ResultsStore, run_id: str, index: int) -> str:
+        row = next((r for r in store.workers(run_id) if r["worker_index"] == index), None)
+        code = next(w.popen.returncode for w in self.workers if w.index == index)
+        wp = next(w for w in self.workers if w.index == index)
+        detail = row["reason"] if row is not None and row["reason"] else _log_tail(wp.log_path)
+        return f"worker {index} exited with code {code}: {detail}"
+
+    # ------------------------------------------------------------------ stop
+    def _stop_all(self) -> None:
+        """End every worker: SIGTERM to the worker, wait up to GRACE_S, then SIGKILL its whole group.
+
+        SIGTERM goes to the worker process alone so it can stop its DataLoader workers and
+        hivemind itself and record its status; the group kill afterwards catches what is left.
+        """
+        for w in self.workers:
+            if w.popen.poll() is None:
+                w.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for w in self.workers:
+            try:
+                w.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for w in self.workers:  # leftovers (p2pd, loader workers, hivemind's averager) and stuck leaders
+            _signal_group(w.popen.pid, signal.SIGKILL)
+            try:
+                w.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        for w in self.workers:  # SIGKILL is asynchronous: return only once every group is gone
+            deadline = time.monotonic() + 10
+            while _group_alive(w.popen.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    def _mark_unfinished_workers(self, store: ResultsStore, run_id: str, status: str, reason: str | None) -> None:
+        for row in store.workers(run_id):
+            if row["status"] in ("starting", "training"):
+                store.upsert_worker(run_id, row["worker_index"], status=status if status != "completed" else "failed",
+                                    reason=reason or "ended without reporting a status")
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _log_tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return f"(no log at {path})"
+    return " | ".join(text[-lines:]) + f" (log: {path})"
+
+
+def prepare_dataset(cfg: RunConfig) -> None:
+    """Materialize/validate the run's dataset once, before any worker starts.
+
+    Raises:
+        UserError / DatasetError: unknown dataset or missing/corrupt files (with the path).
+    """
+    from ddlscope.workloads.datasets import default_data_root, open_dataset
+
+    root = cfg.data_root or default_data_root()
+    for split in ("train", "test"):
+        dataset, _ = open_dataset(cfg.dataset, root, split)
+        if len(dataset) == 0:
+            raise UserError(f"dataset {cfg.dataset!r} has an empty {split} split under {root}")
+        dataset[0]  # decode one sample: a corrupt file fails here, with its path, before any worker starts
+
+
+class _ProgressBars:
+    """One rich progress bar per worker, fed with step counts from the store."""
+
+    def __init__(self, n: int, total: int | None, label: str):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+        self.tasks = [self.progress.add_task(f"{label} worker {i}", total=total) for i in range(n)]
+        self.progress.start()
+
+    def update(self, counts: dict[int, int]) -> None:
+        for i, task in enumerate(self.tasks):
+            self.progress.update(task, completed=counts.get(i, 0))
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def run_local(cfg: RunConfig, db_path: Path, group_name: str | None = None, progress: bool = True,
+              local_workers: int | None = None) -> str:
+    """Run ``cfg`` on this machine and return its run id. See :class:`LocalLauncher`."""
+    return LocalLauncher(cfg, Path(db_path), group_name, local_workers, progress).run()

@@ -1,0 +1,1 @@
+"""Measurement: host metrics and the per-step timer."""

@@ -1,0 +1,202 @@
+"""Results store: one SQLite file (WAL) that every worker writes to while the run goes.
+
+Each process opens its own connection; rows are committed as they are measured, so a run that
+crashes or is killed keeps everything measured up to its last step. Tables:
+
+- ``runs``: one row per run — config (JSON), status (running / completed / failed /
+  interrupted), reason, times.
+- ``workers``: one row per worker/peer — host, pid, cores, status, training start/end.
+- ``steps``: one row per step (micro-batch) per worker — the step-time breakdown.
+- ``evals``: held-out accuracy and loss, per worker, after a step, with the training time so far.
+- ``host_samples``: background samples of CPU %, RSS, network, disk, context switches.
+- ``events``: averaging rounds and other things that happen between steps.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sqlite3
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY, name TEXT NOT NULL, strategy TEXT NOT NULL, config_json TEXT NOT NULL,
+    status TEXT NOT NULL, reason TEXT, created_at REAL NOT NULL, ended_at REAL, host TEXT, group_name TEXT
+);
+CREATE TABLE IF NOT EXISTS workers (
+    run_id TEXT NOT NULL, worker_index INTEGER NOT NULL, hostname TEXT, pid INTEGER, cores TEXT,
+    status TEXT NOT NULL, reason TEXT, maddrs TEXT, train_start_time REAL, train_end_time REAL, eval_s REAL,
+    PRIMARY KEY (run_id, worker_index)
+);
+CREATE TABLE IF NOT EXISTS steps (
+    run_id TEXT NOT NULL, worker_index INTEGER NOT NULL, step INTEGER NOT NULL, wall_time REAL NOT NULL,
+    samples INTEGER NOT NULL, data_load_s REAL, forward_s REAL, backward_s REAL, optimizer_s REAL,
+    averaging_s REAL, step_s REAL, loss REAL, accuracy REAL, samples_per_s REAL, warmup INTEGER NOT NULL,
+    optimizer_stepped INTEGER NOT NULL, global_epoch INTEGER, averaging_round INTEGER NOT NULL DEFAULT 0,
+    averaging_group_size INTEGER, averaging_succeeded INTEGER,
+    PRIMARY KEY (run_id, worker_index, step)
+);
+CREATE TABLE IF NOT EXISTS evals (
+    run_id TEXT NOT NULL, worker_index INTEGER NOT NULL, step INTEGER NOT NULL, wall_time REAL NOT NULL,
+    train_time_s REAL NOT NULL, accuracy REAL NOT NULL, loss REAL NOT NULL, samples INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS host_samples (
+    run_id TEXT NOT NULL, worker_index INTEGER NOT NULL, wall_time REAL NOT NULL, cpu_percent REAL,
+    rss_bytes INTEGER, net_sent_bytes INTEGER, net_recv_bytes INTEGER, disk_read_bytes INTEGER,
+    disk_write_bytes INTEGER, ctx_switches INTEGER
+);
+CREATE TABLE IF NOT EXISTS events (
+    run_id TEXT NOT NULL, worker_index INTEGER, wall_time REAL NOT NULL, kind TEXT NOT NULL, detail_json TEXT
+);
+CREATE INDEX IF NOT EXISTS steps_by_run ON steps (run_id, worker_index);
+CREATE INDEX IF NOT EXISTS host_by_run ON host_samples (run_id, worker_index);
+"""
+
+RUN_STATUSES = ("running", "completed", "failed", "interrupted")
+STEP_COLUMNS = (
+    "step", "wall_time", "samples", "data_load_s", "forward_s", "backward_s", "optimizer_s", "averaging_s",
+    "step_s", "loss", "accuracy", "samples_per_s", "warmup", "optimizer_stepped", "global_epoch",
+    "averaging_round", "averaging_group_size", "averaging_succeeded",
+)
+HOST_COLUMNS = (
+    "wall_time", "cpu_percent", "rss_bytes", "net_sent_bytes", "net_recv_bytes", "disk_read_bytes",
+    "disk_write_bytes", "ctx_switches",
+)
+
+
+def default_db_path() -> Path:
+    """``./ddlscope-results/ddlscope.db`` in the user's working directory."""
+    return Path.cwd() / "ddlscope-results" / "ddlscope.db"
+
+
+class ResultsStore:
+    """A connection to the results database. Safe to open from many processes at once.
+
+    Args:
+        path: the SQLite file; created with its folder if missing.
+
+    Every write commits immediately (WAL, ``synchronous=NORMAL``), so readers in other
+    processes see progress and a killed writer loses at most the row it was writing.
+    """
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.conn = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
+        self.conn.row_factory = sqlite3.Row
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=NORMAL")
+        self.conn.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> "ResultsStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """Group several writes into one commit (all or nothing)."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.conn
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    # ------------------------------------------------------------------ runs
+    def create_run(self, name: str, strategy: str, config: dict[str, Any], group_name: str | None = None,
+                   run_id: str | None = None) -> str:
+        """Insert a run in status ``running`` and return its id (a short random hex string)."""
+        run_id = run_id or uuid.uuid4().hex[:12]
+        self.conn.execute(
+            "INSERT OR IGNORE INTO runs (run_id, name, strategy, config_json, status, created_at, host, group_name) "
+            "VALUES (?, ?, ?, ?, 'running', ?, ?, ?)",
+            (run_id, name, strategy, json.dumps(config, default=str), time.time(), socket.gethostname(), group_name),
+        )
+        return run_id
+
+    def finish_run(self, run_id: str, status: str, reason: str | None = None) -> None:
+        """Set a run's final status (one of completed / failed / interrupted) and end time."""
+        if status not in RUN_STATUSES:
+            raise ValueError(f"status {status!r}; allowed: {RUN_STATUSES}")
+        self.conn.execute("UPDATE runs SET status = ?, reason = ?, ended_at = ? WHERE run_id = ?",
+                          (status, reason, time.time(), run_id))
+
+    def run(self, run_id: str) -> sqlite3.Row | None:
+        return self.conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+
+    def run_config(self, run_id: str) -> dict[str, Any]:
+        row = self.run(run_id)
+        if row is None:
+            raise KeyError(f"no run {run_id!r} in {self.path}")
+        return json.loads(row["config_json"])
+
+    def runs(self, group_name: str | None = None) -> list[sqlite3.Row]:
+        """All runs, newest first; only those of ``group_name`` when given."""
+        if group_name is None:
+            return self.conn.execute("SELECT * FROM runs ORDER BY created_at DESC").fetchall()
+        return self.conn.execute("SELECT * FROM runs WHERE group_name = ? ORDER BY created_at", (group_name,)).fetchall()
+
+    # ------------------------------------------------------------------ workers
+    def upsert_worker(self, run_id: str, worker_index: int, **fields: Any) -> None:
+        """Create or update a worker row; ``fields`` are columns of ``workers``."""
+        self.conn.execute(
+            "INSERT OR IGNORE INTO workers (run_id, worker_index, status) VALUES (?, ?, 'starting')",
+            (run_id, worker_index),
+        )
+        if fields:
+            cols = ", ".join(f"{k} = ?" for k in fields)
+            self.conn.execute(f"UPDATE workers SET {cols} WHERE run_id = ? AND worker_index = ?",
+                              (*fields.values(), run_id, worker_index))
+
+    def workers(self, run_id: str) -> list[sqlite3.Row]:
+        return self.conn.execute("SELECT * FROM workers WHERE run_id = ? ORDER BY worker_index", (run_id,)).fetchall()
+
+    # ------------------------------------------------------------------ measurements
+    def add_step(self, run_id: str, worker_index: int, row: dict[str, Any]) -> None:
+        """Store one step; ``row`` has the keys of :data:`STEP_COLUMNS` (missing ones are NULL)."""
+        self.conn.execute(
+            f"INSERT OR REPLACE INTO steps (run_id, worker_index, {', '.join(STEP_COLUMNS)}) "
+            f"VALUES (?, ?, {', '.join('?' * len(STEP_COLUMNS))})",
+            (run_id, worker_index, *(row.get(c) for c in STEP_COLUMNS)),
+        )
+
+    def add_host_sample(self, run_id: str, worker_index: int, sample: dict[str, Any]) -> None:
+        self.conn.execute(
+            f"INSERT INTO host_samples (run_id, worker_index, {', '.join(HOST_COLUMNS)}) "
+            f"VALUES (?, ?, {', '.join('?' * len(HOST_COLUMNS))})",
+            (run_id, worker_index, *(sample.get(c) for c in HOST_COLUMNS)),
+        )
+
+    def add_eval(self, run_id: str, worker_index: int, step: int, train_time_s: float, accuracy: float, loss: float,
+                 samples: int) -> None:
+        """Store a held-out evaluation after ``step``; ``train_time_s`` is training time so far, evaluations excluded."""
+        self.conn.execute("INSERT INTO evals VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                          (run_id, worker_index, step, time.time(), train_time_s, accuracy, loss, samples))
+
+    def add_event(self, run_id: str, worker_index: int | None, kind: str, **detail: Any) -> None:
+        self.conn.execute("INSERT INTO events VALUES (?, ?, ?, ?, ?)",
+                          (run_id, worker_index, time.time(), kind, json.dumps(detail, default=str)))
+
+    def rows(self, table: str, run_id: str) -> list[dict[str, Any]]:
+        """All rows of ``table`` for a run as dicts, ordered by worker and time."""
+        if table not in ("steps", "evals", "host_samples", "events", "workers"):
+            raise ValueError(f"unknown table {table!r}")
+        order = {"steps": "worker_index, step", "workers": "worker_index"}.get(table, "wall_time")
+        cur = self.conn.execute(f"SELECT * FROM {table} WHERE run_id = ? ORDER BY {order}", (run_id,))
+        return [dict(r) for r in cur.fetchall()]
+
+    def step_counts(self, run_id: str) -> dict[int, int]:
+        """Steps stored so far per worker (for progress bars)."""
+        cur = self.conn.execute("SELECT worker_index, COUNT(*) FROM steps WHERE run_id = ? GROUP BY worker_index", (run_id,))
+        return {int(w): int(n) for w, n in cur.fetchall()}

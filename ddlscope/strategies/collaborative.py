@@ -1,0 +1,245 @@
+"""``collaborative``: Hivemind parameter/gradient averaging toward a target batch size.
+
+Each peer wraps its local optimizer in ``hivemind.Optimizer`` (hivemind 1.1.12). Peers
+accumulate gradients locally; when the swarm together has processed ``target_batch_size``
+samples, a *global epoch* happens: peers form groups during ``matchmaking_time_s`` and average
+their gradients with an all-reduce (or, with ``use_local_updates``, step locally every batch and
+average parameters instead), then step the optimizer. Ryabinin 2023 (seed 003), DeDLOC; thesis
+000 ch. 2-5 for the settings used here.
+
+What is measured per step, beyond the loop's timings:
+
+- ``averaging_s``: time inside hivemind's global-epoch update (matchmaking + all-reduce + state
+  averaging) minus the local optimizer's own step time;
+- whether a round happened, how many peers it gathered and whether it succeeded. hivemind
+  reports those only in its status log, so a log handler reads them while the step runs.
+
+Before training, every peer announces itself in the DHT and waits until all ``num_workers`` peers
+are there (or fails after ``join_timeout_s``), so that no peer trains alone by accident.
+
+When a peer finishes, it says so in the DHT. A background thread of every other peer watches
+that record; once all other peers are done, it cancels the averaging round this peer may be
+waiting in, instead of letting it hang until ``averaging_timeout_s`` for peers that have left.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+
+import torch
+
+from ddlscope.strategies.base import StepOutcome, Strategy, WorkerContext
+
+_GRAD_OK = re.compile(r"Averaged gradients with (\d+) peers")
+_STATE_OK = re.compile(r"Averaged parameters with (\d+) peers")
+_ALONE = ("Skipped averaging: there are no other peers", "Skipping pre-scheduled averaging round: there are no other peers")
+_FAILED = ("Averaging gradients failed", "Averaging failed with")
+_EPOCH = re.compile(r"Transitioning to epoch (\d+)")
+SHUTDOWN_S = 5.0
+
+
+class _RoundLog(logging.Handler):
+    """Collects hivemind's status messages about averaging rounds during one step."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def take(self) -> list[str]:
+        msgs, self.messages = self.messages, []
+        return msgs
+
+
+def parse_round(messages: list[str]) -> tuple[bool, int | None, bool | None, int | None]:
+    """Read hivemind status messages of one step.
+
+    Returns:
+        ``(round_happened, group_size, succeeded, new_epoch)``; group_size is the largest group
+        any averaging in the step gathered (1 when the peer averaged alone).
+    """
+    sizes: list[int] = []
+    failed = False
+    epoch = None
+    for msg in messages:
+        if m := (_GRAD_OK.search(msg) or _STATE_OK.search(msg)):
+            sizes.append(int(m.group(1)))
+        elif any(msg.startswith(a) for a in _ALONE):
+            sizes.append(1)
+        elif any(msg.startswith(f) for f in _FAILED):
+            failed = True
+        if m := _EPOCH.search(msg):
+            epoch = int(m.group(1))
+    happened = epoch is not None
+    if not happened:
+        return False, None, None, None
+    return True, (max(sizes) if sizes else None), not failed, epoch
+
+
+def _compression(name: str):
+    from hivemind import compression as c
+
+    return {
+        "none": c.NoCompression,
+        "float16": c.Float16Compression,
+        "scaled-float16": c.ScaledFloat16Compression,
+        "uniform8bit": c.Uniform8BitQuantization,
+    }[name]()
+
+
+class CollaborativeStrategy(Strategy):
+    """One Hivemind peer. See the module docstring for what it does and measures."""
+
+    name = "collaborative"
+    uses_network = True
+
+    def __init__(self, cfg, ctx: WorkerContext):
+        super().__init__(cfg, ctx)
+        self.dht = None
+        self.hm_opt = None
+        self._log = _RoundLog()
+        self._loggers = [logging.getLogger("hivemind.optim.optimizer"), logging.getLogger("hivemind.optim.state_averager")]
+        self._update_s = 0.0
+        self._local_step_s = 0.0
+        self._stop_watch = threading.Event()
+        self.others_done = threading.Event()
+
+    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+        import hivemind
+
+        c = self.cfg.collaborative
+        listen = self.ctx.listen_maddrs or [f"/ip4/{c.listen_host}/tcp/0"]
+        try:
+            self.dht = hivemind.DHT(initial_peers=self.ctx.initial_peers or None, host_maddrs=listen, start=True,
+                                    startup_timeout=c.join_timeout_s)
+        except hivemind.p2p.P2PDaemonError as e:
+            raise RuntimeError(
+                f"peer {self.ctx.worker_index} could not join the swarm (initial peers "
+                f"{self.ctx.initial_peers or 'none'}, listening on {listen}, join_timeout_s = {c.join_timeout_s:g}): {e}"
+            ) from None
+        if self.ctx.announce is not None:
+            self.ctx.announce([str(a) for a in self.dht.get_visible_maddrs()])
+        for lg in self._loggers:
+            lg.addHandler(self._log)
+            lg.setLevel(logging.INFO)
+        self._time_local_optimizer_step(optimizer)
+        comp = _compression(c.gradient_compression)
+        self.hm_opt = hivemind.Optimizer(
+            dht=self.dht, run_id=f"ddlscope-{self.ctx.run_id}", optimizer=optimizer,
+            target_batch_size=c.target_batch_size,
+            batch_size_per_step=self.cfg.batch_size * self.cfg.gradient_accumulation_steps,
+            use_local_updates=c.use_local_updates, matchmaking_time=c.matchmaking_time_s,
+            averaging_timeout=c.averaging_timeout_s, average_state_every=c.average_state_every,
+            grad_compression=comp, state_averaging_compression=comp, verbose=True,
+        )
+        self._time_global_update()
+        self.optimizer = self.hm_opt
+        self._wait_for_swarm()
+        threading.Thread(target=self._watch_swarm, name="ddlscope-swarm-watch", daemon=True).start()
+        return model
+
+    def _key(self, what: str) -> str:
+        return f"ddlscope-{self.ctx.run_id}-{what}"
+
+    def _count(self, what: str) -> int:
+        found = self.dht.get(self._key(what), latest=True)
+        return len(found.value) if found is not None and isinstance(found.value, dict) else 0
+
+    def _announce(self, what: str) -> None:
+        from hivemind.utils import get_dht_time
+
+        self.dht.store(self._key(what), subkey=self.ctx.worker_index, value=True, expiration_time=get_dht_time() + 3600)
+
+    def _watch_swarm(self) -> None:
+        """Once every other peer is done, cancel averaging rounds that would wait for them."""
+        while not self._stop_watch.wait(0.5):
+            try:
+                if self._count("done") < self.ctx.num_workers - 1:
+                    continue
+                self.others_done.set()
+                for control in (self.hm_opt.scheduled_grads, self.hm_opt.scheduled_state):
+                    if control is not None and not control.done():
+                        control.cancel()
+            except Exception:  # the watcher must never break training
+                continue
+
+    def _time_local_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        inner_step = optimizer.step
+
+        def timed_step(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner_step(*args, **kwargs)
+            finally:
+                self._local_step_s += time.perf_counter() - t0
+
+        optimizer.step = timed_step
+
+    def _time_global_update(self) -> None:
+        # hivemind 1.1.12: Optimizer._update_global_epoch runs matchmaking, all-reduce, state averaging
+        # and the optimizer step of a global epoch; we time it to separate averaging from local work.
+        inner = self.hm_opt._update_global_epoch
+
+        def timed_update(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._update_s += time.perf_counter() - t0
+
+        self.hm_opt._update_global_epoch = timed_update
+
+    def _wait_for_swarm(self) -> None:
+        need, timeout = self.ctx.num_workers, self.cfg.collaborative.join_timeout_s
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while time.monotonic() < deadline:
+            self._announce("ready")
+            seen = self._count("ready")
+            if seen >= need:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(
+            f"peer {self.ctx.worker_index} could not join the swarm: saw {seen} of {need} peers within "
+            f"join_timeout_s = {timeout:g} s (initial peers: {self.ctx.initial_peers or 'none, this is the first peer'})"
+        )
+
+    def step(self, samples: int) -> StepOutcome:
+        self._update_s = self._local_step_s = 0.0
+        self.hm_opt.step(batch_size=samples)
+        happened, group, ok, epoch = parse_round(self._log.take())
+        averaging_s = max(0.0, self._update_s - self._local_step_s) if happened else 0.0
+        return StepOutcome(averaging_s=averaging_s, averaging_round=happened, group_size=group, succeeded=ok,
+                           global_epoch=self.hm_opt.local_epoch)
+
+    def zero_grad(self) -> None:
+        self.hm_opt.zero_grad()
+
+    def close(self) -> None:
+        self._stop_watch.set()
+        if self.dht is not None and self.hm_opt is not None:
+            try:
+                self._announce("done")
+            except Exception:
+                pass
+        for lg in self._loggers:
+            lg.removeHandler(self._log)
+        # hivemind's shutdown waits for a pending background averaging round, which can wait up to
+        # averaging_timeout_s for peers that already left; training is over, so give it a few seconds.
+        closer = threading.Thread(target=self._shutdown_hivemind, daemon=True)
+        closer.start()
+        closer.join(timeout=SHUTDOWN_S)
+
+    def _shutdown_hivemind(self) -> None:
+        if self.hm_opt is not None:
+            for control in (self.hm_opt.scheduled_grads, self.hm_opt.scheduled_state):
+                if control is not None and not control.done():
+                    control.cancel()
+            self.hm_opt.shutdown()
+        if self.dht is not None:
+            self.dht.shutdown()

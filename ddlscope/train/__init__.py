@@ -1,0 +1,1 @@
+"""The one training loop that every distribution model plugs into."""

@@ -1,0 +1,229 @@
+"""The one training loop. Every distribution model plugs in through its strategy.
+
+Per step (micro-batch) it records, into the results store as it goes:
+``data_load_s`` (time blocked waiting for the batch), ``forward_s`` (forward + loss),
+``backward_s``, ``optimizer_s`` (the strategy's step, including communication), ``averaging_s``
+(the part of it spent averaging with others), loss, training-batch accuracy, samples and
+samples/s. With gradient accumulation (GAS > 1) the optimizer runs on every GAS-th step, and the
+loss is divided by GAS so that the accumulated gradient is the mean over GAS x batch_size samples.
+
+Stop conditions, whichever comes first: the sample budget (each peer's max steps =
+budget / (peers x batch size), thesis 000), the target accuracy on the held-out split, the
+wall-clock limit, or the strategy saying the swarm is gone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader
+
+from ddlscope.config import RunConfig
+from ddlscope.measure.host import HostSampler
+from ddlscope.measure.timeline import Stopwatch
+from ddlscope.store.db import ResultsStore
+from ddlscope.strategies import WorkerContext, strategy_class
+from ddlscope.workloads.datasets import default_data_root, open_dataset
+from ddlscope.workloads.models import build_model
+from ddlscope.workloads.preprocessing import eval_transform, train_transform
+
+
+@dataclass
+class Workload:
+    """Model, optimizer and data of one worker, built from a :class:`RunConfig`."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    train_loader: DataLoader
+    eval_loader: DataLoader
+    device: torch.device
+
+
+def build_workload(cfg: RunConfig, worker_index: int = 0) -> Workload:
+    """Build the workload of one worker.
+
+    All workers initialise the model from the same seed (``cfg.seed``); each shuffles its data
+    with its own seed (``cfg.seed + worker_index``) so peers see different batches.
+
+    Raises:
+        UserError / DatasetError: unknown model or dataset, missing or corrupt files.
+    """
+    root = cfg.data_root or default_data_root()
+    train_set, spec = open_dataset(cfg.dataset, root, "train")
+    eval_set, _ = open_dataset(cfg.dataset, root, "test")
+    train_set = Transformed(train_set, train_transform(spec, augment=cfg.augment))
+    eval_set = Transformed(eval_set, eval_transform(spec))
+    device = torch.device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, spec.family, num_classes=spec.num_classes).to(device)
+    if cfg.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.learning_rate, momentum=cfg.momentum,
+                                    weight_decay=cfg.weight_decay)
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    gen = torch.Generator().manual_seed(cfg.seed + worker_index)
+    loader_kw = dict(num_workers=cfg.loader_workers, persistent_workers=cfg.loader_workers > 0,
+                     pin_memory=device.type == "cuda")
+    train_loader = DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, drop_last=True, generator=gen,
+                              **loader_kw)
+    if len(train_loader) == 0:
+        from ddlscope.errors import UserError
+
+        raise UserError(f"batch_size = {cfg.batch_size} is larger than the training split ({len(train_set)} samples) "
+                        f"of dataset {cfg.dataset!r}; allowed: <= {len(train_set)}")
+    eval_loader = DataLoader(eval_set, batch_size=max(cfg.batch_size, 64), shuffle=False, num_workers=0)
+    return Workload(model, optimizer, train_loader, eval_loader, device)
+
+
+class Transformed(torch.utils.data.Dataset):
+    """A dataset of ``(uint8 CHW image, label)`` with a preprocessing function applied to the image.
+
+    The function runs in the DataLoader's worker processes, where decoding runs too.
+    """
+
+    def __init__(self, base: torch.utils.data.Dataset, transform):
+        self.base, self.transform = base, transform
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):
+        image, label = self.base[i]
+        return self.transform(image), label
+
+
+def batches_forever(loader: DataLoader) -> Iterator:
+    """Batches of the loader, epoch after epoch."""
+    for _ in itertools.count():
+        yield from loader
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader: DataLoader, device: torch.device, max_samples: int | None = None
+             ) -> tuple[float, float, int]:
+    """Accuracy (0..1), mean cross-entropy loss and number of samples on ``loader``."""
+    was_training = model.training
+    model.eval()
+    correct, loss_sum, seen = 0, 0.0, 0
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        loss_sum += torch.nn.functional.cross_entropy(logits, y, reduction="sum").item()
+        correct += (logits.argmax(1) == y).sum().item()
+        seen += len(y)
+        if max_samples is not None and seen >= max_samples:
+            break
+    model.train(was_training)
+    return correct / max(seen, 1), loss_sum / max(seen, 1), seen
+
+
+def run_worker(cfg: RunConfig, ctx: WorkerContext, store: ResultsStore) -> str:
+    """Train one worker to its stop condition, storing every measurement as it goes.
+
+    Returns:
+        why training stopped: ``"sample_budget"``, ``"target_accuracy"``, ``"time_limit"`` or
+        ``"strategy"``.
+
+    Raises:
+        whatever the workload or strategy raises; the caller records the failure. Measurements
+        stored before the error stay in the store.
+    """
+    run_id, wi = ctx.run_id, ctx.worker_index
+    torch.set_num_threads(max(1, len(ctx.cores)))
+    wl = build_workload(cfg, wi)
+    strategy = strategy_class(cfg.strategy)(cfg, ctx)
+    try:
+        model = strategy.setup(wl.model, wl.optimizer)
+        sampler = HostSampler(lambda s: store.add_host_sample(run_id, wi, s), cfg.host_sample_interval_s,
+                              network=strategy.uses_network)
+        with sampler:
+            return _train(cfg, ctx, store, wl, model, strategy)
+    finally:
+        strategy.close()
+
+
+class _EvalClock:
+    """Runs held-out evaluations and keeps their time out of the training time."""
+
+    def __init__(self, store, run_id, worker_index, model, wl: Workload, max_samples, train_start: float):
+        self.store, self.run_id, self.wi, self.model, self.wl = store, run_id, worker_index, model, wl
+        self.max_samples, self.train_start = max_samples, train_start
+        self.eval_s, self.last_eval_step = 0.0, None
+
+    def train_time_s(self) -> float:
+        return time.time() - self.train_start - self.eval_s
+
+    def evaluate(self, step: int) -> float:
+        t0 = time.perf_counter()
+        train_time_s = self.train_time_s()
+        acc, loss, n = evaluate(self.model, self.wl.eval_loader, self.wl.device, self.max_samples)
+        self.store.add_eval(self.run_id, self.wi, step, train_time_s, acc, loss, n)
+        self.eval_s += time.perf_counter() - t0
+        self.last_eval_step = step
+        return acc
+
+
+def _train(cfg, ctx, store, wl: Workload, model, strategy) -> str:
+    run_id, wi, gas = ctx.run_id, ctx.worker_index, cfg.gradient_accumulation_steps
+    max_steps = cfg.max_steps_per_peer()
+    loss_fn = torch.nn.CrossEntropyLoss()
+    watch = Stopwatch(wl.device)
+    batches = batches_forever(wl.train_loader)
+    train_start = time.time()
+    store.upsert_worker(run_id, wi, status="training", train_start_time=train_start)
+    model.train()
+    clock = _EvalClock(store, run_id, wi, model, wl, cfg.eval_max_samples, train_start)
+    reason, steps_done = "sample_budget", 0
+    for step in itertools.count():
+        if max_steps is not None and step >= max_steps:
+            break
+        if cfg.time_limit_s is not None and clock.train_time_s() >= cfg.time_limit_s:
+            reason = "time_limit"
+            break
+        if strategy.should_stop():
+            reason = "strategy"
+            break
+        wall = time.time()
+        watch.start()
+        x, y = next(batches)
+        x, y = x.to(wl.device, non_blocking=True), y.to(wl.device, non_blocking=True)
+        data_load_s = watch.lap()
+        logits = model(x)
+        loss = loss_fn(logits, y)
+        forward_s = watch.lap()
+        (loss / gas if gas > 1 else loss).backward()
+        backward_s = watch.lap()
+        stepped = (step + 1) % gas == 0
+        outcome = None
+        if stepped:
+            outcome = strategy.step(len(y) * gas)
+            strategy.zero_grad()
+        optimizer_s = watch.lap()
+        step_s = data_load_s + forward_s + backward_s + optimizer_s
+        store.add_step(run_id, wi, dict(
+            step=step, wall_time=wall, samples=len(y), data_load_s=data_load_s, forward_s=forward_s,
+            backward_s=backward_s, optimizer_s=optimizer_s, averaging_s=outcome.averaging_s if outcome else 0.0,
+            step_s=step_s, loss=loss.item(), accuracy=(logits.argmax(1) == y).float().mean().item(),
+            samples_per_s=len(y) / step_s if step_s > 0 else None, warmup=int(step < cfg.warmup_steps),
+            optimizer_stepped=int(stepped), global_epoch=outcome.global_epoch if outcome else None,
+            averaging_round=int(outcome.averaging_round) if outcome else 0,
+            averaging_group_size=outcome.group_size if outcome else None,
+            averaging_succeeded=None if outcome is None or outcome.succeeded is None else int(outcome.succeeded),
+        ))
+        if outcome is not None and outcome.averaging_round:
+            store.add_event(run_id, wi, "averaging_round", step=step, group_size=outcome.group_size,
+                            succeeded=outcome.succeeded, averaging_s=outcome.averaging_s, epoch=outcome.global_epoch)
+        steps_done = step + 1
+        if cfg.eval_every_steps and (step + 1) % cfg.eval_every_steps == 0:
+            acc = clock.evaluate(step)
+            if cfg.target_accuracy is not None and acc >= cfg.target_accuracy:
+                reason = "target_accuracy"
+                break
+    store.upsert_worker(run_id, wi, train_end_time=time.time(), eval_s=clock.eval_s)
+    if steps_done and clock.last_eval_step != steps_done - 1:  # the final accuracy, outside the training time
+        clock.evaluate(steps_done - 1)
+    return reason

@@ -1,0 +1,47 @@
+"""Shared fixtures: a private data root with small real/synthetic data, and a results database."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory) -> Path:
+    """A data root holding the materialized digits (real data) and a tiny synthetic MNIST."""
+    from ddlscope.workloads.datasets import materialize_digits, write_synthetic
+
+    root = tmp_path_factory.mktemp("data")
+    materialize_digits(root)
+    write_synthetic("mnist", root, train_size=512, test_size=128, seed=0)
+    return root
+
+
+@pytest.fixture
+def env_data(data_root, monkeypatch) -> Path:
+    """Point ddlscope (and worker processes it starts) at the test data root."""
+    monkeypatch.setenv("DDLSCOPE_DATA", str(data_root))
+    return data_root
+
+
+@pytest.fixture
+def db_path(tmp_path) -> Path:
+    return tmp_path / "results" / "ddlscope.db"
+
+
+def tiny_run(**overrides) -> dict:
+    """Values of a tiny, fast run config (tiny CNN, synthetic MNIST, 1 loader worker)."""
+    values = dict(model="tiny_cnn", dataset="mnist", batch_size=16, sample_budget=320, loader_workers=0,
+                  warmup_steps=1, host_sample_interval_s=0.2)
+    values.update(overrides)
+    return values
+
+
+def worker_env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return env
