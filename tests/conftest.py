@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -40,8 +39,3 @@ def tiny_run(**overrides) -> dict:
                   warmup_steps=1, host_sample_interval_s=0.2)
     values.update(overrides)
     return values
-
-
-def worker_env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return env

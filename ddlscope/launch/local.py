@@ -152,10 +152,9 @@ class LocalLauncher:
 
     def _failure_reason(self, store: ResultsStore, run_id: str, index: int) -> str:
         row = next((r for r in store.workers(run_id) if r["worker_index"] == index), None)
-        code = next(w.popen.returncode for w in self.workers if w.index == index)
         wp = next(w for w in self.workers if w.index == index)
         detail = row["reason"] if row is not None and row["reason"] else _log_tail(wp.log_path)
-        return f"worker {index} exited with code {code}: {detail}"
+        return f"worker {index} exited with code {wp.popen.returncode}: {detail}"
 
     # ------------------------------------------------------------------ stop
     def _stop_all(self) -> None:

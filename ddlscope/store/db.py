@@ -19,9 +19,8 @@ import socket
 import sqlite3
 import time
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -101,17 +100,6 @@ class ResultsStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """Group several writes into one commit (all or nothing)."""
-        self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield self.conn
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-        self.conn.execute("COMMIT")
 
     # ------------------------------------------------------------------ runs
     def create_run(self, name: str, strategy: str, config: dict[str, Any], group_name: str | None = None,
