@@ -4,8 +4,8 @@ A run is a workload (model + dataset + preprocessing + loss + optimizer hyperpar
 under one distribution model by one or more workers/peers. Every field is checked here, before
 anything starts, so that bad input gives one message naming the field and what is allowed.
 
-Configs come from TOML files (``[run]`` table plus an optional ``[collaborative]`` table), from
-CLI flags, or from Python. Field names carry their units (``_s`` seconds, ``_bytes``).
+Configs come from TOML files (``[run]`` table plus optional ``[collaborative]`` and ``[distributed]``
+tables), from CLI flags, or from Python. Field names carry their units (``_s`` seconds, ``_bytes``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ddlscope.errors import UserError
 
-STRATEGIES = ("single", "collaborative")
+STRATEGIES = ("single", "ddp", "fsdp", "gpipe", "1f1b", "collaborative")
+TORCH_STRATEGIES = ("ddp", "fsdp", "gpipe", "1f1b")  # launched with torchrun, torch.distributed process group
+PIPELINE_STRATEGIES = ("gpipe", "1f1b")  # every stage sees the same batch: no data parallelism
 COMPRESSIONS = ("none", "float16", "scaled-float16", "uniform8bit")
 
 
@@ -48,6 +50,25 @@ class CollaborativeConfig(BaseModel):
     initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of a running swarm or bootstrap peer to join")
 
 
+class DistributedConfig(BaseModel):
+    """Settings of the torch.distributed distribution models (``ddp``, ``fsdp``, ``gpipe``, ``1f1b``).
+
+    ``backend`` "auto" picks gloo on CPU and nccl on GPU. ``rendezvous_port`` 0 lets the local
+    launcher pick a free port for torchrun's c10d rendezvous.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    rendezvous_port: int = Field(0, ge=0, le=65535, description="port of torchrun's rendezvous on this host; 0 = any free port")
+    timeout_s: float = Field(300.0, gt=0, description="a collective that waits longer than this fails the run")
+    bucket_cap_mb: float = Field(25.0, gt=0, description="ddp: gradient bucket size in MiB (one all-reduce per bucket)")
+    reshard_after_forward: bool = Field(True, description="fsdp: free gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2)")
+    microbatches: int = Field(4, ge=1, le=4096, description="gpipe/1f1b: micro-batches each batch is split into")
+    balance: Literal["measured", "layers"] = Field(
+        "measured", description="gpipe/1f1b: split stages by measured per-layer time, or by equal layer counts")
+
+
 class RunConfig(BaseModel):
     """Everything one run needs. Validated on construction; see :func:`load_config`.
 
@@ -59,7 +80,7 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str | None = Field(None, description="human label; defaults to strategy-model-dataset")
-    strategy: Literal["single", "collaborative"] = "single"
+    strategy: Literal["single", "ddp", "fsdp", "gpipe", "1f1b", "collaborative"] = "single"
     model: str = Field("resnet18", description="zoo network name or 'package.module:factory'")
     dataset: str = Field("digits", description="dataset name or path to a local copy")
     data_root: Path | None = Field(None, description="folder holding datasets; default $DDLSCOPE_DATA or ~/.cache/ddlscope/data")
@@ -74,7 +95,7 @@ class RunConfig(BaseModel):
     seed: int = 0
     device: Literal["cpu", "cuda"] = "cpu"
 
-    peers: int = Field(1, ge=1, le=256, description="workers/peers trained at once (1 for single)")
+    peers: int = Field(1, ge=1, le=256, description="workers/peers trained at once (1 for single; stages for gpipe/1f1b)")
     vcpus_per_peer: int | None = Field(None, ge=1, description="CPU cores pinned to each peer; default all cores / peers")
 
     sample_budget: int | None = Field(3200, ge=1, description="samples shared by all peers; each peer runs budget/(peers*batch_size) steps")
@@ -86,6 +107,7 @@ class RunConfig(BaseModel):
     host_sample_interval_s: float = Field(1.0, gt=0, le=60)
 
     collaborative: CollaborativeConfig = Field(default_factory=CollaborativeConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "RunConfig":
@@ -93,11 +115,14 @@ class RunConfig(BaseModel):
             raise ValueError(f"peers = {self.peers} but strategy 'single' trains on exactly 1 worker; use peers = 1")
         if self.sample_budget is None and self.target_accuracy is None and self.time_limit_s is None:
             raise ValueError("no stop condition: set at least one of sample_budget, target_accuracy, time_limit_s")
-        if self.sample_budget is not None and self.sample_budget < self.peers * self.batch_size:
+        per_step = self.data_parallel_size * self.batch_size
+        if self.sample_budget is not None and self.sample_budget < per_step:
             raise ValueError(
-                f"sample_budget = {self.sample_budget} is smaller than one step of all peers "
-                f"(peers x batch_size = {self.peers * self.batch_size}); allowed: >= {self.peers * self.batch_size}"
+                f"sample_budget = {self.sample_budget} is smaller than one step of all workers "
+                f"({per_step} samples); allowed: >= {per_step}"
             )
+        if self.strategy in PIPELINE_STRATEGIES:
+            self._check_pipeline()
         if self.target_accuracy is not None and self.eval_every_steps is None:
             self.eval_every_steps = 10
         if self.strategy == "collaborative":
@@ -109,7 +134,29 @@ class RunConfig(BaseModel):
                 )
         return self
 
+    def _check_pipeline(self) -> None:
+        mb = self.distributed.microbatches
+        if self.peers < 2:
+            raise ValueError(f"peers = {self.peers} but {self.strategy} splits the model into one stage per worker; allowed: peers >= 2")
+        if self.batch_size % mb:
+            divisors = [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]
+            raise ValueError(f"distributed.microbatches = {mb} does not divide batch_size = {self.batch_size}; "
+                             f"allowed: a divisor of the batch size ({', '.join(map(str, divisors[:12]))}"
+                             f"{', ...' if len(divisors) > 12 else ''})")
+        if self.strategy == "1f1b" and mb < self.peers:
+            raise ValueError(f"distributed.microbatches = {mb} is fewer than the {self.peers} stages; 1f1b keeps "
+                             f"every stage busy only with at least one micro-batch per stage; allowed: microbatches >= peers")
+
     # ------------------------------------------------------------------ derived values
+    @property
+    def data_parallel_size(self) -> int:
+        """Workers that each train on their own batch: ``peers``, or 1 for pipelines (all stages share a batch)."""
+        return 1 if self.strategy in PIPELINE_STRATEGIES else self.peers
+
+    def data_rank(self, worker_index: int) -> int:
+        """Which data stream a worker reads (its shuffle seed offset): its index, or 0 for pipeline stages."""
+        return 0 if self.strategy in PIPELINE_STRATEGIES else worker_index
+
     @property
     def run_label(self) -> str:
         """The name, or ``strategy-model-dataset[-Npeers]`` when none was given."""
@@ -139,10 +186,13 @@ class RunConfig(BaseModel):
         return [cores[i * per_peer:(i + 1) * per_peer] for i in range(self.peers)]
 
     def max_steps_per_peer(self) -> int | None:
-        """Steps (micro-batches) each peer runs under the sample budget: budget / (peers x batch_size)."""
+        """Steps (micro-batches) each peer runs under the sample budget: budget / (peers x batch_size).
+
+        For pipelines all stages process the same batch, so it is budget / batch_size.
+        """
         if self.sample_budget is None:
             return None
-        return self.sample_budget // (self.peers * self.batch_size)
+        return self.sample_budget // (self.data_parallel_size * self.batch_size)
 
 
 def _format_validation_error(err: ValidationError) -> str:
@@ -185,7 +235,7 @@ def validate_config(values: dict[str, Any]) -> RunConfig:
 
 
 def load_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Read a TOML run config (``[run]`` and optional ``[collaborative]`` tables) and validate it.
+    """Read a TOML run config (``[run]``, optional ``[collaborative]`` and ``[distributed]`` tables) and validate it.
 
     Raises:
         UserError: missing file, TOML syntax error, or invalid values.
@@ -197,10 +247,11 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfi
     except tomllib.TOMLDecodeError as err:
         raise UserError(f"config file {path} is not valid TOML: {err}") from None
     values = dict(data.get("run", {}))
-    unknown = set(data) - {"run", "collaborative"}
+    unknown = set(data) - {"run", "collaborative", "distributed"}
     if unknown:
-        raise UserError(f"config file {path}: unknown table(s) {sorted(unknown)}; allowed: [run], [collaborative]")
-    if "collaborative" in data:
-        values["collaborative"] = data["collaborative"]
+        raise UserError(f"config file {path}: unknown table(s) {sorted(unknown)}; allowed: [run], [collaborative], [distributed]")
+    for table in ("collaborative", "distributed"):
+        if table in data:
+            values[table] = data[table]
     values.update(overrides or {})
     return validate_config(values)

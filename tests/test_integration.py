@@ -54,7 +54,9 @@ def test_single_run_records_every_step(env_data, db_path):
         assert [s["step"] for s in steps] == list(range(cfg.max_steps_per_peer()))  # 320 / 16 = 20 steps
         for s in steps:
             parts = s["data_load_s"] + s["forward_s"] + s["backward_s"] + s["optimizer_s"]
-            assert s["step_s"] == pytest.approx(parts)
+            assert parts <= s["step_s"] + 1e-9  # step_s is the step's wall time; the parts are disjoint laps in it
+            assert s["step_s"] - parts < 0.01  # only bookkeeping between the laps is left out
+            assert s["comm_s"] == 0 and s["comm_wait_s"] == 0 and s["bubble_s"] == 0 and s["comm_bytes"] == 0
             assert s["forward_s"] > 0 and s["backward_s"] > 0 and s["samples"] == 16
         assert sum(s["warmup"] for s in steps) == 1
         evals = store.rows("evals", run_id)

@@ -6,6 +6,9 @@ runs, hivemind's averager and p2pd daemon inside the same group. For a collabora
 first peer starts first and bootstraps the swarm; the others get its multiaddrs as initial peers
 (or everyone joins ``collaborative.initial_peers``, e.g. a ``ddlscope bootstrap`` messenger).
 
+For ``ddp``, ``fsdp``, ``gpipe`` and ``1f1b`` one torchrun agent starts the workers instead
+(:mod:`ddlscope.launch.torchrun`); each worker pins itself to its core set by its local rank.
+
 The run ends when every worker has ended. If a worker fails, the others are stopped and the run
 is stored as ``failed`` with that worker's reason; Ctrl-C stores it as ``interrupted``. Either
 way every process group is ended (SIGTERM, then SIGKILL after a grace period), so no worker,
@@ -23,8 +26,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddlscope.config import RunConfig
+from ddlscope.config import TORCH_STRATEGIES, RunConfig
 from ddlscope.errors import UserError
+from ddlscope.launch.torchrun import preflight, torchrun_command
 from ddlscope.store.db import ResultsStore
 
 GRACE_S = 8.0
@@ -57,12 +61,15 @@ class LocalLauncher:
     local_workers: int | None = None
     progress: bool = True
     workers: list[WorkerProcess] = field(default_factory=list)
+    worker_pids: set[int] = field(default_factory=set)
+    rdzv_port: int | None = None
 
     def run(self) -> str:
         """Run to the end; return the run id. Raises KeyboardInterrupt after recording it."""
         cfg = self.cfg
         prepare_dataset(cfg)
         core_sets = cfg.core_sets()
+        self.rdzv_port = preflight(cfg)
         store = ResultsStore(self.db_path)
         run_id = store.create_run(cfg.run_label, cfg.strategy, cfg.model_dump(mode="json"), self.group_name)
         log_dir = self.db_path.parent / "logs" / run_id
@@ -93,8 +100,17 @@ class LocalLauncher:
                "--cores", ",".join(map(str, cores)), "--die-with-parent"]
         if initial_peers:
             cmd += ["--initial-peers", *initial_peers]
+        return self._popen(cmd, index, cores, log_dir / f"worker-{index}.log")
+
+    def _spawn_torchrun(self, run_id: str, core_sets: list[list[int]], log_dir: Path) -> WorkerProcess:
+        """One torchrun agent that starts all workers; index -1 marks the agent among :attr:`workers`."""
+        worker_args = ["--db", str(self.db_path), "--run-id", run_id, "--die-with-parent",
+                       "--core-sets", ";".join(",".join(map(str, c)) for c in core_sets)]
+        cmd = torchrun_command(self.cfg.peers, f"127.0.0.1:{self.rdzv_port}", worker_args, rdzv_id=run_id)
+        return self._popen(cmd, -1, core_sets[0], log_dir / "torchrun.log")
+
+    def _popen(self, cmd: list[str], index: int, cores: list[int], log_path: Path) -> WorkerProcess:
         env = dict(os.environ, OMP_NUM_THREADS=str(len(cores)), MKL_NUM_THREADS=str(len(cores)), PYTHONUNBUFFERED="1")
-        log_path = log_dir / f"worker-{index}.log"
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         wp = WorkerProcess(index, cores, popen, log_path)
@@ -104,6 +120,9 @@ class LocalLauncher:
     def _start_and_watch(self, store: ResultsStore, run_id: str, core_sets: list[list[int]], log_dir: Path
                          ) -> tuple[str, str | None]:
         cfg = self.cfg
+        if cfg.strategy in TORCH_STRATEGIES:
+            self._spawn_torchrun(run_id, core_sets, log_dir)
+            return self._watch(store, run_id)
         n_local = self.local_workers or cfg.peers
         initial = list(cfg.collaborative.initial_peers) if cfg.strategy == "collaborative" else []
         first = self._spawn(run_id, 0, core_sets[0], initial, log_dir)
@@ -133,10 +152,12 @@ class LocalLauncher:
     # ------------------------------------------------------------------ watch
     def _watch(self, store: ResultsStore, run_id: str) -> tuple[str, str | None]:
         total = self.cfg.max_steps_per_peer()
-        bar = _ProgressBars(len(self.workers), total, self.cfg.run_label) if self.progress else None
+        n_bars = self.cfg.peers if self.cfg.strategy in TORCH_STRATEGIES else len(self.workers)
+        bar = _ProgressBars(n_bars, total, self.cfg.run_label) if self.progress else None
         try:
             while True:
                 codes = {w.index: w.popen.poll() for w in self.workers}
+                self._track_worker_pids(store, run_id)
                 if bar:
                     bar.update(store.step_counts(run_id))
                 failed = [i for i, c in codes.items() if c not in (None, 0)]
@@ -150,9 +171,17 @@ class LocalLauncher:
                 bar.update(store.step_counts(run_id))
                 bar.close()
 
+    def _track_worker_pids(self, store: ResultsStore, run_id: str) -> None:
+        """Remember the pids the workers recorded (torchrun starts them in sessions of their own)."""
+        for row in store.workers(run_id):
+            if row["pid"]:
+                self.worker_pids.add(row["pid"])
+
     def _failure_reason(self, store: ResultsStore, run_id: str, index: int) -> str:
-        row = next((r for r in store.workers(run_id) if r["worker_index"] == index), None)
         wp = next(w for w in self.workers if w.index == index)
+        if index == -1:  # the torchrun agent: name the worker that failed first
+            return _first_failure(store.workers(run_id), self.cfg.peers, wp)
+        row = next((r for r in store.workers(run_id) if r["worker_index"] == index), None)
         detail = row["reason"] if row is not None and row["reason"] else _log_tail(wp.log_path)
         return f"worker {index} exited with code {wp.popen.returncode}: {detail}"
 
@@ -178,10 +207,12 @@ class LocalLauncher:
                 w.popen.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
-        for w in self.workers:  # SIGKILL is asynchronous: return only once every group is gone
-            deadline = time.monotonic() + 10
-            while _group_alive(w.popen.pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
+        groups = [w.popen.pid for w in self.workers] + sorted(self.worker_pids)
+        for pid in self.worker_pids:  # workers torchrun started: SIGTERM reached them via the agent
+            if _group_alive(pid) and not _wait_group_gone(pid, GRACE_S):
+                _signal_group(pid, signal.SIGKILL)
+        for pgid in groups:  # SIGKILL is asynchronous: return only once every group is gone
+            _wait_group_gone(pgid, 10)
 
     def _mark_unfinished_workers(self, store: ResultsStore, run_id: str, status: str, reason: str | None) -> None:
         for row in store.workers(run_id):
@@ -195,6 +226,27 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _group_alive(pgid)
+
+
+def _first_failure(rows, peers: int, agent: WorkerProcess) -> str:
+    """Why a torchrun run failed: a worker that died without a word, else the first recorded failure."""
+    silent = [r for r in rows if r["status"] in ("starting", "training")]
+    failed = [r for r in rows if r["status"] == "failed"]
+    if len(rows) < peers:
+        return f"only {len(rows)} of {peers} workers started: {_log_tail(agent.log_path)}"
+    if silent:
+        return (f"worker {silent[0]['worker_index']} died without recording a reason (killed?); torchrun exited with code "
+                f"{agent.popen.returncode}: {_log_tail(agent.log_path)}")
+    if failed:
+        return f"worker {failed[0]['worker_index']} failed: {failed[0]['reason']}"
+    return f"torchrun exited with code {agent.popen.returncode}: {_log_tail(agent.log_path)}"
 
 
 def _group_alive(pgid: int) -> bool:

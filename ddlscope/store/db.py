@@ -30,6 +30,7 @@ CREATE TABLE IF NOT EXISTS runs (
 CREATE TABLE IF NOT EXISTS workers (
     run_id TEXT NOT NULL, worker_index INTEGER NOT NULL, hostname TEXT, pid INTEGER, cores TEXT,
     status TEXT NOT NULL, reason TEXT, maddrs TEXT, train_start_time REAL, train_end_time REAL, eval_s REAL,
+    peak_memory_bytes INTEGER,
     PRIMARY KEY (run_id, worker_index)
 );
 CREATE TABLE IF NOT EXISTS steps (
@@ -37,7 +38,8 @@ CREATE TABLE IF NOT EXISTS steps (
     samples INTEGER NOT NULL, data_load_s REAL, forward_s REAL, backward_s REAL, optimizer_s REAL,
     averaging_s REAL, step_s REAL, loss REAL, accuracy REAL, samples_per_s REAL, warmup INTEGER NOT NULL,
     optimizer_stepped INTEGER NOT NULL, global_epoch INTEGER, averaging_round INTEGER NOT NULL DEFAULT 0,
-    averaging_group_size INTEGER, averaging_succeeded INTEGER,
+    averaging_group_size INTEGER, averaging_succeeded INTEGER, comm_s REAL, comm_wait_s REAL, bubble_s REAL,
+    comm_bytes INTEGER,
     PRIMARY KEY (run_id, worker_index, step)
 );
 CREATE TABLE IF NOT EXISTS evals (
@@ -60,7 +62,13 @@ RUN_STATUSES = ("running", "completed", "failed", "interrupted")
 STEP_COLUMNS = (
     "step", "wall_time", "samples", "data_load_s", "forward_s", "backward_s", "optimizer_s", "averaging_s",
     "step_s", "loss", "accuracy", "samples_per_s", "warmup", "optimizer_stepped", "global_epoch",
-    "averaging_round", "averaging_group_size", "averaging_succeeded",
+    "averaging_round", "averaging_group_size", "averaging_succeeded", "comm_s", "comm_wait_s", "bubble_s",
+    "comm_bytes",
+)
+# columns added after the first release: (table, column, type); older databases get them on open
+ADDED_COLUMNS = (
+    ("workers", "peak_memory_bytes", "INTEGER"), ("steps", "comm_s", "REAL"), ("steps", "comm_wait_s", "REAL"),
+    ("steps", "bubble_s", "REAL"), ("steps", "comm_bytes", "INTEGER"),
 )
 HOST_COLUMNS = (
     "wall_time", "cpu_percent", "rss_bytes", "net_sent_bytes", "net_recv_bytes", "disk_read_bytes",
@@ -91,6 +99,18 @@ class ResultsStore:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
         self.conn.executescript(SCHEMA)
+        self._add_missing_columns()
+
+    def _add_missing_columns(self) -> None:
+        """Bring a database written by an older ddlscope up to this schema (keeps all rows)."""
+        for table, column, kind in ADDED_COLUMNS:
+            have = {row[1] for row in self.conn.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                try:
+                    self.conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+                except sqlite3.OperationalError as err:  # another process added it a moment ago
+                    if "duplicate column" not in str(err):
+                        raise
 
     def close(self) -> None:
         self.conn.close()

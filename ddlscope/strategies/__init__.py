@@ -11,15 +11,23 @@ def strategy_class(name: str) -> type[Strategy]:
     Raises:
         ValueError: unknown name (config validation catches this earlier for users).
     """
-    if name == "single":
-        from ddlscope.strategies.single import SingleStrategy
+    import importlib
 
-        return SingleStrategy
-    if name == "collaborative":
-        from ddlscope.strategies.collaborative import CollaborativeStrategy
+    if name not in _CLASSES:
+        raise ValueError(f"unknown distribution model {name!r}; allowed: {', '.join(_CLASSES)}")
+    module, cls = _CLASSES[name]
+    return getattr(importlib.import_module(f"ddlscope.strategies.{module}"), cls)
 
-        return CollaborativeStrategy
-    raise ValueError(f"unknown distribution model {name!r}; allowed: single, collaborative")
+
+# name -> (module, class); imported on demand (hivemind and torch.distributed are heavy)
+_CLASSES = {
+    "single": ("single", "SingleStrategy"),
+    "ddp": ("ddp", "DDPStrategy"),
+    "fsdp": ("fsdp", "FSDPStrategy"),
+    "gpipe": ("pipeline", "GPipeStrategy"),
+    "1f1b": ("pipeline", "OneFOneBStrategy"),
+    "collaborative": ("collaborative", "CollaborativeStrategy"),
+}
 
 
 __all__ = ["StepOutcome", "Strategy", "WorkerContext", "strategy_class"]

@@ -1,22 +1,28 @@
 """The strategy interface: what a distribution model plugs into the one training loop.
 
-The loop owns data loading, forward, backward and timing; a strategy owns what happens to the
-gradients: a local optimizer step (``single``), an averaging round with other peers
-(``collaborative``), an all-reduce (``ddp``), and so on. The loop never asks which strategy it
-runs; it calls these methods in this order::
+The loop owns data loading, the step timeline and the store; a strategy owns how a batch turns
+into gradients and what happens to them: a local optimizer step (``single``), an all-reduce
+overlapping the backward pass (``ddp``), sharded parameters gathered per unit (``fsdp``), a
+pipeline schedule over stages (``gpipe``, ``1f1b``), an averaging round with other peers
+(``collaborative``). The loop never asks which strategy it runs; it calls these methods in
+this order::
 
-    model = strategy.setup(model, optimizer)          # once
-    for each step:  forward, backward(loss / GAS)
+    model = strategy.setup(model, optimizer)                      # once
+    for each step:  result = strategy.forward_backward(model, x, y, loss_fn, loss_scale, sync)
                     every GAS steps: outcome = strategy.step(samples); strategy.zero_grad()
-    strategy.close()                                  # always, also on errors
+    strategy.evaluate(model, loader, device, max_samples)         # held-out accuracy, when asked
+    strategy.close()                                              # always, also on errors
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
+
+from ddlscope.measure.timeline import Stopwatch
 
 if TYPE_CHECKING:
     from ddlscope.config import RunConfig
@@ -34,6 +40,7 @@ class WorkerContext:
         initial_peers: multiaddrs of peers already in the swarm (collaborative only).
         announce: callback the strategy calls with its own multiaddrs once it listens.
         listen_maddrs: multiaddrs to listen on (collaborative); default loopback, any free port.
+        local_rank: the worker's index on its host (selects ``cuda:<local_rank>``).
     """
 
     run_id: str
@@ -43,6 +50,40 @@ class WorkerContext:
     initial_peers: list[str]
     announce: "Callable[[list[str]], None] | None" = None
     listen_maddrs: list[str] | None = None
+    local_rank: int = 0
+
+
+@dataclass
+class BatchResult:
+    """What forward and backward of one batch did on this worker (times in seconds).
+
+    The parts are disjoint: ``forward_s + backward_s + comm_wait_s + bubble_s`` is the wall
+    time of :meth:`Strategy.forward_backward` up to the strategy's own bookkeeping.
+
+    Attributes:
+        samples: samples in the batch (pipelines: the whole batch, split into micro-batches).
+        loss: mean loss over the batch; None on a pipeline stage that does not compute it.
+        correct: correctly classified samples; None where the worker sees no logits.
+        forward_s: forward compute (including the loss).
+        backward_s: backward compute, without the communication that it waited for.
+        comm_s: seconds during which collectives/transfers were in flight (union), overlapped
+            with compute or not.
+        comm_wait_s: seconds the worker was blocked on communication after its compute was done
+            (ddp/fsdp: the tail after the last gradient bucket was launched; pipelines: the
+            transfer time of the stage's sends and receives).
+        bubble_s: pipelines: seconds idle waiting for the neighbouring stage (the schedule's bubble).
+        comm_bytes: payload bytes this worker handed to collectives/transfers.
+    """
+
+    samples: int
+    loss: float | None
+    correct: int | None
+    forward_s: float
+    backward_s: float
+    comm_s: float = 0.0
+    comm_wait_s: float = 0.0
+    bubble_s: float = 0.0
+    comm_bytes: int = 0
 
 
 @dataclass
@@ -85,9 +126,48 @@ class Strategy:
         self.optimizer = optimizer
         return model
 
+    def gradient_sync(self, model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        """Context for a backward pass; ``sync=False`` during gradient accumulation (no communication)."""
+        return contextlib.nullcontext()
+
+    def forward_backward(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn,
+                         loss_scale: float = 1.0, sync: bool = True) -> BatchResult:
+        """Forward ``x`` (shape ``[batch, C, H, W]``), loss against ``y`` (``[batch]``), backward.
+
+        Args:
+            loss_fn: ``(logits [batch, classes], y) -> scalar mean loss``.
+            loss_scale: factor on the loss before backward (``1 / GAS`` when accumulating).
+            sync: False while accumulating gradients without an optimizer step.
+        """
+        watch = Stopwatch(x.device)
+        watch.start()
+        with self.gradient_sync(model, sync):
+            logits = model(x)
+            loss = loss_fn(logits, y)
+            loss_value, correct = loss.item(), int((logits.argmax(1) == y).sum().item())
+            forward_s = watch.lap()
+            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+            backward_s = watch.lap()
+        return BatchResult(len(y), loss_value, correct, forward_s, backward_s)
+
     def step(self, samples: int) -> StepOutcome:
         """Apply the gradients accumulated over ``samples`` samples (``batch_size x GAS``)."""
         raise NotImplementedError
+
+    def evaluate(self, model: torch.nn.Module, loader, device: torch.device, max_samples: int | None = None
+                 ) -> tuple[float, float, int]:
+        """Held-out ``(accuracy 0..1, mean loss, samples)``; every worker of a run calls it at the same step."""
+        from ddlscope.train.evaluation import evaluate
+
+        return evaluate(model, loader, device, max_samples)
+
+    def details(self) -> dict:
+        """What the strategy decided at run time (e.g. pipeline stage boundaries), stored with the run."""
+        return {}
+
+    def agree_to_stop(self, stop: bool) -> bool:
+        """True if any worker wants to stop (workers that train in lockstep must stop at the same step)."""
+        return stop
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

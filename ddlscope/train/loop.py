@@ -2,9 +2,11 @@
 
 Per step (micro-batch) it records, into the results store as it goes:
 ``data_load_s`` (time blocked waiting for the batch), ``forward_s`` (forward + loss),
-``backward_s``, ``optimizer_s`` (the strategy's step, including communication), ``averaging_s``
-(the part of it spent averaging with others), loss, training-batch accuracy, samples and
-samples/s. With gradient accumulation (GAS > 1) the optimizer runs on every GAS-th step, and the
+``backward_s``, ``comm_wait_s`` (blocked on communication after compute), ``bubble_s`` (pipeline
+stages idle waiting for a neighbour), ``optimizer_s`` (the strategy's step, including
+hivemind's averaging), ``averaging_s`` (the part of it spent averaging with others), ``comm_s``
+and ``comm_bytes`` (collectives in flight, overlapped or not), loss, training-batch accuracy,
+samples and samples/s. ``step_s`` is the step's wall time. With gradient accumulation (GAS > 1) the optimizer runs on every GAS-th step, and the
 loss is divided by GAS so that the accumulated gradient is the mean over GAS x batch_size samples.
 
 Stop conditions, whichever comes first: the sample budget (each peer's max steps =
@@ -24,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from ddlscope.config import RunConfig
 from ddlscope.measure.host import HostSampler
+from ddlscope.measure.memory import peak_memory_bytes
 from ddlscope.measure.timeline import Stopwatch
 from ddlscope.store.db import ResultsStore
 from ddlscope.strategies import WorkerContext, strategy_class
@@ -43,11 +46,12 @@ class Workload:
     device: torch.device
 
 
-def build_workload(cfg: RunConfig, worker_index: int = 0) -> Workload:
+def build_workload(cfg: RunConfig, worker_index: int = 0, local_rank: int = 0) -> Workload:
     """Build the workload of one worker.
 
-    All workers initialise the model from the same seed (``cfg.seed``); each shuffles its data
-    with its own seed (``cfg.seed + worker_index``) so peers see different batches.
+    All workers initialise the model from the same seed (``cfg.seed``); each data-parallel
+    worker shuffles its data with its own seed (``cfg.seed + worker_index``) so peers see
+    different batches, while pipeline stages share one stream (they process the same batch).
 
     Raises:
         UserError / DatasetError: unknown model or dataset, missing or corrupt files.
@@ -57,7 +61,7 @@ def build_workload(cfg: RunConfig, worker_index: int = 0) -> Workload:
     eval_set, _ = open_dataset(cfg.dataset, root, "test")
     train_set = Transformed(train_set, train_transform(spec, augment=cfg.augment))
     eval_set = Transformed(eval_set, eval_transform(spec))
-    device = torch.device(cfg.device)
+    device = torch.device(f"cuda:{local_rank}") if cfg.device == "cuda" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, spec.family, num_classes=spec.num_classes).to(device)
     if cfg.optimizer == "sgd":
@@ -65,7 +69,7 @@ def build_workload(cfg: RunConfig, worker_index: int = 0) -> Workload:
                                     weight_decay=cfg.weight_decay)
     else:
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    gen = torch.Generator().manual_seed(cfg.seed + worker_index)
+    gen = torch.Generator().manual_seed(cfg.seed + cfg.data_rank(worker_index))
     loader_kw = dict(num_workers=cfg.loader_workers, persistent_workers=cfg.loader_workers > 0,
                      pin_memory=device.type == "cuda")
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, drop_last=True, generator=gen,
@@ -102,25 +106,6 @@ def batches_forever(loader: DataLoader) -> Iterator:
         yield from loader
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: DataLoader, device: torch.device, max_samples: int | None = None
-             ) -> tuple[float, float, int]:
-    """Accuracy (0..1), mean cross-entropy loss and number of samples on ``loader``."""
-    was_training = model.training
-    model.eval()
-    correct, loss_sum, seen = 0, 0.0, 0
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        logits = model(x)
-        loss_sum += torch.nn.functional.cross_entropy(logits, y, reduction="sum").item()
-        correct += (logits.argmax(1) == y).sum().item()
-        seen += len(y)
-        if max_samples is not None and seen >= max_samples:
-            break
-    model.train(was_training)
-    return correct / max(seen, 1), loss_sum / max(seen, 1), seen
-
-
 def run_worker(cfg: RunConfig, ctx: WorkerContext, store: ResultsStore) -> str:
     """Train one worker to its stop condition, storing every measurement as it goes.
 
@@ -134,7 +119,7 @@ def run_worker(cfg: RunConfig, ctx: WorkerContext, store: ResultsStore) -> str:
     """
     run_id, wi = ctx.run_id, ctx.worker_index
     torch.set_num_threads(max(1, len(ctx.cores)))
-    wl = build_workload(cfg, wi)
+    wl = build_workload(cfg, wi, ctx.local_rank)
     strategy = strategy_class(cfg.strategy)(cfg, ctx)
     try:
         model = strategy.setup(wl.model, wl.optimizer)
@@ -149,8 +134,9 @@ def run_worker(cfg: RunConfig, ctx: WorkerContext, store: ResultsStore) -> str:
 class _EvalClock:
     """Runs held-out evaluations and keeps their time out of the training time."""
 
-    def __init__(self, store, run_id, worker_index, model, wl: Workload, max_samples, train_start: float):
+    def __init__(self, store, run_id, worker_index, model, wl: Workload, strategy, max_samples, train_start: float):
         self.store, self.run_id, self.wi, self.model, self.wl = store, run_id, worker_index, model, wl
+        self.strategy = strategy
         self.max_samples, self.train_start = max_samples, train_start
         self.eval_s, self.last_eval_step = 0.0, None
 
@@ -160,7 +146,7 @@ class _EvalClock:
     def evaluate(self, step: int) -> float:
         t0 = time.perf_counter()
         train_time_s = self.train_time_s()
-        acc, loss, n = evaluate(self.model, self.wl.eval_loader, self.wl.device, self.max_samples)
+        acc, loss, n = self.strategy.evaluate(self.model, self.wl.eval_loader, self.wl.device, self.max_samples)
         self.store.add_eval(self.run_id, self.wi, step, train_time_s, acc, loss, n)
         self.eval_s += time.perf_counter() - t0
         self.last_eval_step = step
@@ -176,12 +162,12 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy) -> str:
     train_start = time.time()
     store.upsert_worker(run_id, wi, status="training", train_start_time=train_start)
     model.train()
-    clock = _EvalClock(store, run_id, wi, model, wl, cfg.eval_max_samples, train_start)
+    clock = _EvalClock(store, run_id, wi, model, wl, strategy, cfg.eval_max_samples, train_start)
     reason, steps_done = "sample_budget", 0
     for step in itertools.count():
         if max_steps is not None and step >= max_steps:
             break
-        if cfg.time_limit_s is not None and clock.train_time_s() >= cfg.time_limit_s:
+        if cfg.time_limit_s is not None and strategy.agree_to_stop(clock.train_time_s() >= cfg.time_limit_s):
             reason = "time_limit"
             break
         if strategy.should_stop():
@@ -192,23 +178,21 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy) -> str:
         x, y = next(batches)
         x, y = x.to(wl.device, non_blocking=True), y.to(wl.device, non_blocking=True)
         data_load_s = watch.lap()
-        logits = model(x)
-        loss = loss_fn(logits, y)
-        forward_s = watch.lap()
-        (loss / gas if gas > 1 else loss).backward()
-        backward_s = watch.lap()
         stepped = (step + 1) % gas == 0
+        res = strategy.forward_backward(model, x, y, loss_fn, 1.0 / gas, sync=stepped)
+        compute_s = watch.lap()
         outcome = None
         if stepped:
-            outcome = strategy.step(len(y) * gas)
+            outcome = strategy.step(res.samples * gas)
             strategy.zero_grad()
         optimizer_s = watch.lap()
-        step_s = data_load_s + forward_s + backward_s + optimizer_s
+        step_s = data_load_s + compute_s + optimizer_s
         store.add_step(run_id, wi, dict(
-            step=step, wall_time=wall, samples=len(y), data_load_s=data_load_s, forward_s=forward_s,
-            backward_s=backward_s, optimizer_s=optimizer_s, averaging_s=outcome.averaging_s if outcome else 0.0,
-            step_s=step_s, loss=loss.item(), accuracy=(logits.argmax(1) == y).float().mean().item(),
-            samples_per_s=len(y) / step_s if step_s > 0 else None, warmup=int(step < cfg.warmup_steps),
+            step=step, wall_time=wall, samples=res.samples, data_load_s=data_load_s, forward_s=res.forward_s,
+            backward_s=res.backward_s, comm_wait_s=res.comm_wait_s, bubble_s=res.bubble_s, optimizer_s=optimizer_s,
+            averaging_s=outcome.averaging_s if outcome else 0.0, comm_s=res.comm_s, comm_bytes=res.comm_bytes,
+            step_s=step_s, loss=res.loss, accuracy=None if res.correct is None else res.correct / res.samples,
+            samples_per_s=res.samples / step_s if step_s > 0 else None, warmup=int(step < cfg.warmup_steps),
             optimizer_stepped=int(stepped), global_epoch=outcome.global_epoch if outcome else None,
             averaging_round=int(outcome.averaging_round) if outcome else 0,
             averaging_group_size=outcome.group_size if outcome else None,
@@ -223,7 +207,10 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy) -> str:
             if cfg.target_accuracy is not None and acc >= cfg.target_accuracy:
                 reason = "target_accuracy"
                 break
-    store.upsert_worker(run_id, wi, train_end_time=time.time(), eval_s=clock.eval_s)
+    store.upsert_worker(run_id, wi, train_end_time=time.time(), eval_s=clock.eval_s,
+                        peak_memory_bytes=peak_memory_bytes(wl.device))
+    if strategy.details():
+        store.add_event(run_id, wi, "strategy_details", **strategy.details())
     if steps_done and clock.last_eval_step != steps_done - 1:  # the final accuracy, outside the training time
         clock.evaluate(steps_done - 1)
     return reason

@@ -1,7 +1,11 @@
 """Entry point of one worker process: ``python -m ddlscope.train.worker --db ... --run-id ...``.
 
 The launcher starts one of these per worker/peer, each in its own process group (so the group,
-hivemind's daemons included, can be ended as one), pinned to its cores. The worker reads the
+hivemind's daemons included, can be ended as one), pinned to its cores. For the torch.distributed
+distribution models, torch's elastic launcher starts them instead (``torchrun ... -m
+ddlscope.train.worker --core-sets 0;1 ...``): the worker then takes its index, the number of
+workers and its local rank from ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``, and its cores from
+``--core-sets`` (one comma-separated set per local rank, separated by ``;``). The worker reads the
 run's config from the results store, trains, and records its own status there: ``completed``,
 ``failed`` (with the reason) or ``interrupted`` (SIGTERM/SIGINT).
 
@@ -74,9 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ddlscope.train.worker")
     p.add_argument("--db", required=True)
     p.add_argument("--run-id", required=True)
-    p.add_argument("--worker-index", type=int, required=True)
-    p.add_argument("--num-workers", type=int, required=True)
-    p.add_argument("--cores", required=True, help="comma-separated core ids")
+    p.add_argument("--worker-index", type=int, help="default: $RANK (torchrun)")
+    p.add_argument("--num-workers", type=int, help="default: $WORLD_SIZE (torchrun)")
+    p.add_argument("--cores", help="comma-separated core ids")
+    p.add_argument("--core-sets", help="under torchrun: ';'-separated core sets, one per local rank")
     p.add_argument("--initial-peers", nargs="*", default=[])
     p.add_argument("--listen", nargs="*", default=None)
     p.add_argument("--die-with-parent", action="store_true")
@@ -84,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def serve_worker(db: str, run_id: str, worker_index: int, num_workers: int, cores: list[int],
-                 initial_peers: list[str], listen: list[str] | None = None) -> int:
+                 initial_peers: list[str], listen: list[str] | None = None, local_rank: int = 0) -> int:
     """Run one worker in this process and return its exit code (see the module docstring)."""
     from ddlscope.config import RunConfig
     from ddlscope.errors import UserError
@@ -107,7 +112,7 @@ def serve_worker(db: str, run_id: str, worker_index: int, num_workers: int, core
     cfg = RunConfig(**store.run_config(run_id))
     ctx = WorkerContext(
         run_id=run_id, worker_index=worker_index, num_workers=num_workers, cores=cores,
-        initial_peers=initial_peers, listen_maddrs=listen,
+        initial_peers=initial_peers, listen_maddrs=listen, local_rank=local_rank,
         announce=lambda maddrs: store.upsert_worker(run_id, worker_index, maddrs=json.dumps(maddrs)),
     )
     try:
@@ -134,8 +139,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.die_with_parent:
         _die_with_parent()
-    code = serve_worker(args.db, args.run_id, args.worker_index, args.num_workers,
-                        [int(c) for c in args.cores.split(",")], args.initial_peers, args.listen)
+    env = os.environ
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    index = args.worker_index if args.worker_index is not None else int(env["RANK"])
+    num_workers = args.num_workers if args.num_workers is not None else int(env["WORLD_SIZE"])
+    cores = args.cores if args.cores is not None else args.core_sets.split(";")[local_rank]
+    code = serve_worker(args.db, args.run_id, index, num_workers, [int(c) for c in cores.split(",")],
+                        args.initial_peers, args.listen, local_rank)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # hivemind may leave non-daemon threads; the launcher ends the process group anyway

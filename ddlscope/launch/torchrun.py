@@ -1,0 +1,93 @@
+"""Launching the torch.distributed distribution models with torch's elastic launcher (torchrun).
+
+Locally the :class:`~ddlscope.launch.local.LocalLauncher` runs one torchrun agent with
+``--nproc-per-node = peers`` and a c10d rendezvous on a loopback port. On a cluster the same
+command runs on every node with ``--nnodes`` and a shared rendezvous endpoint
+(``ddlscope run CONFIG --nnodes N --rdzv-endpoint HOST:PORT --run-id ID``). torchrun ends the
+other workers when one fails (``--max-restarts 0``) and exits non-zero.
+
+Before anything starts, :func:`preflight` checks what would otherwise fail inside the workers:
+the rendezvous port and, for pipelines, whether the network can be cut into that many stages.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import sys
+
+from ddlscope.config import PIPELINE_STRATEGIES, RunConfig
+from ddlscope.errors import UserError
+
+
+def rendezvous_port(cfg: RunConfig, host: str = "127.0.0.1") -> int:
+    """The port for torchrun's rendezvous: ``distributed.rendezvous_port`` if free, else any free port when it is 0.
+
+    Raises:
+        UserError: the configured port is already in use (or cannot be bound) on ``host``.
+    """
+    port = cfg.distributed.rendezvous_port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            why = "is already in use" if err.errno == errno.EADDRINUSE else f"cannot be bound ({err.strerror})"
+            raise UserError(f"distributed.rendezvous_port = {port} {why} on {host}; allowed: a free port, "
+                            f"or 0 to let ddlscope pick one") from None
+        return s.getsockname()[1]
+
+
+def check_pipeline_split(cfg: RunConfig) -> None:
+    """For ``gpipe``/``1f1b``: the network is an ``nn.Sequential`` with at least ``peers`` top-level layers.
+
+    Builds the network on the meta device (no memory, no compute).
+
+    Raises:
+        UserError: the network cannot be split into ``peers`` stages.
+    """
+    if cfg.strategy not in PIPELINE_STRATEGIES:
+        return
+    import torch
+
+    from ddlscope.workloads.datasets import DATASETS
+    from ddlscope.workloads.models import build_model
+
+    family = DATASETS[cfg.dataset].family if cfg.dataset in DATASETS else "imagenet"
+    with torch.device("meta"):
+        model = build_model(cfg.model, family)
+    if not isinstance(model, torch.nn.Sequential):
+        raise UserError(f"strategy {cfg.strategy!r} splits a network between the children of an nn.Sequential, but "
+                        f"{cfg.model!r} is a {type(model).__name__}; allowed: zoo networks or a factory returning "
+                        f"nn.Sequential")
+    if cfg.peers > len(model):
+        raise UserError(f"peers = {cfg.peers} pipeline stages, but {cfg.model!r} has only {len(model)} top-level "
+                        f"layers to split between; allowed: peers <= {len(model)}")
+
+
+def preflight(cfg: RunConfig) -> int | None:
+    """Checks before a torch.distributed run starts; returns the local rendezvous port (None for other strategies).
+
+    Raises:
+        UserError: port in use, or a network that cannot be split into that many stages.
+    """
+    from ddlscope.config import TORCH_STRATEGIES
+
+    if cfg.strategy not in TORCH_STRATEGIES:
+        return None
+    check_pipeline_split(cfg)
+    return rendezvous_port(cfg)
+
+
+def torchrun_command(nproc_per_node: int, rdzv_endpoint: str, worker_args: list[str], nnodes: int = 1,
+                     rdzv_id: str = "ddlscope") -> list[str]:
+    """The torchrun command line that starts ``nproc_per_node`` ddlscope workers on this node.
+
+    Args:
+        rdzv_endpoint: ``host:port`` of the c10d rendezvous (the first node hosts it).
+        worker_args: arguments of ``python -m ddlscope.train.worker``.
+        nnodes: nodes taking part; each runs this same command.
+        rdzv_id: the same on every node of one run.
+    """
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}", "--max-restarts=0",
+            "--monitor-interval=0.2", "-m", "ddlscope.train.worker", *worker_args]

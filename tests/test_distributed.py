@@ -1,0 +1,54 @@
+"""Correctness of the torch.distributed distribution models against ``single`` (2 processes, tiny CNN).
+
+ddp and fsdp on 2 workers with half a batch each must train exactly like one worker on the
+whole batch; gpipe and 1f1b on 2 stages with 2 micro-batches like one worker on the same batch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import dist_check  # noqa: E402
+
+
+def _single_reference():
+    model = dist_check.initial_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=dist_check.LR, momentum=0.9)
+    losses = []
+    for x, y in dist_check.batches():
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
+def _run_distributed(strategy: str, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+           "--rdzv-endpoint=127.0.0.1:0", "--max-restarts=0", str(Path(__file__).parent / "dist_check.py"), strategy, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "gpipe", "1f1b"])
+def test_matches_single(strategy, tmp_path):
+    ref_state, ref_losses = _single_reference()
+    got = _run_distributed(strategy, tmp_path / "out.pt")
+    assert set(got["state"]) == set(ref_state)
+    for name, tensor in ref_state.items():
+        torch.testing.assert_close(got["state"][name], tensor, rtol=1e-4, atol=1e-5, msg=f"{strategy}: {name} differs")
+    assert got["state"]["conv1.0.weight"].sub(dist_check.initial_model().state_dict()["conv1.0.weight"]).abs().max() > 1e-3
+    if strategy in ("gpipe", "1f1b"):  # the last stage reports the whole batch's loss
+        assert got["losses"] == pytest.approx(ref_losses, rel=1e-4)
+        bounds = got["details"]["stage_bounds"]
+        assert bounds[0] == 0 and bounds[-1] == 4 and len(bounds) == 3
+    else:  # rank 0 reports the loss of its half batch
+        assert all(loss > 0 for loss in got["losses"])
