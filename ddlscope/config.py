@@ -103,6 +103,7 @@ class RunConfig(BaseModel):
     time_limit_s: float | None = Field(None, gt=0, description="stop training after this many seconds")
     eval_every_steps: int | None = Field(None, ge=1, description="evaluate on the held-out split every N steps (and at the end)")
     eval_max_samples: int | None = Field(None, ge=1, description="evaluate on at most this many held-out samples")
+    final_eval: bool = Field(True, description="evaluate once more after the last step (benchmarks that time steps only turn it off)")
     warmup_steps: int = Field(2, ge=0, description="first steps are recorded but flagged and excluded from rates")
     host_sample_interval_s: float = Field(1.0, gt=0, le=60)
 

@@ -12,8 +12,13 @@ Comparison rules (thesis 000, final version; seeds README):
   accuracy first reaches the threshold (None if it never does).
 
 Step-time shares exclude warm-up steps. The **bottleneck** is the largest share among
-input (``data_load_s``), compute (forward + backward + local optimizer work) and
-communication (``averaging_s``), with the numbers behind it.
+input (``data_load_s``), compute (forward + backward + local optimizer work), communication
+(``averaging_s`` + ``comm_wait_s``: averaging and collectives the worker waited for) and, for
+pipelines, the bubble (``bubble_s``: stages idle waiting for a neighbour), with the numbers
+behind it.
+
+Pipeline stages all process the same batches, so a pipeline run's samples and throughput are
+those of one stage (the slowest), not the sum over workers.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ddlscope.config import PIPELINE_STRATEGIES
 from ddlscope.store.db import ResultsStore
 
-PHASES = ("data_load_s", "forward_s", "backward_s", "optimizer_local_s", "averaging_s")
+PHASES = ("data_load_s", "forward_s", "backward_s", "comm_wait_s", "bubble_s", "optimizer_local_s", "averaging_s")
 
 
 @dataclass
@@ -46,6 +52,9 @@ class WorkerSummary:
     averaging_rounds: int
     averaging_rounds_failed: int
     mean_group_size: float | None
+    mean_comm_s: float = 0.0
+    mean_comm_bytes: float = 0.0
+    peak_memory_bytes: int | None = None
 
 
 @dataclass
@@ -92,7 +101,8 @@ def _mean(values: list[float]) -> float | None:
 
 
 def summarize_worker(index: int, status: str, start: float | None, end: float | None, eval_s: float,
-                     steps: list[dict], evals: list[dict], host: list[dict]) -> WorkerSummary:
+                     steps: list[dict], evals: list[dict], host: list[dict], peak_memory_bytes: int | None = None
+                     ) -> WorkerSummary:
     """Reduce one worker's stored rows to a :class:`WorkerSummary`."""
     timed = [s for s in steps if not s["warmup"]]
     phases = {p: _mean([_phase(s, p) for s in timed]) or 0.0 for p in PHASES}
@@ -113,6 +123,9 @@ def summarize_worker(index: int, status: str, start: float | None, end: float | 
         net_sent_bytes=int(last.get("net_sent_bytes") or 0), net_recv_bytes=int(last.get("net_recv_bytes") or 0),
         averaging_rounds=len(rounds), averaging_rounds_failed=sum(1 for s in rounds if s["averaging_succeeded"] == 0),
         mean_group_size=_mean(sizes),
+        mean_comm_s=_mean([s["comm_s"] or 0.0 for s in timed]) or 0.0,
+        mean_comm_bytes=_mean([s["comm_bytes"] or 0 for s in timed]) or 0.0,
+        peak_memory_bytes=peak_memory_bytes,
     )
 
 
@@ -141,10 +154,12 @@ def bottleneck(workers: list[WorkerSummary]) -> Verdict | None:
     shares = {
         "input": mean["data_load_s"] / total,
         "compute": (mean["forward_s"] + mean["backward_s"] + mean["optimizer_local_s"]) / total,
-        "communication": mean["averaging_s"] / total,
+        "communication": (mean["averaging_s"] + mean["comm_wait_s"]) / total,
+        "bubble": mean["bubble_s"] / total,
     }
     kind = max(shares, key=shares.get)
-    label = {"input": "input-bound", "compute": "compute-bound", "communication": "communication/averaging-bound"}[kind]
+    label = {"input": "input-bound", "compute": "compute-bound", "communication": "communication/averaging-bound",
+             "bubble": "pipeline-bubble-bound"}[kind]
     parts = ", ".join(f"{k} {v:.0%}" for k, v in shares.items())
     explanation = f"{label}: of a mean step of {total * 1000:.1f} ms, {parts}."
     if kind != "input" and shares["input"] >= 0.10:
@@ -171,19 +186,20 @@ def summarize_run(store: ResultsStore, run_id: str) -> RunSummary:
             end = w_steps[-1]["wall_time"] + (w_steps[-1]["step_s"] or 0.0)
         workers.append(summarize_worker(i, w["status"], w["train_start_time"], end, w["eval_s"] or 0.0, w_steps,
                                         [e for e in evals if e["worker_index"] == i],
-                                        [h for h in host if h["worker_index"] == i]))
+                                        [h for h in host if h["worker_index"] == i], w["peak_memory_bytes"]))
     runtimes = [w.runtime_s for w in workers if w.runtime_s is not None]
     accs = [w.final_accuracy for w in workers if w.final_accuracy is not None]
     throughputs = [w.throughput_samples_per_s for w in workers if w.throughput_samples_per_s]
+    pipeline = run["strategy"] in PIPELINE_STRATEGIES  # stages share the batches: count them once
     curve = sorted((e["train_time_s"], e["accuracy"]) for e in evals)
     losses = _loss_curve(steps)
     return RunSummary(
         run_id=run_id, name=run["name"], strategy=run["strategy"], status=run["status"], reason=run["reason"],
         peers=int(cfg.get("peers", 1)), config=cfg,
         runtime_s=max(runtimes) if runtimes else None,
-        throughput_samples_per_s=sum(throughputs) if throughputs else None,
+        throughput_samples_per_s=(min(throughputs) if pipeline else sum(throughputs)) if throughputs else None,
         accuracy=max(accs) if accs else None,
-        samples=sum(w.samples for w in workers),
+        samples=(max((w.samples for w in workers), default=0) if pipeline else sum(w.samples for w in workers)),
         mean_cpu_percent=_mean([w.mean_cpu_percent for w in workers if w.mean_cpu_percent is not None]),
         mean_net_bytes_per_peer=_mean([w.net_sent_bytes + w.net_recv_bytes for w in workers]) or 0.0,
         workers=workers, verdict=bottleneck(workers), eval_curve=curve, loss_curve=losses,

@@ -24,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from ddlscope.analyze.compare import PHASES, Comparison, RunSummary  # noqa: E402
 
 PHASE_LABELS = {"data_load_s": "data loading", "forward_s": "forward", "backward_s": "backward",
+                "comm_wait_s": "communication (waited)", "bubble_s": "pipeline bubble",
                 "optimizer_local_s": "optimizer (local)", "averaging_s": "averaging"}
 
 

@@ -211,6 +211,6 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy) -> str:
                         peak_memory_bytes=peak_memory_bytes(wl.device))
     if strategy.details():
         store.add_event(run_id, wi, "strategy_details", **strategy.details())
-    if steps_done and clock.last_eval_step != steps_done - 1:  # the final accuracy, outside the training time
+    if cfg.final_eval and steps_done and clock.last_eval_step != steps_done - 1:  # outside the training time
         clock.evaluate(steps_done - 1)
     return reason
