@@ -24,6 +24,11 @@ COLUMNS = ("strategy", "workers", "loader samples/s", "storage MB", "build s", "
            "est. training samples/s")
 
 
+def _rate(samples_per_s: float) -> str:
+    """A rate for display: whole samples/s from 100 up, one decimal below."""
+    return f"{samples_per_s:,.0f}" if samples_per_s >= 100 else f"{samples_per_s:.1f}"
+
+
 def rows(result: DatapipeResult) -> list[dict[str, str]]:
     """One row of display strings per option (table, Markdown); the recommended one is marked ``*``."""
     rec = result.recommendation
@@ -31,10 +36,10 @@ def rows(result: DatapipeResult) -> list[dict[str, str]]:
     for o in result.options:
         mark = " *" if (o.strategy, o.workers) == (rec.strategy, rec.workers) else ""
         out.append(dict(zip(COLUMNS, (
-            o.strategy + mark, str(o.workers), f"{o.samples_per_s:,.0f}",
+            o.strategy + mark, str(o.workers), _rate(o.samples_per_s),
             f"{o.storage_bytes / 1e6:,.2f} ({o.storage_location})", f"{o.build_s:.2f}",
             "yes" if o.online_augmentation else "no",
-            "input-bound" if o.input_bound else "keeps up", f"{o.expected_training_samples_per_s:,.0f}"))))
+            "input-bound" if o.input_bound else "keeps up", _rate(o.expected_training_samples_per_s)))))
     return out
 
 
@@ -67,8 +72,8 @@ def print_result(result: DatapipeResult, console=None) -> None:
 
 
 def plot_throughput(result: DatapipeResult) -> bytes:
-    """PNG bytes: grouped bars of loader samples/s (x: strategy, one bar per worker count), training's
-    samples/s as a dashed horizontal line."""
+    """PNG bytes: grouped bars of loader samples/s on a log axis (x: strategy, one bar per worker
+    count), training's samples/s as a dashed horizontal line."""
     strategies = list(dict.fromkeys(o.strategy for o in result.options))
     workers = sorted({o.workers for o in result.options})
     rate = {(o.strategy, o.workers): o.samples_per_s for o in result.options}
@@ -80,7 +85,8 @@ def plot_throughput(result: DatapipeResult) -> bytes:
     ax.axhline(result.training_samples_per_s, color="black", linestyle="--", linewidth=1,
                label=f"training consumes {result.training_samples_per_s:,.0f} samples/s")
     ax.set_xticks(range(len(strategies)), strategies, fontsize=8)
-    ax.set_ylabel("loader throughput (samples/s)")
+    ax.set_yscale("log")  # rates span orders of magnitude; a linear axis hides the training line
+    ax.set_ylabel("loader throughput (samples/s, log scale)")
     ax.set_title(f"Data pipeline options for {result.dataset} (batch {result.batch_size})")
     ax.legend(fontsize=8)
     fig.tight_layout()
