@@ -1,7 +1,7 @@
 """The ``ddlscope`` command line.
 
-Commands: ``quickstart`` (the main job), ``run``, ``peer``, ``bootstrap``, ``report``, ``runs``
-and ``data``. User errors print one line ``error: ...`` and exit with status 2.
+Commands: ``quickstart`` (the main job), ``run``, ``sweep``, ``sweep-report``, ``matchmaking``,
+``peer``, ``bootstrap``, ``report``, ``runs`` and ``data``. User errors print one line ``error: ...`` and exit with status 2.
 """
 
 from __future__ import annotations
@@ -149,6 +149,80 @@ def run(
     with _interruptible():
         run_id = run_local(cfg, _db(db), group, progress, local_peers)
     _echo_outcome(_db(db), run_id)
+
+
+@app.command()
+def sweep(
+    grid: Optional[Path] = typer.Argument(None, help="grid TOML file ([base] and [axes] tables)"),
+    preset: Optional[str] = typer.Option(None, help="a built-in grid instead of a file (see --list-presets)"),
+    list_presets: bool = typer.Option(False, "--list-presets", help="list the built-in grids and exit"),
+    name: Optional[str] = typer.Option(None, help="sweep name = the runs' group (default: the grid's name)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="list the cells with their estimated time; run nothing"),
+    max_cells: int = typer.Option(200, min=1, help="refuse grids that expand to more cells than this"),
+    retry_failed: bool = typer.Option(True, help="run cells whose last run failed again (default) or skip them"),
+    db: Optional[Path] = DbOption,
+    progress: bool = typer.Option(True, help="show the sweep's progress bar"),
+):
+    """Run a grid of runs (one cell after another, stored in the group NAME); reruns skip finished cells."""
+    from ddlscope.config import available_cores
+    from ddlscope.sweep.grid import expand_grid, load_grid
+    from ddlscope.sweep.presets import describe_presets, preset_grid
+
+    if list_presets:
+        for preset_name, text in describe_presets().items():
+            typer.echo(f"{preset_name}: {text}")
+        return
+    if (grid is None) == (preset is None):
+        raise UserError("give either a grid file or --preset NAME (see --list-presets)")
+    if grid is not None:
+        plan = load_grid(grid, max_cells, name)
+    else:
+        plan = expand_grid(preset_grid(preset, len(available_cores())), name or preset, max_cells)
+    if dry_run:
+        _print_sweep_plan(plan, _db(db))
+        return
+    from ddlscope.sweep.runner import run_sweep
+
+    with _interruptible():
+        outcomes = run_sweep(plan, _db(db), progress, retry_failed)
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("completed", "failed", "skipped")}
+    typer.echo(f"sweep {plan.name}: {counts['completed']} completed, {counts['failed']} failed, "
+               f"{counts['skipped']} skipped (already stored) of {len(outcomes)} cells (stored in {_db(db)})")
+    for o in outcomes:
+        if o.status == "failed":
+            typer.echo(f"  failed {o.cell.label} (run {o.run_id}): {o.reason}", err=True)
+    typer.echo(f"report: ddlscope sweep-report {plan.name}" + (f" --db {db}" if db else ""))
+    if counts["failed"]:
+        raise typer.Exit(1)
+
+
+def _print_sweep_plan(plan, db_path: Path) -> None:
+    """The --dry-run table: every cell, its run shape, estimated time and what the store holds."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ddlscope.store.db import ResultsStore
+    from ddlscope.sweep.estimate import estimate_cell_s
+    from ddlscope.sweep.runner import cell_runs
+
+    stored = {}
+    if db_path.exists():
+        with ResultsStore(db_path) as store:
+            stored = cell_runs(store, plan.name)
+    table = Table(title=f"sweep {plan.name}: {len(plan.cells)} cells")
+    for col in ("#", "cell", "strategy", "peers x vCPUs", "steps/peer", "est. s", "stored", "key"):
+        table.add_column(col, justify="right" if col in ("#", "steps/peer", "est. s") else "left")
+    total = 0.0
+    for i, c in enumerate(plan.cells):
+        est = estimate_cell_s(c.config)
+        state = stored.get(c.key, {}).get("status", "-")
+        total += 0.0 if state == "completed" else est
+        table.add_row(str(i), c.label, c.config.strategy, f"{c.config.peers} x {c.config.cores_per_peer()}",
+                      str(c.config.max_steps_per_peer() or "-"), f"{est:.0f}", state, c.key)
+    console = Console(width=220)
+    console.print(table)
+    console.print(f"estimated time of the cells still to run: {total / 60:.1f} min "
+                  f"(ResNet-18 figures of this project's 2-core machine; see ddlscope/sweep/estimate.py)")
 
 
 @app.command()

@@ -4,7 +4,8 @@ Each process opens its own connection; rows are committed as they are measured, 
 crashes or is killed keeps everything measured up to its last step. Tables:
 
 - ``runs``: one row per run — config (JSON), status (running / completed / failed /
-  interrupted), reason, times.
+  interrupted), reason, times, group name and, for a sweep's cells, ``cell_key`` (the canonical
+  JSON of the cell's overrides, see :mod:`ddlscope.sweep.grid`).
 - ``workers``: one row per worker/peer — host, pid, cores, status, training start/end.
 - ``steps``: one row per step (micro-batch) per worker — the step-time breakdown.
 - ``evals``: held-out accuracy and loss, per worker, after a step, with the training time so far.
@@ -91,6 +92,18 @@ class ResultsStore:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
         self.conn.executescript(SCHEMA)
+        self._add_column("runs", "cell_key", "TEXT")
+
+    def _add_column(self, table: str, column: str, sql_type: str) -> None:
+        """Add a column that databases written by older versions lack (idempotent, race-safe)."""
+        have = {r["name"] for r in self.conn.execute(f"PRAGMA table_info({table})")}
+        if column in have:
+            return
+        try:
+            self.conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}")
+        except sqlite3.OperationalError as e:  # another process added it between the check and now
+            if "duplicate column" not in str(e):
+                raise
 
     def close(self) -> None:
         self.conn.close()
@@ -134,6 +147,10 @@ class ResultsStore:
         if group_name is None:
             return self.conn.execute("SELECT * FROM runs ORDER BY created_at DESC").fetchall()
         return self.conn.execute("SELECT * FROM runs WHERE group_name = ? ORDER BY created_at", (group_name,)).fetchall()
+
+    def set_cell_key(self, run_id: str, cell_key: str) -> None:
+        """Tag a run as the run of a sweep cell (``cell_key``: canonical JSON of the cell's overrides)."""
+        self.conn.execute("UPDATE runs SET cell_key = ? WHERE run_id = ?", (cell_key, run_id))
 
     # ------------------------------------------------------------------ workers
     def upsert_worker(self, run_id: str, worker_index: int, **fields: Any) -> None:
