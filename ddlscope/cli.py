@@ -300,6 +300,61 @@ def report(
     typer.echo(f"report: {_report(db_path, run_ids, out, threshold)}")
 
 
+@app.command("sweep-report")
+def sweep_report(
+    name: str = typer.Argument(..., help="the sweep's name (its runs' group)"),
+    db: Optional[Path] = DbOption,
+    out: Optional[Path] = typer.Option(None, help="report folder (default <db folder>/reports/sweep-NAME)"),
+):
+    """Thesis 000's views over a sweep: plots + tables (Markdown, JSON), matchmaking analysis included."""
+    from ddlscope.analyze.sweep_report import write_sweep_report
+    from ddlscope.store.db import ResultsStore
+
+    db_path = _existing_db(db)
+    with ResultsStore(db_path) as store:
+        path = write_sweep_report(store, name, out or db_path.parent / "reports" / f"sweep-{name}")
+    typer.echo(path.read_text())
+    typer.echo(f"report: {path}")
+
+
+@app.command()
+def matchmaking(
+    run_ids: list[str] = typer.Argument(None, help="collaborative run id(s) to analyze together"),
+    group: Optional[str] = typer.Option(None, help="analyze every collaborative run of this group or sweep"),
+    db: Optional[Path] = DbOption,
+    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the analysis as JSON here"),
+):
+    """Averaging rounds of collaborative runs: group sizes, solo rounds, waits; recommends matchmaking_time_s."""
+    import json
+
+    from ddlscope.analyze.matchmaking import analyze_matchmaking
+    from ddlscope.store.db import ResultsStore
+
+    if bool(run_ids) == bool(group):
+        raise UserError("give run id(s) or --group NAME (not both)")
+    db_path = _existing_db(db)
+    with ResultsStore(db_path) as store:
+        ids = [r["run_id"] for r in store.runs(group)] if group else run_ids
+        known = {r["run_id"]: r["strategy"] for r in store.runs()}
+        missing = [r for r in ids if r not in known]
+        if missing or not ids:
+            raise UserError(f"unknown run id(s) {missing} in {db_path}; see 'ddlscope runs'" if missing
+                            else f"no runs in group {group!r} in {db_path}")
+        if not any(known[r] == "collaborative" for r in ids):
+            raise UserError(f"no collaborative run among {ids}; matchmaking applies to strategy 'collaborative'")
+        analysis = analyze_matchmaking(store, ids)
+    typer.echo(analysis.markdown())
+    if json_out:
+        json_out.write_text(json.dumps(analysis.to_dict(), indent=2, default=str))
+
+
+def _existing_db(db: Optional[Path]) -> Path:
+    db_path = _db(db)
+    if not db_path.exists():
+        raise UserError(f"no results database at {db_path}; run 'ddlscope sweep' or pass --db")
+    return db_path
+
+
 @app.command()
 def runs(db: Optional[Path] = DbOption):
     """List stored runs, newest first."""
