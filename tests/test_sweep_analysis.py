@@ -166,7 +166,10 @@ def test_sweep_report_tables(store, tmp_path):
         assert json.loads((tmp_path / "rep" / f"{view}.json").read_text())
     text = md.read_text()
     assert "factory exploded" in text and "| 2 | 1 | 2 | 145 |" in text
-    assert json.loads((tmp_path / "rep" / "matchmaking.json").read_text())["peer_rounds"] == 8
+    mm_json = json.loads((tmp_path / "rep" / "matchmaking.json").read_text())
+    assert mm_json["peer_rounds"] == 8
+    assert [(r["run_id"], r["peer_rounds"], r["mean_wait_s"]) for r in mm_json["per_run"]] == [
+        (ids[2], 4, pytest.approx(1.0)), (ids[3], 4, pytest.approx(1.0))]
 
 
 def test_cli_sweep_report_and_matchmaking(store, tmp_path):

@@ -154,6 +154,20 @@ def step_time_table(summaries: list[RunSummary]) -> Table:
     return rows
 
 
+def matchmaking_table(store: ResultsStore, summaries: list[RunSummary]) -> Table:
+    """Per collaborative run: its own matchmaking analysis (rounds, solo share, waits, recommendation)."""
+    rows = []
+    for s in summaries:
+        if s.strategy != "collaborative":
+            continue
+        a = analyze_matchmaking(store, [s.run_id])
+        rows.append({"run": s.name, "run_id": s.run_id, "matchmaking_time_s": _cfg(s, "collaborative.matchmaking_time_s"),
+                     "target_batch_size": _cfg(s, "collaborative.target_batch_size"), "peer_rounds": a.peer_rounds,
+                     "solo_share": a.solo_share, "mean_wait_s": a.mean_wait_s, "step_s": a.step_s, "epoch_s": a.epoch_s,
+                     "spread_s": a.spread_s, "recommended_s": a.recommended_s})
+    return rows
+
+
 # ---------------------------------------------------------------------- plots
 def _save(fig, path: Path) -> None:
     fig.tight_layout()
@@ -287,9 +301,11 @@ def write_sweep_report(store: ResultsStore, name: str, out_dir: Path) -> Path:
         (out_dir / f"{view}.md").write_text(section)
         (out_dir / f"{view}.json").write_text(json.dumps(rows, indent=2, default=str))
         doc += ["", section]
-    mm_md = "## Matchmaking time\n\n" + mm.markdown()
+    per_run = matchmaking_table(store, summaries)
+    mm_md = ("## Matchmaking time\n\nAll collaborative runs of the sweep pooled:\n\n" + mm.markdown() +
+             "\nEach collaborative run on its own:\n\n" + markdown_table(per_run))
     (out_dir / "matchmaking.md").write_text(mm_md)
-    (out_dir / "matchmaking.json").write_text(json.dumps(mm.to_dict(), indent=2, default=str))
+    (out_dir / "matchmaking.json").write_text(json.dumps(dict(mm.to_dict(), per_run=per_run), indent=2, default=str))
     doc += ["", mm_md]
     (out_dir / "sweep_report.md").write_text("\n".join(doc) + "\n")
     payload = dict(tables, matchmaking=mm.to_dict(), failed=[{"run_id": s.run_id, "name": s.name, "status": s.status,
