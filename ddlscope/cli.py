@@ -159,7 +159,8 @@ def sweep(
     name: Optional[str] = typer.Option(None, help="sweep name = the runs' group (default: the grid's name)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="list the cells with their estimated time; run nothing"),
     max_cells: int = typer.Option(200, min=1, help="refuse grids that expand to more cells than this"),
-    retry_failed: bool = typer.Option(True, help="run cells whose last run failed again (default) or skip them"),
+    retry_failed: bool = typer.Option(True, "--retry-failed/--skip-failed",
+                                      help="run cells whose last run failed again (default) or skip them"),
     db: Optional[Path] = DbOption,
     progress: bool = typer.Option(True, help="show the sweep's progress bar"),
 ):
