@@ -184,6 +184,8 @@ def _plot_peers(rows: Table, path: Path) -> None:
     b.plot(xs, [r["throughput_samples_per_s"] for r in rows], marker="o", color="tab:green")
     b.set_xlabel("peers")
     b.set_ylabel("throughput (samples/s, sum over peers)")
+    for ax in (a, b):
+        ax.set_xticks(xs)
     fig.suptitle("Runtime and throughput vs. number of peers")
     _save(fig, path)
 
