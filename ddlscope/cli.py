@@ -1,7 +1,8 @@
 """The ``ddlscope`` command line.
 
-Commands: ``quickstart`` (the main job), ``run``, ``peer``, ``bootstrap``, ``report``, ``runs``,
-``datapipe`` and ``data``. User errors print one line ``error: ...`` and exit with status 2.
+Commands: ``quickstart`` (the main job), ``run``, ``suite``, ``sweep``, ``sweep-report``,
+``matchmaking``, ``datapipe``, ``peer``, ``bootstrap``, ``report``, ``runs`` and ``data``. User errors
+print one line ``error: ...`` and exit with status 2.
 """
 
 from __future__ import annotations
@@ -152,6 +153,81 @@ def run(
 
 
 @app.command()
+def sweep(
+    grid: Optional[Path] = typer.Argument(None, help="grid TOML file ([base] and [axes] tables)"),
+    preset: Optional[str] = typer.Option(None, help="a built-in grid instead of a file (see --list-presets)"),
+    list_presets: bool = typer.Option(False, "--list-presets", help="list the built-in grids and exit"),
+    name: Optional[str] = typer.Option(None, help="sweep name = the runs' group (default: the grid's name)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="list the cells with their estimated time; run nothing"),
+    max_cells: int = typer.Option(200, min=1, help="refuse grids that expand to more cells than this"),
+    retry_failed: bool = typer.Option(True, "--retry-failed/--skip-failed",
+                                      help="run cells whose last run failed again (default) or skip them"),
+    db: Optional[Path] = DbOption,
+    progress: bool = typer.Option(True, help="show the sweep's progress bar"),
+):
+    """Run a grid of runs (one cell after another, stored in the group NAME); reruns skip finished cells."""
+    from ddlscope.config import available_cores
+    from ddlscope.sweep.grid import expand_grid, load_grid
+    from ddlscope.sweep.presets import describe_presets, preset_grid
+
+    if list_presets:
+        for preset_name, text in describe_presets().items():
+            typer.echo(f"{preset_name}: {text}")
+        return
+    if (grid is None) == (preset is None):
+        raise UserError("give either a grid file or --preset NAME (see --list-presets)")
+    if grid is not None:
+        plan = load_grid(grid, max_cells, name)
+    else:
+        plan = expand_grid(preset_grid(preset, len(available_cores())), name or preset, max_cells)
+    if dry_run:
+        _print_sweep_plan(plan, _db(db))
+        return
+    from ddlscope.sweep.runner import run_sweep
+
+    with _interruptible():
+        outcomes = run_sweep(plan, _db(db), progress, retry_failed)
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("completed", "failed", "skipped")}
+    typer.echo(f"sweep {plan.name}: {counts['completed']} completed, {counts['failed']} failed, "
+               f"{counts['skipped']} skipped (already stored) of {len(outcomes)} cells (stored in {_db(db)})")
+    for o in outcomes:
+        if o.status == "failed":
+            typer.echo(f"  failed {o.cell.label} (run {o.run_id}): {o.reason}", err=True)
+    typer.echo(f"report: ddlscope sweep-report {plan.name}" + (f" --db {db}" if db else ""))
+    if counts["failed"]:
+        raise typer.Exit(1)
+
+
+def _print_sweep_plan(plan, db_path: Path) -> None:
+    """The --dry-run table: every cell, its run shape, estimated time and what the store holds."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ddlscope.store.db import ResultsStore
+    from ddlscope.sweep.estimate import estimate_cell_s
+    from ddlscope.sweep.runner import cell_runs
+
+    stored = {}
+    if db_path.exists():
+        with ResultsStore(db_path) as store:
+            stored = cell_runs(store, plan.name)
+    table = Table(title=f"sweep {plan.name}: {len(plan.cells)} cells")
+    for col in ("#", "cell", "strategy", "peers x vCPUs", "steps/peer", "est. s", "stored", "key"):
+        table.add_column(col, justify="right" if col in ("#", "steps/peer", "est. s") else "left")
+    total = 0.0
+    for i, c in enumerate(plan.cells):
+        est = estimate_cell_s(c.config)
+        state = stored.get(c.key, {}).get("status", "-")
+        total += 0.0 if state == "completed" else est
+        table.add_row(str(i), c.label, c.config.strategy, f"{c.config.peers} x {c.config.cores_per_peer()}",
+                      str(c.config.max_steps_per_peer() or "-"), f"{est:.0f}", state, c.key)
+    console = Console(width=220)
+    console.print(table)
+    console.print(f"estimated time of the cells still to run: {total / 60:.1f} min "
+                  f"(ResNet-18 figures of this project's 2-core machine; see ddlscope/sweep/estimate.py)")
+
+
+@app.command()
 def peer(
     run_id: str = typer.Option(..., help="the run id printed by 'ddlscope run --local-peers'"),
     index: int = typer.Option(..., help="this peer's index (0 .. peers-1), unique in the run"),
@@ -224,6 +300,61 @@ def report(
             raise UserError(f"unknown run id(s) {missing} in {db_path}; see 'ddlscope runs'")
     out = out or db_path.parent / "reports" / (group or "-".join(run_ids))
     typer.echo(f"report: {_report(db_path, run_ids, out, threshold)}")
+
+
+@app.command("sweep-report")
+def sweep_report(
+    name: str = typer.Argument(..., help="the sweep's name (its runs' group)"),
+    db: Optional[Path] = DbOption,
+    out: Optional[Path] = typer.Option(None, help="report folder (default <db folder>/reports/sweep-NAME)"),
+):
+    """Thesis 000's views over a sweep: plots + tables (Markdown, JSON), matchmaking analysis included."""
+    from ddlscope.analyze.sweep_report import write_sweep_report
+    from ddlscope.store.db import ResultsStore
+
+    db_path = _existing_db(db)
+    with ResultsStore(db_path) as store:
+        path = write_sweep_report(store, name, out or db_path.parent / "reports" / f"sweep-{name}")
+    typer.echo(path.read_text())
+    typer.echo(f"report: {path}")
+
+
+@app.command()
+def matchmaking(
+    run_ids: list[str] = typer.Argument(None, help="collaborative run id(s) to analyze together"),
+    group: Optional[str] = typer.Option(None, help="analyze every collaborative run of this group or sweep"),
+    db: Optional[Path] = DbOption,
+    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the analysis as JSON here"),
+):
+    """Averaging rounds of collaborative runs: group sizes, solo rounds, waits; recommends matchmaking_time_s."""
+    import json
+
+    from ddlscope.analyze.matchmaking import analyze_matchmaking
+    from ddlscope.store.db import ResultsStore
+
+    if bool(run_ids) == bool(group):
+        raise UserError("give run id(s) or --group NAME (not both)")
+    db_path = _existing_db(db)
+    with ResultsStore(db_path) as store:
+        ids = [r["run_id"] for r in store.runs(group)] if group else run_ids
+        known = {r["run_id"]: r["strategy"] for r in store.runs()}
+        missing = [r for r in ids if r not in known]
+        if missing or not ids:
+            raise UserError(f"unknown run id(s) {missing} in {db_path}; see 'ddlscope runs'" if missing
+                            else f"no runs in group {group!r} in {db_path}")
+        if not any(known[r] == "collaborative" for r in ids):
+            raise UserError(f"no collaborative run among {ids}; matchmaking applies to strategy 'collaborative'")
+        analysis = analyze_matchmaking(store, ids)
+    typer.echo(analysis.markdown())
+    if json_out:
+        json_out.write_text(json.dumps(analysis.to_dict(), indent=2, default=str))
+
+
+def _existing_db(db: Optional[Path]) -> Path:
+    db_path = _db(db)
+    if not db_path.exists():
+        raise UserError(f"no results database at {db_path}; run 'ddlscope sweep' or pass --db")
+    return db_path
 
 
 @app.command()

@@ -235,18 +235,27 @@ def validate_config(values: dict[str, Any]) -> RunConfig:
     return cfg
 
 
+def read_toml(path: Path, what: str) -> dict[str, Any]:
+    """Parse a TOML file; ``what`` names it in errors (e.g. "config file", "grid file").
+
+    Raises:
+        UserError: the file is missing or not valid TOML (the message has the path).
+    """
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{what} not found: {path}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise UserError(f"{what} {path} is not valid TOML: {err}") from None
+
+
 def load_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Read a TOML run config (``[run]``, optional ``[collaborative]`` and ``[distributed]`` tables) and validate it.
 
     Raises:
         UserError: missing file, TOML syntax error, or invalid values.
     """
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UserError(f"config file not found: {path}") from None
-    except tomllib.TOMLDecodeError as err:
-        raise UserError(f"config file {path} is not valid TOML: {err}") from None
+    data = read_toml(path, "config file")
     values = dict(data.get("run", {}))
     unknown = set(data) - {"run", "collaborative", "distributed"}
     if unknown:

@@ -4,7 +4,8 @@ Each process opens its own connection; rows are committed as they are measured, 
 crashes or is killed keeps everything measured up to its last step. Tables:
 
 - ``runs``: one row per run — config (JSON), status (running / completed / failed /
-  interrupted), reason, times.
+  interrupted), reason, times, group name and, for a sweep's cells, ``cell_key`` (the canonical
+  JSON of the cell's overrides, see :mod:`ddlscope.sweep.grid`).
 - ``workers``: one row per worker/peer — host, pid, cores, status, training start/end.
 - ``steps``: one row per step (micro-batch) per worker — the step-time breakdown.
 - ``evals``: held-out accuracy and loss, per worker, after a step, with the training time so far.
@@ -68,7 +69,7 @@ STEP_COLUMNS = (
 # columns added after the first release: (table, column, type); older databases get them on open
 ADDED_COLUMNS = (
     ("workers", "peak_memory_bytes", "INTEGER"), ("steps", "comm_s", "REAL"), ("steps", "comm_wait_s", "REAL"),
-    ("steps", "bubble_s", "REAL"), ("steps", "comm_bytes", "INTEGER"),
+    ("steps", "bubble_s", "REAL"), ("steps", "comm_bytes", "INTEGER"), ("runs", "cell_key", "TEXT"),
 )
 HOST_COLUMNS = (
     "wall_time", "cpu_percent", "rss_bytes", "net_sent_bytes", "net_recv_bytes", "disk_read_bytes",
@@ -154,6 +155,10 @@ class ResultsStore:
         if group_name is None:
             return self.conn.execute("SELECT * FROM runs ORDER BY created_at DESC").fetchall()
         return self.conn.execute("SELECT * FROM runs WHERE group_name = ? ORDER BY created_at", (group_name,)).fetchall()
+
+    def set_cell_key(self, run_id: str, cell_key: str) -> None:
+        """Tag a run as the run of a sweep cell (``cell_key``: canonical JSON of the cell's overrides)."""
+        self.conn.execute("UPDATE runs SET cell_key = ? WHERE run_id = ?", (cell_key, run_id))
 
     # ------------------------------------------------------------------ workers
     def upsert_worker(self, run_id: str, worker_index: int, **fields: Any) -> None:

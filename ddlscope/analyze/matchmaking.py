@@ -1,0 +1,226 @@
+"""Matchmaking time analysis of collaborative runs, and a recommended ``matchmaking_time_s``.
+
+Thesis 000 found that Hivemind's matchmaking time must be tuned to the step time: too short and
+peers average alone (the group closes before the others arrive), too long and they idle waiting
+for the group to close. This module measures both from the stored steps of collaborative runs:
+
+- a **round** is a global epoch: every peer's step with ``averaging_round = 1`` and the same
+  ``global_epoch`` (the epoch after the step) belongs to it;
+- a peer's **arrival** at a round is the time it entered the optimizer step: ``wall_time +
+  data_load_s + forward_s + backward_s`` of that step; the round's **arrival spread** is the
+  latest minus the earliest arrival among the peers that took part (needs >= 2 of them);
+- a peer's **wait** in a round is the step's ``averaging_s`` (matchmaking + all-reduce + state
+  averaging, the local optimizer's own work excluded);
+- **group size** per peer-round is what hivemind reported (1 = the peer averaged alone); the
+  **solo share** is the fraction of peer-rounds with group size 1;
+- **step time** is the median ``step_s`` of warm-up-free steps without a round; **time per
+  global epoch** the median gap between a peer's consecutive round arrivals.
+
+Recommendation rule (ddlscope's, documented in :data:`RULE`): cover the observed spread of the
+peers' arrival plus a margin, and never go below a few step times::
+
+    spread = p90 of the rounds' arrival spreads (nearest rank)
+    margin = max(0.5 x spread, 1 step time)
+    recommended_s = max(spread + margin, 3 x step time)
+
+When the recommendation exceeds half of a global epoch, averaging would dominate the epoch: the
+output says to raise ``target_batch_size`` instead.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ddlscope.store.db import ResultsStore
+
+SPREAD_QUANTILE = 0.9
+MARGIN_FRACTION = 0.5
+MIN_STEP_TIMES = 3
+SOLO_SHARE_TOO_SHORT = 0.2
+RULE = (f"recommended_s = max(spread + max({MARGIN_FRACTION} x spread, 1 step time), {MIN_STEP_TIMES} x step time), "
+        f"spread = p{int(SPREAD_QUANTILE * 100)} (nearest rank) of the rounds' arrival spreads")
+
+
+@dataclass
+class RoundObservation:
+    """One averaging round (global epoch) of one run, as all its peers saw it. Times in seconds."""
+
+    run_id: str
+    epoch: int
+    peers: list[int]
+    group_sizes: list[int | None]
+    arrival_spread_s: float | None
+    mean_wait_s: float
+
+
+@dataclass
+class MatchmakingAnalysis:
+    """Rounds, waits and the recommendation for a set of collaborative runs (see the module docstring).
+
+    Times in seconds; ``solo_share`` and ``failed_share`` are fractions of peer-rounds (0..1).
+    """
+
+    run_ids: list[str]
+    configured_matchmaking_s: list[float]
+    peer_rounds: int
+    group_size_counts: dict[int, int]
+    solo_share: float | None
+    failed_share: float | None
+    mean_wait_s: float | None
+    max_wait_s: float | None
+    step_s: float | None
+    epoch_s: float | None
+    spread_s: float | None
+    recommended_s: float | None
+    verdict: str
+    rule: str = RULE
+    rounds: list[RoundObservation] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (group size keys as strings)."""
+        d = asdict(self)
+        d["group_size_counts"] = {str(k): v for k, v in self.group_size_counts.items()}
+        return d
+
+    def markdown(self) -> str:
+        """The analysis as a Markdown section: inputs, rule, recommendation and per-round table."""
+        f = _f
+        sizes = ", ".join(f"{k}: {v}" for k, v in sorted(self.group_size_counts.items(), key=lambda kv: str(kv[0])))
+        lines = [
+            f"Runs: {', '.join(f'`{r}`' for r in self.run_ids)}; configured matchmaking_time_s: "
+            f"{', '.join(f'{m:g}' for m in self.configured_matchmaking_s) or '-'}.", "",
+            "| peer-rounds | group sizes (size: count) | solo share | failed share | mean wait s | max wait s | "
+            "step s | global epoch s | arrival spread p90 s | recommended s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            f"| {self.peer_rounds} | {sizes or '-'} | {f(self.solo_share, '.0%')} | {f(self.failed_share, '.0%')} | "
+            f"{f(self.mean_wait_s)} | {f(self.max_wait_s)} | {f(self.step_s, '.3f')} | {f(self.epoch_s)} | "
+            f"{f(self.spread_s, '.3f')} | {f(self.recommended_s)} |", "",
+            f"**Recommendation**: {self.verdict}", "", f"Rule: {self.rule}.", "",
+        ]
+        if self.rounds:
+            lines += ["| run | epoch | peers | group sizes | arrival spread s | mean wait s |", "|---|---|---|---|---|---|"]
+            lines += [f"| {r.run_id} | {r.epoch} | {len(r.peers)} | {r.group_sizes} | {f(r.arrival_spread_s, '.3f')} | "
+                      f"{r.mean_wait_s:.2f} |" for r in self.rounds]
+        return "\n".join(lines) + "\n"
+
+
+def _f(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def nearest_rank(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0 < q <= 1): the ceil(q x n)-th smallest value.
+
+    Raises:
+        ValueError: ``values`` is empty.
+    """
+    if not values:
+        raise ValueError("nearest_rank of no values")
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def recommend_matchmaking_s(spread_s: float | None, step_s: float) -> float:
+    """``matchmaking_time_s`` by :data:`RULE`; with no spread observed, ``MIN_STEP_TIMES`` step times."""
+    floor = MIN_STEP_TIMES * step_s
+    if spread_s is None:
+        return floor
+    return max(spread_s + max(MARGIN_FRACTION * spread_s, step_s), floor)
+
+
+def rounds_of_run(run_id: str, steps: list[dict]) -> list[RoundObservation]:
+    """Group a run's round steps by global epoch (see the module docstring for arrival and wait)."""
+    by_epoch: dict[int, list[dict]] = {}
+    for s in steps:
+        if s["averaging_round"] and s["global_epoch"] is not None:
+            by_epoch.setdefault(int(s["global_epoch"]), []).append(s)
+    out = []
+    for epoch, rows in sorted(by_epoch.items()):
+        arrivals = [_arrival(s) for s in rows]
+        out.append(RoundObservation(
+            run_id=run_id, epoch=epoch, peers=[s["worker_index"] for s in rows],
+            group_sizes=[s["averaging_group_size"] for s in rows],
+            arrival_spread_s=max(arrivals) - min(arrivals) if len(rows) >= 2 else None,
+            mean_wait_s=statistics.fmean(s["averaging_s"] or 0.0 for s in rows)))
+    return out
+
+
+def _arrival(step: dict) -> float:
+    return step["wall_time"] + (step["data_load_s"] or 0.0) + (step["forward_s"] or 0.0) + (step["backward_s"] or 0.0)
+
+
+def _epoch_gaps(steps: list[dict]) -> list[float]:
+    """Seconds between a peer's consecutive round arrivals, for every peer."""
+    gaps = []
+    for w in sorted({s["worker_index"] for s in steps}):
+        times = [_arrival(s) for s in steps if s["worker_index"] == w and s["averaging_round"]]
+        gaps += [b - a for a, b in zip(times, times[1:])]
+    return gaps
+
+
+def analyze_matchmaking(store: ResultsStore, run_ids: list[str]) -> MatchmakingAnalysis:
+    """Measure rounds, group sizes and waits of collaborative runs and recommend a matchmaking time.
+
+    Runs are pooled: their arrival spreads, waits, step times and epoch gaps form one sample (use
+    one run, or runs of one setup). Non-collaborative runs are ignored.
+
+    Raises:
+        KeyError: an unknown run id.
+    """
+    rounds, peer_rows, step_times, gaps, configured, used = [], [], [], [], set(), []
+    for run_id in run_ids:
+        cfg = store.run_config(run_id)
+        if store.run(run_id)["strategy"] != "collaborative":
+            continue
+        used.append(run_id)
+        configured.add(float(cfg.get("collaborative", {}).get("matchmaking_time_s", 10.0)))
+        steps = store.rows("steps", run_id)
+        rounds += rounds_of_run(run_id, steps)
+        peer_rows += [s for s in steps if s["averaging_round"]]
+        step_times += [s["step_s"] for s in steps if not s["warmup"] and not s["averaging_round"] and s["step_s"]]
+        gaps += _epoch_gaps(steps)
+    sizes = Counter(s["averaging_group_size"] for s in peer_rows)
+    known = [s for s in peer_rows if s["averaging_group_size"] is not None]
+    waits = [s["averaging_s"] or 0.0 for s in peer_rows]
+    spreads = [r.arrival_spread_s for r in rounds if r.arrival_spread_s is not None]
+    step_s = statistics.median(step_times) if step_times else None
+    spread_s = nearest_rank(spreads, SPREAD_QUANTILE) if spreads else None
+    analysis = MatchmakingAnalysis(
+        run_ids=used, configured_matchmaking_s=sorted(configured), peer_rounds=len(peer_rows),
+        group_size_counts=dict(sorted(sizes.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))),
+        solo_share=sum(1 for s in known if s["averaging_group_size"] == 1) / len(known) if known else None,
+        failed_share=sum(1 for s in peer_rows if s["averaging_succeeded"] == 0) / len(peer_rows) if peer_rows else None,
+        mean_wait_s=statistics.fmean(waits) if waits else None, max_wait_s=max(waits) if waits else None,
+        step_s=step_s, epoch_s=statistics.median(gaps) if gaps else None, spread_s=spread_s,
+        recommended_s=recommend_matchmaking_s(spread_s, step_s) if step_s is not None else None,
+        verdict="", rounds=rounds)
+    analysis.verdict = _verdict(analysis)
+    return analysis
+
+
+def _verdict(a: MatchmakingAnalysis) -> str:
+    """One paragraph: the recommended value and what the measurements say about the current one."""
+    if not a.run_ids:
+        return "no collaborative runs: nothing to analyze."
+    if a.recommended_s is None or not a.peer_rounds:
+        return "no averaging rounds were recorded; run longer or with a smaller target_batch_size."
+    basis = (f"arrival spread p90 {a.spread_s:.2f} s" if a.spread_s is not None
+             else "no round was reached by two peers, so only the step-time floor applies")
+    text = f"set matchmaking_time_s to about {a.recommended_s:.1f} s ({basis}; step time {a.step_s:.3f} s)."
+    current = max(a.configured_matchmaking_s) if a.configured_matchmaking_s else None
+    if current is not None and a.solo_share is not None and a.solo_share >= SOLO_SHARE_TOO_SHORT \
+            and current < a.recommended_s:
+        text += (f" The configured {current:g} s is too short: {a.solo_share:.0%} of peer-rounds averaged alone.")
+    elif current is not None and current > 2 * a.recommended_s:
+        text += (f" The configured {current:g} s is too long: peers waited {a.mean_wait_s:.2f} s per round on "
+                 f"average, about {current - a.recommended_s:.1f} s more than needed.")
+    elif current is not None:
+        text += f" The configured {current:g} s is in range."
+    if a.epoch_s is not None and a.recommended_s > 0.5 * a.epoch_s:
+        text += (f" It exceeds half a global epoch ({a.epoch_s:.2f} s): averaging dominates; raise "
+                 f"target_batch_size rather than lengthening matchmaking.")
+    return text
