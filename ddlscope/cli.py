@@ -153,6 +153,43 @@ def run(
 
 
 @app.command()
+def suite(
+    suite_file: str = typer.Argument(..., metavar="SUITE", help="suite TOML file ([suite] table) or a preset: local, thesis"),
+    db: Optional[Path] = DbOption,
+    out: Optional[Path] = typer.Option(None, help="report folder (default <db folder>/reports/suite-NAME)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="list the cells and exit"),
+    rerun: bool = typer.Option(False, help="run cells again even if a completed run of them is stored"),
+    report_only: bool = typer.Option(False, "--report-only", help="only (re)write the report from stored cells"),
+    progress: bool = typer.Option(True),
+):
+    """Distribution-model benchmark suite: seconds per epoch, speedup and step breakdown per cell (thesis 002 ch. 3)."""
+    from ddlscope.store.db import ResultsStore
+    from ddlscope.suite.report import print_suite, write_suite_report
+    from ddlscope.suite.runner import run_suite, suite_results
+    from ddlscope.suite.spec import expand, load_suite
+
+    spec = load_suite(suite_file)
+    cells = expand(spec)
+    if dry_run:
+        for c in cells:
+            mb = f", {c.microbatches} micro-batches" if c.microbatches else ""
+            typer.echo(f"{c.label}: batch {c.batch_size} per worker{mb}")
+        typer.echo(f"{len(cells)} cells")
+        return
+    db_path = _db(db)
+    if not report_only:
+        with _interruptible():
+            run_suite(spec, db_path, progress=progress, rerun=rerun)
+    with ResultsStore(db_path) as store:
+        results = suite_results(store, spec.name)
+    if not results:
+        raise UserError(f"no stored cells of suite {spec.name!r} in {db_path}; run it first without --report-only")
+    print_suite(results)
+    path = write_suite_report(results, out or db_path.parent / "reports" / f"suite-{spec.name}", spec.name)
+    typer.echo(f"report: {path}")
+
+
+@app.command()
 def sweep(
     grid: Optional[Path] = typer.Argument(None, help="grid TOML file ([base] and [axes] tables)"),
     preset: Optional[str] = typer.Option(None, help="a built-in grid instead of a file (see --list-presets)"),

@@ -160,7 +160,7 @@ def _markdown(comparisons: list[Comparison], threshold: float | None, plots: lis
     return "\n".join(lines) + "\n"
 
 
-def _html(markdown: str) -> str:
+def markdown_to_html(markdown: str) -> str:
     """A small, dependency-free rendering of the report's Markdown (tables, lists, images, headings)."""
     out, in_table = [], False
     for line in markdown.splitlines():
@@ -211,7 +211,7 @@ def write_report(comparisons: list[Comparison], out_dir: Path, threshold: float 
     plot_network(summaries, out_dir / plots[3])
     md = _markdown(comparisons, threshold, plots)
     (out_dir / "report.md").write_text(md)
-    (out_dir / "report.html").write_text(_html(md))
+    (out_dir / "report.html").write_text(markdown_to_html(md))
     payload = [dict(c.run.to_dict(), speedup=c.speedup, accuracy_decrease=c.accuracy_decrease,
                     time_to_accuracy_s=c.time_to_accuracy_s) for c in comparisons]
     for p in payload:

@@ -1,0 +1,296 @@
+"""The torch.distributed distribution models end to end: real torchrun runs, bad input, a worker that dies.
+
+Every run here starts one torchrun agent and 2 worker processes (seconds of start-up each on
+2 cores), trains the tiny CNN on the synthetic MNIST with one thread and no loader workers per
+worker, and checks what the results store holds. Bad input must be refused before any process
+starts; a worker killed mid-run must fail the run promptly, name the worker, and leave nothing
+running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ddlscope.analyze.compare import summarize_run
+from ddlscope.config import validate_config
+from ddlscope.errors import UserError
+from ddlscope.launch.local import run_local
+from ddlscope.store.db import ResultsStore
+from tests.conftest import tiny_run
+
+pytestmark = pytest.mark.slow
+
+TWO = dict(peers=2, vcpus_per_peer=1, final_eval=False)
+LAUNCH_PATTERNS = ("ddlscope.train.worker", "torch.distributed.run")
+
+
+# ---------------------------------------------------------------------- helpers
+def _launched_processes(marker: str) -> list[psutil.Process]:
+    """Live (non-zombie) worker or torchrun processes whose command line mentions ``marker`` (the run's db path)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["status"] != psutil.STATUS_ZOMBIE and marker in cmd and any(s in cmd for s in LAUNCH_PATTERNS):
+            found.append(p)
+    return found
+
+
+def _kill_launched(marker: str) -> None:
+    """Clean-up after a failed assertion: SIGKILL whatever this test started that is still there."""
+    for p in _launched_processes(marker):
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _assert_nothing_left(store: ResultsStore, run_id: str, marker: str, before: set[int]) -> None:
+    for w in store.workers(run_id):
+        assert w["status"] not in ("starting", "training"), f"worker {w['worker_index']} left in {w['status']!r}"
+        if w["pid"] and psutil.pid_exists(w["pid"]):
+            assert psutil.Process(w["pid"]).status() == psutil.STATUS_ZOMBIE, f"worker {w['worker_index']} still runs"
+    leftovers = [p for p in _launched_processes(marker) if p.pid not in before]
+    assert not leftovers, [" ".join(p.cmdline()) for p in leftovers]
+
+
+def _non_warmup(steps: list[dict], worker: int) -> list[dict]:
+    return [s for s in steps if s["worker_index"] == worker and not s["warmup"]]
+
+
+def _throughput(steps: list[dict], worker: int) -> float:
+    """Samples per second of one worker's non-warm-up steps, computed here from the stored rows."""
+    timed = _non_warmup(steps, worker)
+    return sum(s["samples"] for s in timed) / sum(s["step_s"] for s in timed)
+
+
+def _tiny_cnn_param_bytes() -> int:
+    from ddlscope.workloads.models import build_model
+
+    return sum(p.numel() * p.element_size() for p in build_model("tiny_cnn", "mnist").parameters())
+
+
+def _cli(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddlscope", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ))
+
+
+@pytest.fixture
+def spawned(monkeypatch) -> list[list[str]]:
+    """Command lines of every process started through ``subprocess.Popen`` during the test."""
+    calls: list[list[str]] = []
+    real = subprocess.Popen
+
+    class Spy(real):
+        def __init__(self, args, *a, **kw):
+            calls.append(list(args) if not isinstance(args, (str, bytes)) else [args])
+            super().__init__(args, *a, **kw)
+
+    monkeypatch.setattr(subprocess, "Popen", Spy)
+    return calls
+
+
+@pytest.fixture
+def busy_port():
+    """A port on 127.0.0.1 that another socket holds (bound and listening)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        yield s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------- 1. the run path
+def test_ddp_run_stores_every_step_with_communication(env_data, db_path):
+    cfg = validate_config(tiny_run(strategy="ddp", **TWO))
+    run_id = run_local(cfg, db_path, progress=False)
+    with ResultsStore(db_path) as store:
+        run = store.run(run_id)
+        assert run["status"] == "completed", run["reason"]
+        steps = store.rows("steps", run_id)
+        n = cfg.max_steps_per_peer()
+        assert n == 10  # 320 samples / (2 workers x 16)
+        for w in (0, 1):
+            assert [s["step"] for s in steps if s["worker_index"] == w] == list(range(n))
+        grad_bytes = _tiny_cnn_param_bytes()
+        for w in (0, 1):
+            timed = _non_warmup(steps, w)
+            assert len(timed) == n - cfg.warmup_steps
+            for s in timed:
+                assert s["comm_s"] > 0, s
+                assert s["comm_bytes"] == grad_bytes, s  # one all-reduce of every float32 gradient per step
+                assert s["bubble_s"] == 0 and s["loss"] is not None and s["samples"] == 16
+        by_step = {(s["worker_index"], s["step"]): s["comm_bytes"] for s in steps}
+        assert all(by_step[(0, i)] == by_step[(1, i)] for i in range(n))  # same gradients, same payload
+        workers = store.rows("workers", run_id)
+        assert [w["worker_index"] for w in workers] == [0, 1]
+        assert all(w["status"] == "completed" and w["peak_memory_bytes"] > 0 for w in workers), workers
+        assert workers[0]["pid"] != workers[1]["pid"]
+        summary = summarize_run(store, run_id)
+        assert summary.samples == cfg.sample_budget  # data parallel: the workers' samples add up
+        assert summary.throughput_samples_per_s == pytest.approx(_throughput(steps, 0) + _throughput(steps, 1))
+        assert all(w.mean_comm_bytes == grad_bytes for w in summary.workers)
+        _assert_nothing_left(store, run_id, str(db_path), set())
+
+
+def test_gpipe_run_stores_bubbles_loss_on_last_stage_and_counts_samples_once(env_data, db_path):
+    cfg = validate_config(tiny_run(strategy="gpipe", distributed=dict(microbatches=2), **TWO))
+    run_id = run_local(cfg, db_path, progress=False)
+    with ResultsStore(db_path) as store:
+        run = store.run(run_id)
+        assert run["status"] == "completed", run["reason"]
+        steps = store.rows("steps", run_id)
+        n = cfg.max_steps_per_peer()
+        assert n == 20  # every stage processes every batch: 320 / 16
+        for w in (0, 1):
+            mine = [s for s in steps if s["worker_index"] == w]
+            assert [s["step"] for s in mine] == list(range(n))
+            assert all(s["bubble_s"] is not None and s["bubble_s"] >= 0 for s in mine)
+            assert all(s["comm_bytes"] > 0 for s in mine)
+        first = [s for s in steps if s["worker_index"] == 0]
+        last = [s for s in steps if s["worker_index"] == 1]
+        assert all(s["loss"] is None and s["accuracy"] is None for s in first)  # stage 0 never sees logits
+        assert all(s["loss"] is not None and s["loss"] > 0 for s in last)
+        # stage 0 sends activations and receives their gradients; stage 1 the other way round
+        assert [s["comm_bytes"] for s in first] == [s["comm_bytes"] for s in last]
+        details = [e for e in store.rows("events", run_id) if e["kind"] == "strategy_details"]
+        assert {e["worker_index"] for e in details} == {0, 1}
+        import json
+
+        for e in details:
+            bounds = json.loads(e["detail_json"])["stage_bounds"]
+            assert len(bounds) == 3 and bounds[0] == 0 and bounds[-1] == 4 and bounds[0] < bounds[1] < bounds[2]
+        summary = summarize_run(store, run_id)
+        assert summary.samples == cfg.sample_budget == 320  # one stage's samples, not 640
+        assert summary.throughput_samples_per_s == pytest.approx(min(_throughput(steps, 0), _throughput(steps, 1)))
+        assert all(w["peak_memory_bytes"] > 0 for w in store.workers(run_id))
+        _assert_nothing_left(store, run_id, str(db_path), set())
+
+
+@pytest.mark.parametrize("strategy, extra", [("fsdp", {}), ("1f1b", dict(distributed=dict(microbatches=2)))])
+def test_fsdp_and_1f1b_runs_complete(env_data, db_path, strategy, extra):
+    cfg = validate_config(tiny_run(strategy=strategy, sample_budget=160, **extra, **TWO))
+    run_id = run_local(cfg, db_path, progress=False)
+    with ResultsStore(db_path) as store:
+        run = store.run(run_id)
+        assert run["status"] == "completed", run["reason"]
+        steps = store.rows("steps", run_id)
+        for w in (0, 1):
+            assert [s["step"] for s in steps if s["worker_index"] == w] == list(range(cfg.max_steps_per_peer()))
+            assert all(s["comm_bytes"] > 0 for s in _non_warmup(steps, w))
+        if strategy == "fsdp":  # every worker all-gathers and reduce-scatters its own shard: equal payloads
+            assert all(s["comm_s"] > 0 for s in _non_warmup(steps, 0) + _non_warmup(steps, 1))
+            assert {s["comm_bytes"] for s in steps if s["worker_index"] == 0} == \
+                {s["comm_bytes"] for s in steps if s["worker_index"] == 1}
+        _assert_nothing_left(store, run_id, str(db_path), set())
+
+
+# ---------------------------------------------------------------------- 2. bad input, refused before anything starts
+@pytest.mark.parametrize("values, expected", [
+    (dict(strategy="gpipe", peers=2, distributed=dict(microbatches=3)),
+     ["distributed.microbatches = 3", "batch_size = 16", "1, 2, 4, 8, 16"]),
+    (dict(strategy="1f1b", peers=3, distributed=dict(microbatches=2)),
+     ["distributed.microbatches = 2", "3 stages", "microbatches >= peers"]),
+    (dict(strategy="gpipe", peers=1), ["peers = 1", "gpipe", "peers >= 2"]),
+    (dict(strategy="1f1b", peers=1), ["peers = 1", "1f1b", "peers >= 2"]),
+])
+def test_bad_pipeline_config_is_refused_by_validation(values, expected):
+    with pytest.raises(UserError) as err:
+        validate_config(tiny_run(**values))
+    message = str(err.value)
+    assert "\n" not in message
+    for part in expected:
+        assert part in message, message
+
+
+def test_pipeline_with_more_stages_than_layers_starts_nothing(env_data, db_path, monkeypatch, spawned):
+    import ddlscope.config
+
+    monkeypatch.setattr(ddlscope.config, "available_cores", lambda: list(range(8)))  # the core check passes
+    cfg = validate_config(tiny_run(strategy="gpipe", peers=5, vcpus_per_peer=1))
+    with pytest.raises(UserError) as err:
+        run_local(cfg, db_path, progress=False)
+    message = str(err.value)
+    assert "peers = 5" in message and "'tiny_cnn' has only 4 top-level layers" in message and "peers <= 4" in message
+    assert spawned == []
+    assert not db_path.exists() or ResultsStore(db_path).runs() == []
+
+
+def test_busy_rendezvous_port_starts_nothing(env_data, db_path, busy_port, spawned):
+    cfg = validate_config(tiny_run(strategy="ddp", distributed=dict(rendezvous_port=busy_port), **TWO))
+    with pytest.raises(UserError) as err:
+        run_local(cfg, db_path, progress=False)
+    message = str(err.value)
+    assert "distributed.rendezvous_port" in message and str(busy_port) in message and "already in use" in message
+    assert spawned == []
+    assert not db_path.exists() or ResultsStore(db_path).runs() == []
+
+
+def test_cli_busy_rendezvous_port_is_one_error_line(env_data, tmp_path, busy_port):
+    result = _cli("run", "--no-progress", "--set", "strategy=\"ddp\"", "--set", "peers=2", "--set", "vcpus_per_peer=1",
+                  "--set", "model=\"tiny_cnn\"", "--set", "dataset=\"mnist\"", "--set", "loader_workers=0",
+                  "--set", f"distributed.rendezvous_port={busy_port}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "distributed.rendezvous_port" in lines[0] and f"{busy_port} is already in use" in lines[0]
+    db = tmp_path / "ddlscope-results" / "ddlscope.db"
+    assert not db.exists() or ResultsStore(db).runs() == []
+
+
+# ---------------------------------------------------------------------- 3. a worker that dies mid-run
+def test_killed_ddp_worker_fails_the_run_and_leaves_nothing(env_data, db_path):
+    marker = str(db_path)
+    before = {p.pid for p in _launched_processes(marker)}
+    cfg = validate_config(tiny_run(strategy="ddp", sample_budget=2 * 16 * 100_000, **TWO))  # minutes of work
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["run_id"] = run_local(cfg, db_path, progress=False)
+        except BaseException as e:  # noqa: BLE001 - reported by the assertions below
+            outcome["error"] = e
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    try:
+        victim = None
+        deadline = time.monotonic() + 90
+        while victim is None and time.monotonic() < deadline and runner.is_alive():
+            time.sleep(0.3)
+            if not db_path.exists():
+                continue
+            with ResultsStore(db_path) as store:
+                runs = store.runs()
+                if not runs:
+                    continue
+                run_id = runs[0]["run_id"]
+                if store.step_counts(run_id).get(1, 0) >= 5:
+                    victim = next(w["pid"] for w in store.workers(run_id) if w["worker_index"] == 1)
+        assert victim, f"worker 1 never stored 5 steps: {outcome}"
+        os.kill(victim, signal.SIGKILL)
+        runner.join(timeout=60)
+        assert not runner.is_alive(), "the run did not end within 60 s of a worker's death"
+        assert "error" not in outcome, repr(outcome.get("error"))
+        assert outcome["run_id"] == run_id
+        with ResultsStore(db_path) as store:
+            run = store.run(run_id)
+            assert run["status"] == "failed"
+            assert "worker 1 died" in run["reason"], run["reason"]
+            statuses = {w["worker_index"]: (w["status"], w["reason"]) for w in store.workers(run_id)}
+            assert statuses[1][0] == "failed", statuses
+            assert statuses[0][0] in ("failed", "interrupted"), statuses
+            assert store.step_counts(run_id).get(1, 0) >= 5  # measurements up to the crash are kept
+            _assert_nothing_left(store, run_id, marker, before)
+    finally:
+        runner.join(timeout=30)
+        _kill_launched(marker)

@@ -1,0 +1,103 @@
+"""The benchmark suite: definition, expansion, bad input, and one tiny real suite with a failing cell."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddlscope.errors import UserError
+from ddlscope.store.db import ResultsStore
+from ddlscope.suite.runner import run_suite, suite_results
+from ddlscope.suite.spec import PRESETS, TABLE_3_3_BATCH_SIZE, SuiteSpec, cell_config, expand, load_suite
+
+
+def test_table_3_3_defaults_and_expansion():
+    spec = SuiteSpec(datasets=["mnist", "imagenet"], networks=["resnet18", "vgg11"], workers=[2, 4])
+    cells = expand(spec)
+    # one single baseline per dataset x network, then 4 models x 2 worker counts per dataset x network
+    assert len(cells) == 2 * 2 * (1 + 4 * 2)
+    assert [c.strategy for c in cells[:4]] == ["single"] * 4
+    by = {(c.dataset, c.network, c.strategy, c.workers): c for c in cells}
+    assert by["mnist", "resnet18", "single", 1].batch_size == TABLE_3_3_BATCH_SIZE["mnist"] == 128
+    assert by["mnist", "resnet18", "ddp", 4].global_batch_size == 4 * 128
+    gpipe = by["imagenet", "vgg11", "gpipe", 2]
+    assert (gpipe.batch_size, gpipe.microbatches, gpipe.global_batch_size) == (384, 12, 384)
+    assert by["imagenet", "vgg11", "1f1b", 4].microbatches == 8  # at least one per stage, 2 per stage by default
+
+
+def test_presets_are_valid_and_local_preset_fits_this_machine(tmp_path):
+    for name in PRESETS:
+        spec = load_suite(name)
+        for cell in expand(spec):
+            if spec.device == "cpu":  # cuda cells are checked on the cluster they are meant for
+                cfg = cell_config(spec, cell, tmp_path)
+                assert cfg.max_steps_per_peer() == spec.warmup_batches + spec.measured_batches
+    local = load_suite("local")
+    assert set(c.strategy for c in expand(local)) == {"single", "ddp", "fsdp", "gpipe", "1f1b"}
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[suite]\ndatasets = ["svhn"]', "unknown dataset(s) ['svhn']"),
+    ('[suite]\nstrategies = ["horovod"]', "unknown distribution model(s) ['horovod']"),
+    ('[suite]\nworkers = [1]', "allowed: integers >= 2"),
+    ('[suite]\nnetworks = ["resnet9"]', "unknown network(s) ['resnet9']"),
+    ('[suite]\nbatch_size = {mnist = 0}', "values >= 1"),
+    ('[suite]\ncolour = "red"', "colour: unknown field"),
+    ('[suite]\npreset = "huge"', "suite.preset = 'huge'; allowed: local, thesis"),
+    ('[run]\nbatch_size = 1', "expected exactly one [suite] table"),
+    ('[suite\n', "not valid TOML"),
+])
+def test_bad_suite_files(tmp_path, text, message):
+    path = tmp_path / "suite.toml"
+    path.write_text(text)
+    with pytest.raises(UserError) as err:
+        load_suite(str(path))
+    assert message in str(err.value)
+
+
+def test_missing_suite_file_names_presets(tmp_path):
+    with pytest.raises(UserError, match="suite file not found.*local, thesis"):
+        load_suite(str(tmp_path / "nope.toml"))
+
+
+def test_tiny_suite_runs_stores_failures_and_skips_finished_cells(tmp_path):
+    """ddp and fsdp cells train; gpipe and 1f1b cells are rejected (3 micro-batches do not divide 16)
+    and stored as failed with the reason; a rerun skips the completed cells."""
+    spec = SuiteSpec(name="t", datasets=["mnist"], networks=["tiny_cnn"], workers=[2], warmup_batches=1,
+                     measured_batches=2, batch_size={"mnist": 16}, gpipe_batch_size={"mnist": 16},
+                     microbatches={"mnist": 3}, synthetic_train_size=64)
+    db = tmp_path / "r" / "d.db"
+    first = run_suite(spec, db, data_root=tmp_path / "data", progress=False)
+    assert len(first) == 5
+    with ResultsStore(db) as store:
+        results = {r.strategy: r for r in suite_results(store, "t")}
+        assert {s: r.status for s, r in results.items()} == {
+            "single": "completed", "ddp": "completed", "fsdp": "completed", "gpipe": "failed", "1f1b": "failed"}
+        assert "distributed.microbatches = 3 does not divide batch_size = 16" in results["gpipe"].reason
+        single, ddp = results["single"], results["ddp"]
+        assert single.speedup == pytest.approx(1.0)
+        # seconds per epoch: step time x batches in the real MNIST epoch (60,000 samples)
+        assert single.epoch_s == pytest.approx(single.step_s * 60_000 / 16)
+        assert ddp.epoch_s == pytest.approx(ddp.step_s * 60_000 / 32)
+        assert ddp.speedup == pytest.approx(single.epoch_s / ddp.epoch_s)
+        assert ddp.scaling_efficiency == pytest.approx(ddp.speedup / 2)
+        assert ddp.comm_bytes_per_step > 0 and ddp.breakdown_s["comm_wait_s"] >= 0
+        assert results["fsdp"].comm_s > 0 and results["fsdp"].peak_memory_bytes > 0
+        completed_before = sum(1 for r in store.runs("t") if r["status"] == "completed")
+    second = run_suite(spec, db, data_root=tmp_path / "data", progress=False)
+    with ResultsStore(db) as store:
+        assert sum(1 for r in store.runs("t") if r["status"] == "completed") == completed_before == 3
+    assert second[:3] == first[:3]  # the completed cells were not run again
+
+    from ddlscope.suite.report import write_suite_report
+
+    with ResultsStore(db) as store:
+        results = suite_results(store, "t")
+    html = write_suite_report(results, tmp_path / "report", "t")
+    out = html.parent
+    assert (out / "speedup_2w.png").stat().st_size > 0 and (out / "breakdown.png").stat().st_size > 0
+    md = (out / "suite.md").read_text()
+    assert "## Failed cells" in md and "gpipe-tiny_cnn-mnist-2w" in md and "does not divide" in md
+    stored = json.loads((out / "suite.json").read_text())
+    assert {c["strategy"] for c in stored} == {"single", "ddp", "fsdp", "gpipe", "1f1b"}
