@@ -139,16 +139,27 @@ def run(
     db: Optional[Path] = DbOption,
     group: Optional[str] = typer.Option(None, help="label tying runs together for reports"),
     local_peers: Optional[int] = typer.Option(None, help="start only this many peers here; the rest join with 'ddlscope peer'"),
+    nnodes: int = typer.Option(1, min=1, help="cluster: nodes that each run this same command (ddp, fsdp, gpipe, 1f1b)"),
+    rdzv_endpoint: Optional[str] = typer.Option(None, help="cluster: HOST:PORT of the rendezvous on the first node"),
+    run_id: Optional[str] = typer.Option(None, help="cluster: the same run id on every node"),
     progress: bool = typer.Option(True),
 ):
-    """Train one run (any distribution model), measured and stored."""
+    """Train one run (any distribution model), measured and stored.
+
+    On a cluster, run the same command on every node with --nnodes, --rdzv-endpoint and --run-id;
+    each node starts peers / nnodes workers (torchrun) and stores them in its own database.
+    """
     from ddlscope.config import load_config, validate_config
     from ddlscope.launch.local import run_local
 
+    if nnodes > 1 and not (rdzv_endpoint and run_id):
+        raise UserError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (the first node) and --run-id NAME, "
+                        f"the same on every node")
     overrides = _parse_sets(set_)
-    cfg = load_config(config, overrides) if config else validate_config(overrides)
+    cfg = load_config(config, overrides, nnodes) if config else validate_config(overrides, nnodes)
     with _interruptible():
-        run_id = run_local(cfg, _db(db), group, progress, local_peers)
+        run_id = run_local(cfg, _db(db), group, progress, local_peers, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
+                           run_id=run_id)
     _echo_outcome(_db(db), run_id)
 
 

@@ -166,25 +166,29 @@ class RunConfig(BaseModel):
         suffix = f"-{self.peers}p" if self.peers > 1 else ""
         return f"{self.strategy}-{self.model}-{Path(self.dataset).name}{suffix}"
 
-    def cores_per_peer(self, cores: list[int] | None = None) -> int:
+    def cores_per_peer(self, cores: list[int] | None = None, local_workers: int | None = None) -> int:
         """Cores each peer gets: ``vcpus_per_peer`` or an equal share of the available cores."""
         cores = cores if cores is not None else available_cores()
-        return self.vcpus_per_peer or max(1, len(cores) // self.peers)
+        return self.vcpus_per_peer or max(1, len(cores) // (local_workers or self.peers))
 
-    def core_sets(self, cores: list[int] | None = None) -> list[list[int]]:
-        """Disjoint core ids for each peer, in peer order.
+    def core_sets(self, cores: list[int] | None = None, local_workers: int | None = None) -> list[list[int]]:
+        """Disjoint core ids for each worker on this host, in order.
+
+        Args:
+            local_workers: workers started on this host (default ``peers``; fewer on a cluster node).
 
         Raises:
-            UserError: peers x vcpus_per_peer exceeds the cores this process may use.
+            UserError: workers x vcpus_per_peer exceeds the cores this process may use.
         """
         cores = cores if cores is not None else available_cores()
-        per_peer = self.cores_per_peer(cores)
-        if per_peer * self.peers > len(cores):
+        n = local_workers or self.peers
+        per_peer = self.cores_per_peer(cores, n)
+        if per_peer * n > len(cores):
             raise UserError(
-                f"vcpus_per_peer = {per_peer} x peers = {self.peers} needs {per_peer * self.peers} cores, "
-                f"but this machine gives ddlscope {len(cores)} ({cores}); allowed: peers x vcpus_per_peer <= {len(cores)}"
+                f"vcpus_per_peer = {per_peer} x {n} workers on this host needs {per_peer * n} cores, "
+                f"but this machine gives ddlscope {len(cores)} ({cores}); allowed: workers x vcpus_per_peer <= {len(cores)}"
             )
-        return [cores[i * per_peer:(i + 1) * per_peer] for i in range(self.peers)]
+        return [cores[i * per_peer:(i + 1) * per_peer] for i in range(n)]
 
     def max_steps_per_peer(self) -> int | None:
         """Steps (micro-batches) each peer runs under the sample budget: budget / (peers x batch_size).
@@ -209,11 +213,12 @@ def _format_validation_error(err: ValidationError) -> str:
     return "invalid run config: " + "; ".join(lines)
 
 
-def validate_config(values: dict[str, Any]) -> RunConfig:
+def validate_config(values: dict[str, Any], nnodes: int = 1) -> RunConfig:
     """Build a :class:`RunConfig` and check the names and resources it refers to.
 
     Checks, besides the field ranges: the model is a zoo network or ``module:factory``; the
-    dataset is a known name or an existing path; peers x vCPUs fit the available cores.
+    dataset is a known name or an existing path; the workers started on this host
+    (``peers / nnodes``) x vCPUs fit the available cores.
 
     Raises:
         UserError: with one message naming each bad field and what is allowed.
@@ -231,7 +236,9 @@ def validate_config(values: dict[str, Any]) -> RunConfig:
         raise UserError(
             f"dataset: unknown dataset {cfg.dataset!r} and no such path; allowed: {', '.join(DATASETS)} or a folder with a local copy"
         )
-    cfg.core_sets()
+    if nnodes > 1 and cfg.peers % nnodes:
+        raise UserError(f"peers = {cfg.peers} cannot be spread evenly over {nnodes} nodes; allowed: a multiple of {nnodes}")
+    cfg.core_sets(local_workers=cfg.peers // nnodes)
     return cfg
 
 
@@ -249,7 +256,7 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
         raise UserError(f"{what} {path} is not valid TOML: {err}") from None
 
 
-def load_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+def load_config(path: Path, overrides: dict[str, Any] | None = None, nnodes: int = 1) -> RunConfig:
     """Read a TOML run config (``[run]``, optional ``[collaborative]`` and ``[distributed]`` tables) and validate it.
 
     Raises:
@@ -264,4 +271,4 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfi
         if table in data:
             values[table] = data[table]
     values.update(overrides or {})
-    return validate_config(values)
+    return validate_config(values, nnodes)

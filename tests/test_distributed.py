@@ -52,3 +52,43 @@ def test_matches_single(strategy, tmp_path):
         assert bounds[0] == 0 and bounds[-1] == 4 and len(bounds) == 3
     else:  # rank 0 reports the loss of its half batch
         assert all(loss > 0 for loss in got["losses"])
+
+
+def test_two_nodes_on_localhost(env_data, tmp_path):
+    """The cluster path: two launchers ("nodes") with their own databases meet at one rendezvous
+    endpoint and train one 2-worker ddp run, one worker each."""
+    import threading
+
+    from ddlscope.config import validate_config
+    from ddlscope.launch.local import run_local
+    from ddlscope.launch.torchrun import rendezvous_port
+    from ddlscope.store.db import ResultsStore
+
+    from conftest import tiny_run
+
+    cfg = validate_config(tiny_run(strategy="ddp", peers=2, vcpus_per_peer=1), nnodes=2)
+    endpoint = f"127.0.0.1:{rendezvous_port(cfg)}"
+    dbs = [tmp_path / f"node{i}" / "d.db" for i in range(2)]
+    errors = []
+
+    def node(db):
+        try:
+            run_local(cfg, db, progress=False, nnodes=2, rdzv_endpoint=endpoint, run_id="cluster-run")
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=node, args=(db,)) for db in dbs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert not errors
+    ranks = []
+    for db in dbs:
+        with ResultsStore(db) as store:
+            assert store.run("cluster-run")["status"] == "completed"
+            workers = store.workers("cluster-run")
+            assert len(workers) == 1 and workers[0]["status"] == "completed"
+            ranks.append(workers[0]["worker_index"])
+            assert len(store.rows("steps", "cluster-run")) == cfg.max_steps_per_peer() == 10
+    assert sorted(ranks) == [0, 1]

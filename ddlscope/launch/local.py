@@ -53,6 +53,10 @@ class LocalLauncher:
         local_workers: how many of ``cfg.peers`` to start here (the rest join by hand with
             ``ddlscope peer``); default all.
         progress: show a progress bar per worker.
+        nnodes, rdzv_endpoint, run_id: torch.distributed models on a cluster: this node is one of
+            ``nnodes`` that each run the same command with the same ``rdzv_endpoint`` (``host:port``
+            of the first node) and ``run_id``; it starts ``peers / nnodes`` workers and stores them in
+            its own database.
     """
 
     cfg: RunConfig
@@ -61,6 +65,9 @@ class LocalLauncher:
     local_workers: int | None = None
     progress: bool = True
     workers: list[WorkerProcess] = field(default_factory=list)
+    nnodes: int = 1
+    rdzv_endpoint: str | None = None
+    run_id: str | None = None
     worker_pids: set[int] = field(default_factory=set)
     rdzv_port: int | None = None
 
@@ -68,10 +75,10 @@ class LocalLauncher:
         """Run to the end; return the run id. Raises KeyboardInterrupt after recording it."""
         cfg = self.cfg
         prepare_dataset(cfg)
-        core_sets = cfg.core_sets()
-        self.rdzv_port = preflight(cfg)
+        core_sets = cfg.core_sets(local_workers=self.workers_here if self.nnodes > 1 else None)
+        self.rdzv_port = preflight(cfg, check_port=self.rdzv_endpoint is None)
         store = ResultsStore(self.db_path)
-        run_id = store.create_run(cfg.run_label, cfg.strategy, cfg.model_dump(mode="json"), self.group_name)
+        run_id = store.create_run(cfg.run_label, cfg.strategy, cfg.model_dump(mode="json"), self.group_name, self.run_id)
         log_dir = self.db_path.parent / "logs" / run_id
         log_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -102,11 +109,26 @@ class LocalLauncher:
             cmd += ["--initial-peers", *initial_peers]
         return self._popen(cmd, index, cores, log_dir / f"worker-{index}.log")
 
+    @property
+    def workers_here(self) -> int:
+        """Workers this launcher starts: all peers, or this node's share on a cluster.
+
+        Raises:
+            UserError: peers is not a multiple of nnodes.
+        """
+        if self.nnodes == 1:
+            return self.local_workers or self.cfg.peers
+        if self.cfg.strategy not in TORCH_STRATEGIES or self.cfg.peers % self.nnodes:
+            raise UserError(f"--nnodes {self.nnodes}: needs a torch.distributed model (ddp, fsdp, gpipe, 1f1b) and "
+                            f"peers = {self.cfg.peers} divisible by the number of nodes")
+        return self.cfg.peers // self.nnodes
+
     def _spawn_torchrun(self, run_id: str, core_sets: list[list[int]], log_dir: Path) -> WorkerProcess:
-        """One torchrun agent that starts all workers; index -1 marks the agent among :attr:`workers`."""
+        """One torchrun agent that starts this host's workers; index -1 marks it among :attr:`workers`."""
         worker_args = ["--db", str(self.db_path), "--run-id", run_id, "--die-with-parent",
                        "--core-sets", ";".join(",".join(map(str, c)) for c in core_sets)]
-        cmd = torchrun_command(self.cfg.peers, f"127.0.0.1:{self.rdzv_port}", worker_args, rdzv_id=run_id)
+        endpoint = self.rdzv_endpoint or f"127.0.0.1:{self.rdzv_port}"
+        cmd = torchrun_command(self.workers_here, endpoint, worker_args, nnodes=self.nnodes, rdzv_id=run_id)
         return self._popen(cmd, -1, core_sets[0], log_dir / "torchrun.log")
 
     def _popen(self, cmd: list[str], index: int, cores: list[int], log_path: Path) -> WorkerProcess:
@@ -153,7 +175,7 @@ class LocalLauncher:
     def _watch(self, store: ResultsStore, run_id: str) -> tuple[str, str | None]:
         total = self.cfg.max_steps_per_peer()
         n_bars = self.cfg.peers if self.cfg.strategy in TORCH_STRATEGIES else len(self.workers)
-        bar = _ProgressBars(n_bars, total, self.cfg.run_label) if self.progress else None
+        bar = _ProgressBars(n_bars, total, self.cfg.run_label) if self.progress and self.nnodes == 1 else None
         try:
             while True:
                 codes = {w.index: w.popen.poll() for w in self.workers}
@@ -180,7 +202,7 @@ class LocalLauncher:
     def _failure_reason(self, store: ResultsStore, run_id: str, index: int) -> str:
         wp = next(w for w in self.workers if w.index == index)
         if index == -1:  # the torchrun agent: name the worker that failed first
-            return _first_failure(store.workers(run_id), self.cfg.peers, wp)
+            return _first_failure(store.workers(run_id), self.workers_here, wp)
         row = next((r for r in store.workers(run_id) if r["worker_index"] == index), None)
         detail = row["reason"] if row is not None and row["reason"] else _log_tail(wp.log_path)
         return f"worker {index} exited with code {wp.popen.returncode}: {detail}"
@@ -301,6 +323,8 @@ class _ProgressBars:
 
 
 def run_local(cfg: RunConfig, db_path: Path, group_name: str | None = None, progress: bool = True,
-              local_workers: int | None = None) -> str:
-    """Run ``cfg`` on this machine and return its run id. See :class:`LocalLauncher`."""
-    return LocalLauncher(cfg, Path(db_path), group_name, local_workers, progress).run()
+              local_workers: int | None = None, nnodes: int = 1, rdzv_endpoint: str | None = None,
+              run_id: str | None = None) -> str:
+    """Run ``cfg`` on this machine (this node's share on a cluster) and return its run id. See :class:`LocalLauncher`."""
+    return LocalLauncher(cfg, Path(db_path), group_name, local_workers, progress, nnodes=nnodes,
+                         rdzv_endpoint=rdzv_endpoint, run_id=run_id).run()

@@ -64,8 +64,9 @@ def check_pipeline_split(cfg: RunConfig) -> None:
                         f"layers to split between; allowed: peers <= {len(model)}")
 
 
-def preflight(cfg: RunConfig) -> int | None:
-    """Checks before a torch.distributed run starts; returns the local rendezvous port (None for other strategies).
+def preflight(cfg: RunConfig, check_port: bool = True) -> int | None:
+    """Checks before a torch.distributed run starts; returns the local rendezvous port (None for
+    other strategies, or when ``check_port`` is False because a cluster endpoint was given).
 
     Raises:
         UserError: port in use, or a network that cannot be split into that many stages.
@@ -75,7 +76,7 @@ def preflight(cfg: RunConfig) -> int | None:
     if cfg.strategy not in TORCH_STRATEGIES:
         return None
     check_pipeline_split(cfg)
-    return rendezvous_port(cfg)
+    return rendezvous_port(cfg) if check_port else None
 
 
 def torchrun_command(nproc_per_node: int, rdzv_endpoint: str, worker_args: list[str], nnodes: int = 1,

@@ -36,7 +36,7 @@ class _TimedAllGather(_PlainAlloc, AllGather):
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
         done = self.strategy.timer.launch(input_tensor.numel() * input_tensor.element_size())
-        work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
         return self.strategy.when_done(work, done)
 
 
@@ -46,7 +46,8 @@ class _TimedReduceScatter(_PlainAlloc, ReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         done = self.strategy.timer.launch(input_tensor.numel() * input_tensor.element_size())
-        work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, op=op, group=group,
+                                         async_op=async_op)
         return self.strategy.when_done(work, done)
 
 

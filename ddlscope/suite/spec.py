@@ -186,7 +186,7 @@ def cell_config(spec: SuiteSpec, cell: Cell, data_root: Path) -> RunConfig:
 PRESETS: dict[str, dict] = {
     "local": dict(
         name="local", datasets=["mnist", "cifar10"], networks=["resnet18", "vgg11", "mobilenet_v2"],
-        strategies=list(SUITE_STRATEGIES), workers=[2], warmup_batches=1, measured_batches=3,
+        strategies=list(SUITE_STRATEGIES), workers=[2], warmup_batches=2, measured_batches=8,
         batch_size={"mnist": 32, "cifar10": 32}, gpipe_batch_size={"mnist": 32, "cifar10": 32},
         microbatches={"mnist": 4, "cifar10": 4}, device="cpu", synthetic_train_size=128,
     ),
