@@ -260,7 +260,8 @@ def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
 def _first_failure(rows, peers: int, agent: WorkerProcess) -> str:
     """Why a torchrun run failed: a worker that died without a word, else the first recorded failure."""
     silent = [r for r in rows if r["status"] in ("starting", "training")]
-    failed = [r for r in rows if r["status"] == "failed"]
+    # the first to fail, by the time its training raised (a peer it took down fails later)
+    failed = sorted((r for r in rows if r["status"] == "failed"), key=lambda r: r["failed_at"] or float("inf"))
     if len(rows) < peers:
         return f"only {len(rows)} of {peers} workers started: {_log_tail(agent.log_path)}"
     if silent:

@@ -31,7 +31,7 @@ CREATE TABLE IF NOT EXISTS runs (
 CREATE TABLE IF NOT EXISTS workers (
     run_id TEXT NOT NULL, worker_index INTEGER NOT NULL, hostname TEXT, pid INTEGER, cores TEXT,
     status TEXT NOT NULL, reason TEXT, maddrs TEXT, train_start_time REAL, train_end_time REAL, eval_s REAL,
-    peak_memory_bytes INTEGER,
+    peak_memory_bytes INTEGER, failed_at REAL,
     PRIMARY KEY (run_id, worker_index)
 );
 CREATE TABLE IF NOT EXISTS steps (
@@ -70,6 +70,7 @@ STEP_COLUMNS = (
 ADDED_COLUMNS = (
     ("workers", "peak_memory_bytes", "INTEGER"), ("steps", "comm_s", "REAL"), ("steps", "comm_wait_s", "REAL"),
     ("steps", "bubble_s", "REAL"), ("steps", "comm_bytes", "INTEGER"), ("runs", "cell_key", "TEXT"),
+    ("workers", "failed_at", "REAL"),
 )
 HOST_COLUMNS = (
     "wall_time", "cpu_percent", "rss_bytes", "net_sent_bytes", "net_recv_bytes", "disk_read_bytes",

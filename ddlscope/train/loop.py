@@ -127,6 +127,10 @@ def run_worker(cfg: RunConfig, ctx: WorkerContext, store: ResultsStore) -> str:
                               network=strategy.uses_network)
         with sampler:
             return _train(cfg, ctx, store, wl, model, strategy)
+    except BaseException:
+        # when it failed, before closing connections: the peers it takes down fail after it
+        store.upsert_worker(run_id, wi, failed_at=time.time())
+        raise
     finally:
         strategy.close()
 
