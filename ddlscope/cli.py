@@ -1,7 +1,8 @@
 """The ``ddlscope`` command line.
 
 Commands: ``quickstart`` (the main job), ``run``, ``suite``, ``sweep``, ``sweep-report``,
-``matchmaking``, ``datapipe``, ``peer``, ``bootstrap``, ``report``, ``runs`` and ``data``. User errors
+``matchmaking``, ``datapipe``, ``peer``, ``bootstrap``, ``report``, ``runs``, ``data``, and the
+predictor's ``profile``, ``calibrate``, ``recommend`` and ``validate`` (``predict/commands.py``). User errors
 print one line ``error: ...`` and exit with status 2.
 """
 
@@ -495,6 +496,11 @@ def data_synthetic(
     from ddlscope.workloads.datasets import default_data_root, write_synthetic
 
     typer.echo(write_synthetic(name, root or default_data_root(), train_size, test_size, seed))
+
+
+from ddlscope.predict.commands import register as _register_predict_commands  # noqa: E402
+
+_register_predict_commands(app)
 
 
 def main() -> None:

@@ -1,0 +1,139 @@
+"""Workload profiles: what one device measured about a network, a dataset shape and a batch size.
+
+A profile is measured once per workload and device and cached as JSON; every prediction reads
+it. Per-layer times are taken at several batch sizes (the requested batch and its halvings), so
+that the per-worker batches of data parallelism and the micro-batches of pipelines are read off
+measurements rather than assumed to scale linearly.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def interpolate(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear value at ``x`` of the points ``(xs[i], ys[i])`` (``xs`` ascending, len >= 1).
+
+    Outside ``[xs[0], xs[-1]]`` the nearest segment is extended linearly; the result is never
+    below zero. One point: ``ys[0] * x / xs[0]`` (proportional).
+    """
+    if len(xs) == 1:
+        return max(0.0, ys[0] * x / xs[0])
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+class LayerProfile(BaseModel):
+    """One top-level layer (a child of the zoo's ``SequentialNet``, i.e. a possible stage boundary).
+
+    ``forward_s`` / ``backward_s`` have one entry per :attr:`WorkloadProfile.batch_sizes`.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    param_bytes: int = Field(ge=0)
+    forward_s: list[float]
+    backward_s: list[float]
+    output_bytes_per_sample: int = Field(ge=0, description="activation this layer outputs, per sample (what a stage sends)")
+    saved_bytes_per_sample: int = Field(ge=0, description="activations autograd keeps for this layer's backward, per sample")
+    forward_flops_per_sample: float = Field(ge=0)
+
+
+class StepProfile(BaseModel):
+    """A whole training step at one batch size, data already in memory (seconds, bytes)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_size: int = Field(ge=1)
+    forward_s: float = Field(ge=0, description="forward pass and loss")
+    backward_s: float = Field(ge=0)
+    optimizer_s: float = Field(ge=0, description="optimizer step and zero_grad")
+    step_s: float = Field(ge=0, description="the whole compute step (forward + backward + optimizer)")
+    activation_peak_bytes: int = Field(ge=0, description="peak of activation/temporary memory in one step, from fake tensors")
+
+
+class DataLoadProfile(BaseModel):
+    """Throughput of the dataset's input pipeline with ``loader_workers`` DataLoader workers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    loader_workers: int = Field(ge=0)
+    samples_per_s: float = Field(gt=0)
+
+
+class DeviceProfile(BaseModel):
+    """The device the profile was measured on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["cpu", "cuda"]
+    name: str = Field(description="CPU model or GPU name")
+    threads: int = Field(ge=1, description="intra-op threads (CPU: cores of one device)")
+    peak_tflops: float = Field(gt=0, description="measured float32 matmul throughput, 1e12 FLOP/s")
+    memory_bandwidth_gb_per_s: float = Field(gt=0, description="measured copy bandwidth, 1e9 bytes/s")
+    memory_bytes: int = Field(gt=0, description="capacity of one device (CPU: host memory / cores * threads)")
+    runtime_bytes: int = Field(ge=0, description="memory a worker process uses before any model (interpreter, libraries; CUDA context)")
+
+
+class WorkloadProfile(BaseModel):
+    """A network on a dataset shape measured on one device (JSON-serialisable; see :mod:`.profile`).
+
+    Units: seconds, bytes. ``batch_sizes`` ascending; ``steps`` has one entry per batch size.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    network: str
+    dataset: str
+    input_shape: tuple[int, int, int] = Field(description="(channels, height, width) of one sample")
+    num_classes: int
+    optimizer: str
+    device: DeviceProfile
+    torch_version: str
+    batch_sizes: list[int]
+    layers: list[LayerProfile]
+    steps: list[StepProfile]
+    data_loading: list[DataLoadProfile] = Field(default_factory=list)
+    param_count: int
+    param_bytes: int
+    buffer_bytes: int
+    optimizer_state_bytes: int = Field(description="optimizer state (SGD momentum: one copy of the parameters)")
+    sample_bytes: int = Field(description="bytes of one input sample as the model receives it")
+    profile_s: float = Field(ge=0, description="seconds the profile took")
+    created_at: float
+
+    def step_at(self, batch_size: float) -> StepProfile:
+        """The whole-step times at ``batch_size`` (interpolated between measured batch sizes)."""
+        xs = [float(s.batch_size) for s in self.steps]
+        pick = lambda attr: interpolate(xs, [float(getattr(s, attr)) for s in self.steps], batch_size)  # noqa: E731
+        return StepProfile(batch_size=max(1, round(batch_size)), forward_s=pick("forward_s"),
+                           backward_s=pick("backward_s"), optimizer_s=pick("optimizer_s"), step_s=pick("step_s"),
+                           activation_peak_bytes=round(pick("activation_peak_bytes")))
+
+    def layer_times_s(self, batch_size: float) -> tuple[list[float], list[float]]:
+        """Per-layer (forward seconds, backward seconds) at ``batch_size``.
+
+        Layers timed in isolation carry their own overheads, so they are rescaled to add up to
+        the whole-step forward and backward times at that batch size (:meth:`step_at`).
+        """
+        xs = [float(b) for b in self.batch_sizes]
+        fwd = [interpolate(xs, layer.forward_s, batch_size) for layer in self.layers]
+        bwd = [interpolate(xs, layer.backward_s, batch_size) for layer in self.layers]
+        step = self.step_at(batch_size)
+        scale = lambda parts, total: [p * total / sum(parts) for p in parts] if sum(parts) > 0 else parts  # noqa: E731
+        return scale(fwd, step.forward_s), scale(bwd, step.backward_s)
+
+    def data_load_s(self, batch_size: float, loader_workers: int) -> float:
+        """Seconds to load one batch with ``loader_workers`` workers (the nearest measured count).
+
+        Returns 0.0 when the profile has no data-loading measurement.
+        """
+        if not self.data_loading:
+            return 0.0
+        best = min(self.data_loading, key=lambda d: (abs(d.loader_workers - loader_workers), d.loader_workers))
+        return batch_size / best.samples_per_s
