@@ -1,0 +1,179 @@
+"""The recommender: rank every distribution model by predicted seconds per epoch, among those that fit.
+
+Thesis 002 ch. 8: predict each distribution model, drop those whose memory exceeds the
+device's, recommend the fastest. One difference, on purpose: every candidate trains the *same
+global batch* (the samples per optimizer step), so the ranking compares ways of running one
+training job rather than different jobs — data parallel workers each take ``global / W``,
+pipelines split the global batch into micro-batches, collaborative peers accumulate it as their
+target batch size unless one is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ddlscope.errors import UserError
+from ddlscope.predict.cluster import ClusterSpec
+from ddlscope.predict.costs import MODELS, Prediction, Setting, predict, stage_bounds
+from ddlscope.predict.profile import WorkloadProfile
+
+
+@dataclass
+class Candidate:
+    """One distribution model for the job: its prediction and memory, or why it is impossible.
+
+    ``memory_bytes`` is the largest per-worker peak (bytes); ``capacity_bytes`` one device's memory.
+    """
+
+    setting: Setting
+    prediction: Prediction | None
+    memory_bytes: int | None
+    capacity_bytes: int
+    invalid_reason: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.invalid_reason is None and self.memory_bytes is not None and self.memory_bytes <= self.capacity_bytes
+
+    @property
+    def shortfall_bytes(self) -> int | None:
+        """Bytes per worker beyond the capacity (None when the setting is invalid)."""
+        if self.memory_bytes is None:
+            return None
+        return max(0, self.memory_bytes - self.capacity_bytes)
+
+    @property
+    def label(self) -> str:
+        s = self.setting
+        mb = f", {s.microbatches} micro-batches" if s.microbatches else ""
+        return f"{s.strategy} x{s.workers}{mb}"
+
+
+@dataclass
+class Recommendation:
+    """The ranked candidates (feasible ones first, fastest first) and the chosen one with a short why."""
+
+    candidates: list[Candidate]
+    best: Candidate | None
+    why: str
+    compute_scale: float = 1.0
+    compute_scale_band: tuple[float, float] = (1.0, 1.0)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        def cand(c: Candidate) -> dict:
+            p = c.prediction
+            return {"strategy": c.setting.strategy, "workers": c.setting.workers,
+                    "batch_size": c.setting.batch_size, "microbatches": c.setting.microbatches,
+                    "epoch_s": p.epoch_s if p else None, "step_s": p.step_s if p else None,
+                    "breakdown_s": p.breakdown_s if p else None, "dominant_cost": p.dominant_cost if p else None,
+                    "reference_epoch_s": p.reference_epoch_s if p else None, "inputs": p.inputs if p else None,
+                    "memory_bytes": c.memory_bytes, "capacity_bytes": c.capacity_bytes, "fits": c.fits,
+                    "shortfall_bytes": c.shortfall_bytes, "invalid_reason": c.invalid_reason}
+
+        return {"recommended": self.best.setting.strategy if self.best else None, "why": self.why,
+                "compute_scale": self.compute_scale, "compute_scale_band": list(self.compute_scale_band),
+                "notes": self.notes, "candidates": [cand(c) for c in self.candidates]}
+
+
+def candidate_settings(strategies: list[str], workers: int, global_batch_size: int, epoch_samples: int,
+                       microbatches: int | None = None, loader_workers: int = 0,
+                       target_batch_size: int | None = None, matchmaking_time_s: float = 2.0,
+                       use_local_updates: bool = False, bucket_cap_mb: float = 25.0) -> list[Setting]:
+    """One :class:`Setting` per distribution model for a job of ``global_batch_size`` samples per step.
+
+    single runs the whole batch on one device; ddp/fsdp/collaborative give each of ``workers``
+    workers ``global / workers`` (rounded down, at least 1); gpipe/1f1b split the global batch into
+    ``microbatches`` micro-batches (default ``2 * workers``, reduced until it divides the batch).
+
+    Raises:
+        UserError: unknown distribution model, or ``workers < 2`` with a multi-worker model.
+    """
+    bad = [s for s in strategies if s not in MODELS]
+    if bad:
+        raise UserError(f"unknown distribution model(s) {bad}; allowed: {', '.join(MODELS)}")
+    if global_batch_size < 1:
+        raise UserError(f"batch size {global_batch_size}; allowed: >= 1")
+    per_worker = max(1, global_batch_size // workers)
+    out = []
+    for strategy in strategies:
+        common = dict(epoch_samples=epoch_samples, loader_workers=loader_workers, bucket_cap_mb=bucket_cap_mb)
+        if strategy == "single":
+            out.append(Setting("single", 1, global_batch_size, **common))
+        elif strategy in ("gpipe", "1f1b"):
+            m = microbatches or 2 * workers
+            while global_batch_size % m:
+                m -= 1
+            out.append(Setting(strategy, workers, global_batch_size, microbatches=m, **common))
+        elif strategy == "collaborative":
+            out.append(Setting("collaborative", workers, per_worker,
+                               target_batch_size=target_batch_size or global_batch_size,
+                               matchmaking_time_s=matchmaking_time_s, use_local_updates=use_local_updates, **common))
+        else:
+            out.append(Setting(strategy, workers, per_worker, **common))
+    return out
+
+
+def memory_of(profile: WorkloadProfile, s: Setting) -> int:
+    """Largest per-worker peak memory (bytes) of a setting, from :func:`ddlscope.predict.memory.predict_memory`."""
+    from ddlscope.predict.memory import predict_memory
+
+    bounds = stage_bounds(profile, s.workers, s.batch_size / (s.microbatches or 1)) \
+        if s.strategy in ("gpipe", "1f1b") else None
+    estimates = predict_memory(profile, s.strategy, s.workers, s.batch_size, microbatches=s.microbatches,
+                               stage_bounds=bounds, bucket_cap_mb=s.bucket_cap_mb,
+                               use_local_updates=s.use_local_updates)
+    return max(e.total_bytes for e in estimates)
+
+
+def recommend(profile: WorkloadProfile, cluster: ClusterSpec, settings: list[Setting],
+              compute_scale: float = 1.0, compute_scale_band: tuple[float, float] = (1.0, 1.0)) -> Recommendation:
+    """Predict every setting, check its memory against one device's, and pick the fastest that fits.
+
+    A setting predicted not to fit is never recommended. When nothing fits, ``best`` is None and
+    ``why`` names the candidate with the smallest shortfall (bytes per worker beyond capacity).
+    Invalid settings (e.g. more stages than layers) are listed with their reason.
+    """
+    capacity = cluster.device_memory_bytes(profile.device.memory_bytes)
+    cands: list[Candidate] = []
+    for s in settings:
+        try:
+            pred = predict(profile, cluster, s, compute_scale)
+            cands.append(Candidate(s, pred, memory_of(profile, s), capacity))
+        except UserError as err:
+            cands.append(Candidate(s, None, None, capacity, invalid_reason=str(err)))
+    cands.sort(key=lambda c: (not c.fits, c.prediction is None,
+                              c.prediction.epoch_s if c.prediction else float("inf")))
+    feasible = [c for c in cands if c.fits]
+    if feasible:
+        best = feasible[0]
+        why = _why(best, feasible[1:], [c for c in cands if not c.fits and c.prediction])
+    else:
+        best = None
+        sized = [c for c in cands if c.shortfall_bytes is not None]
+        if sized:
+            nearest = min(sized, key=lambda c: c.shortfall_bytes)
+            why = (f"nothing fits: the smallest shortfall is {nearest.label}, needing "
+                   f"{_gib(nearest.memory_bytes)} per worker of {_gib(capacity)} "
+                   f"({_gib(nearest.shortfall_bytes)} short); try a smaller batch or more pipeline stages")
+        else:
+            why = "nothing can run: " + "; ".join(f"{c.label}: {c.invalid_reason}" for c in cands)
+    return Recommendation(cands, best, why, compute_scale, compute_scale_band)
+
+
+def _gib(nbytes: int | None) -> str:
+    return "?" if nbytes is None else f"{nbytes / 2**30:.2f} GiB"
+
+
+def _why(best: Candidate, others: list[Candidate], too_big: list[Candidate]) -> str:
+    p = best.prediction
+    text = f"{best.label} is predicted fastest at {p.epoch_s:.1f} s/epoch (dominant cost: {p.dominant_cost})"
+    if others:
+        nxt = others[0]
+        text += f"; next is {nxt.label} at {nxt.prediction.epoch_s:.1f} s/epoch " \
+                f"({nxt.prediction.epoch_s / p.epoch_s - 1:+.0%}, dominant: {nxt.prediction.dominant_cost})"
+    faster_but_big = [c for c in too_big if c.prediction.epoch_s < p.epoch_s]
+    if faster_but_big:
+        text += "; faster but out of memory: " + ", ".join(
+            f"{c.label} ({_gib(c.memory_bytes)} > {_gib(c.capacity_bytes)})" for c in faster_but_big)
+    return text

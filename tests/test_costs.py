@@ -1,0 +1,207 @@
+"""Cost models on hand-made profiles: formulas, limits, and the orderings they must respect."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ddlscope.errors import UserError
+from ddlscope.predict.cluster import ClusterSpec, DeviceSpec, LinkSpec, PeerSpec
+from ddlscope.predict.costs import (
+    Setting, butterfly_allreduce_s, ddp_buckets, eq_5_1_epoch_s, pipeline_ops, predict, ring_allreduce_s,
+    simulate_pipeline,
+)
+from ddlscope.predict.profile import DeviceProfile, LayerProfile, StepProfile, WorkloadProfile
+
+MIB = 1024 * 1024
+
+
+def make_profile(layer_params_bytes=(4 * MIB, 4 * MIB, 4 * MIB, 4 * MIB), per_sample_s=1e-3, out_bytes=4096):
+    """Layers whose forward takes ``per_sample_s`` per sample (backward twice that), linear in batch."""
+    batches = [4, 8, 16, 32]
+    n = len(layer_params_bytes)
+    layers = [LayerProfile(name=f"l{i}", param_bytes=p, forward_s=[per_sample_s * b for b in batches],
+                           backward_s=[2 * per_sample_s * b for b in batches], output_bytes_per_sample=out_bytes,
+                           saved_bytes_per_sample=out_bytes, forward_flops_per_sample=1e6)
+              for i, p in enumerate(layer_params_bytes)]
+    steps = [StepProfile(batch_size=b, forward_s=n * per_sample_s * b, backward_s=2 * n * per_sample_s * b,
+                         optimizer_s=0.01, step_s=3 * n * per_sample_s * b + 0.01, activation_peak_bytes=b * 10_000)
+             for b in batches]
+    total = sum(layer_params_bytes)
+    return WorkloadProfile(
+        network="toy", dataset="cifar10", input_shape=(3, 32, 32), num_classes=10, optimizer="sgd",
+        device=DeviceProfile(type="cpu", name="test", threads=1, peak_tflops=0.1, memory_bandwidth_gb_per_s=10,
+                             memory_bytes=8 * 2**30, runtime_bytes=300 * MIB),
+        torch_version="x", batch_sizes=batches, layers=layers, steps=steps, param_count=total // 4,
+        param_bytes=total, buffer_bytes=0, optimizer_state_bytes=total, sample_bytes=3 * 32 * 32 * 4,
+        profile_s=1.0, created_at=0.0)
+
+
+def make_cluster(bw=1.0, latency=1e-5, fixed=0.0, p2p_fixed=0.0, devices=4, slowdown=1.0, overlap=1.0, peers=()):
+    return ClusterSpec(name="t", nodes=1, devices_per_node=devices, device=DeviceSpec(kind="local"),
+                       intra_node=LinkSpec(bandwidth_gb_per_s=bw, latency_s=latency), collective_fixed_s=fixed,
+                       p2p_fixed_s=p2p_fixed, concurrent_compute_slowdown=slowdown, comm_overlap=overlap,
+                       peers=list(peers))
+
+
+def test_ring_allreduce_formula():
+    link = LinkSpec(bandwidth_gb_per_s=1.0, latency_s=1e-4)
+    assert ring_allreduce_s(1e9, 1, link, 0.5) == 0.0
+    # 2(W-1) steps of (latency + n/(W bw)) plus the fixed cost
+    assert ring_allreduce_s(1e9, 4, link, 0.5) == pytest.approx(0.5 + 6 * (1e-4 + 0.25))
+
+
+def test_ddp_buckets_cover_every_gradient_in_reverse_order():
+    params = [3 * MIB, 10 * MIB, 60 * MIB, 2 * MIB]
+    buckets = ddp_buckets(params, 25 * MIB)
+    assert sum(b for _, b in buckets) == pytest.approx(sum(params))
+    assert buckets[0][1] <= MIB  # the first bucket is small so communication starts early
+    assert [i for i, _ in buckets] == sorted([i for i, _ in buckets], reverse=True)
+    assert all(b <= 25 * MIB for _, b in buckets)
+
+
+def test_ddp_with_a_free_network_costs_the_single_step_at_the_worker_batch():
+    prof = make_profile()
+    free = make_cluster(bw=1e9, latency=0.0)
+    ddp = predict(prof, free, Setting("ddp", 4, 8, epoch_samples=3200))
+    single = predict(prof, free, Setting("single", 1, 8, epoch_samples=3200))
+    assert ddp.step_s == pytest.approx(single.step_s, rel=1e-6)
+    assert ddp.epoch_s == pytest.approx(single.epoch_s / 4, rel=1e-6)  # 4 workers share the epoch
+
+
+def test_ddp_exposes_communication_compute_cannot_hide_and_eq51_misses_it():
+    prof = make_profile(layer_params_bytes=(100 * MIB,) * 4)  # VGG-like: many gradients, little compute
+    slow = make_cluster(bw=0.5)
+    p = predict(prof, slow, Setting("ddp", 4, 8, epoch_samples=3200))
+    assert p.breakdown_s["comm_wait"] > 0.1
+    assert p.dominant_cost == "comm_wait"
+    # eq. 5.1 counts only the last (threshold-sized) all-reduce: optimistic here
+    assert p.reference_epoch_s["eq5.1"] < p.epoch_s
+
+
+def test_ddp_fixed_cost_per_collective_grows_with_the_number_of_buckets():
+    prof = make_profile(layer_params_bytes=(8 * MIB,) * 4)
+    cl = make_cluster(bw=1e9, fixed=5e-3)  # MobileNetV2-like: fixed costs dominate
+    few = predict(prof, cl, Setting("ddp", 2, 8, epoch_samples=3200, bucket_cap_mb=64))
+    many = predict(prof, cl, Setting("ddp", 2, 8, epoch_samples=3200, bucket_cap_mb=1))
+    assert many.inputs["buckets"] > few.inputs["buckets"]
+    assert many.step_s > few.step_s
+
+
+def test_contention_and_partial_overlap_slow_data_parallel_down():
+    prof = make_profile()
+    base = predict(prof, make_cluster(bw=0.2), Setting("ddp", 4, 8, epoch_samples=3200))
+    contended = predict(prof, make_cluster(bw=0.2, slowdown=1.5), Setting("ddp", 4, 8, epoch_samples=3200))
+    interfered = predict(prof, make_cluster(bw=0.2, overlap=0.0), Setting("ddp", 4, 8, epoch_samples=3200))
+    assert contended.breakdown_s["compute"] == pytest.approx(1.5 * base.breakdown_s["compute"])
+    assert interfered.step_s > base.step_s
+
+
+def test_fsdp_costs_more_communication_than_ddp_and_shards_the_optimizer():
+    prof = make_profile()
+    cl = make_cluster(bw=0.5)
+    ddp = predict(prof, cl, Setting("ddp", 4, 8, epoch_samples=3200))
+    fsdp = predict(prof, cl, Setting("fsdp", 4, 8, epoch_samples=3200))
+    zero2 = predict(prof, cl, Setting("fsdp", 4, 8, epoch_samples=3200, reshard_after_forward=False))
+    assert fsdp.inputs["comm_s"] > ddp.inputs["comm_s"]  # 3 half-all-reduces per unit vs 1 all-reduce
+    assert zero2.inputs["comm_s"] < fsdp.inputs["comm_s"]  # no second all-gather in backward
+    assert fsdp.breakdown_s["optimizer"] == pytest.approx(ddp.breakdown_s["optimizer"] / 4)
+    free = predict(prof, make_cluster(bw=1e9, latency=0.0), Setting("fsdp", 4, 8, epoch_samples=3200))
+    assert free.breakdown_s["comm_wait"] == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,micro", [(2, 4), (4, 4), (4, 8), (3, 1)])
+def test_pipeline_schedules_are_complete_and_ordered(schedule, stages, micro):
+    for s in range(stages):
+        ops = pipeline_ops(schedule, s, stages, micro)
+        assert sorted(ops) == sorted([("F", m) for m in range(micro)] + [("B", m) for m in range(micro)])
+        for m in range(micro):
+            assert ops.index(("F", m)) < ops.index(("B", m))
+    if schedule == "1f1b" and micro >= stages:  # at most S - s micro-batches in flight on stage s
+        for s in range(stages):
+            live = peak = 0
+            for kind, _ in pipeline_ops(schedule, s, stages, micro):
+                live += 1 if kind == "F" else -1
+                peak = max(peak, live)
+            assert peak == stages - s
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_balanced_pipeline_without_transfers_takes_m_plus_s_minus_1_slots(schedule):
+    # equal stages, no transfer: (M + S - 1) slots of forward and of backward (eq. 6.1's structure)
+    s, m, tf, tb = 4, 8, 1.0, 2.0
+    span, busy = simulate_pipeline(schedule, [tf] * s, [tb] * s, [0.0] * (s - 1), m)
+    assert span == pytest.approx((m + s - 1) * (tf + tb))
+    assert busy == [m * (tf + tb)] * s
+
+
+def test_transfers_lengthen_the_pipeline():
+    no = simulate_pipeline("gpipe", [1.0] * 2, [2.0] * 2, [0.0], 4)[0]
+    yes = simulate_pipeline("gpipe", [1.0] * 2, [2.0] * 2, [0.5], 4)[0]
+    assert yes > no
+
+
+def test_pipeline_prediction_and_its_eq6_reference():
+    prof = make_profile()
+    cl = make_cluster(bw=1e9, latency=0.0)
+    for strategy in ("gpipe", "1f1b"):
+        p = predict(prof, cl, Setting(strategy, 2, 32, epoch_samples=3200, microbatches=4))
+        assert p.inputs["stage_bounds"] == [0, 2, 4]
+        # 2 equal stages, 4 micro-batches of 8: (4 + 1) slots of one stage's micro-batch time
+        slot = 2 * (1e-3 * 8) + 2 * (2e-3 * 8)
+        assert p.breakdown_s["compute"] + p.breakdown_s["bubble"] == pytest.approx(5 * slot, rel=1e-6)
+        # eq. 6.1 with a free network: T_seq (W + M - 1) / (W M), T_seq = 4 micro-batch steps
+        t_seq = 4 * prof.step_at(8).step_s
+        assert p.reference_epoch_s["eq6.1+6.2"] == pytest.approx(t_seq * 5 / 8 * 3200 / 32, rel=1e-6)
+
+
+def test_pipeline_rejects_impossible_settings():
+    prof = make_profile()
+    with pytest.raises(UserError, match="divide"):
+        predict(prof, make_cluster(), Setting("gpipe", 2, 30, epoch_samples=100, microbatches=4))
+    with pytest.raises(UserError, match="layers"):
+        predict(prof, make_cluster(devices=8), Setting("gpipe", 8, 32, epoch_samples=100, microbatches=4))
+    with pytest.raises(UserError, match="devices"):
+        predict(prof, make_cluster(devices=2), Setting("ddp", 4, 8, epoch_samples=100))
+    with pytest.raises(UserError, match="allowed"):
+        predict(prof, make_cluster(), Setting("pipedream", 2, 8, epoch_samples=100))
+
+
+def test_butterfly_allreduce_matches_ring_for_equal_peers_and_favours_fast_peers():
+    n, g = 4, 1e9
+    equal = butterfly_allreduce_s(g, [1.0] * n, [0.0] * n)
+    assert equal == pytest.approx(2 * g * (n - 1) / n / 1e9, rel=1e-6)
+    # one slow peer: the LP gives it a small share, so the round is far faster than 'everyone at the slowest speed'
+    mixed = butterfly_allreduce_s(g, [1.0, 1.0, 1.0, 0.1], [0.0] * n)
+    assert equal < mixed < 2 * g * (n - 1) / n / 0.1e9
+    assert butterfly_allreduce_s(g, [1.0], [0.0]) == 0.0
+
+
+def test_collaborative_accumulates_the_target_batch_from_the_peers_throughputs():
+    prof = make_profile()
+    peers = [PeerSpec(compute_share=1.0, bandwidth_gb_per_s=1e3), PeerSpec(compute_share=3.0, bandwidth_gb_per_s=1e3)]
+    cl = make_cluster(peers=peers)
+    s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=256, matchmaking_time_s=0.5)
+    p = predict(prof, cl, s)
+    step = prof.step_at(8)
+    rate = 8 / (step.forward_s + step.backward_s) + 8 / ((step.forward_s + step.backward_s) / 3)
+    assert p.breakdown_s["compute"] == pytest.approx(256 / rate, rel=1e-6)
+    assert p.epoch_s == pytest.approx(p.step_s * 3200 / 256)
+    assert p.breakdown_s["averaging"] >= 2 * 0.5  # gradient and state rounds each wait for matchmaking
+    lu = predict(prof, cl, Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=256,
+                                   matchmaking_time_s=0.5, use_local_updates=True))
+    assert lu.breakdown_s["averaging"] < p.breakdown_s["averaging"]  # averaging overlaps local steps
+    bigger = predict(prof, cl, Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=1024,
+                                       matchmaking_time_s=0.5))
+    assert bigger.epoch_s < p.epoch_s  # fewer averaging rounds per epoch
+    assert math.isfinite(bigger.step_s)
+
+
+def test_eq51_reference_equals_its_formula():
+    prof = make_profile()
+    cl = make_cluster(bw=2.0, latency=1e-3)
+    s = Setting("ddp", 4, 8, epoch_samples=3200, bucket_cap_mb=4)
+    per_batch = prof.step_at(8).step_s + 2 * 3 * (1e-3 + 4 * MIB / (4 * 2e9))
+    assert eq_5_1_epoch_s(prof, cl, s) == pytest.approx(per_batch * 3200 / 32)
