@@ -55,6 +55,12 @@ CREATE TABLE IF NOT EXISTS host_samples (
 CREATE TABLE IF NOT EXISTS events (
     run_id TEXT NOT NULL, worker_index INTEGER, wall_time REAL NOT NULL, kind TEXT NOT NULL, detail_json TEXT
 );
+CREATE TABLE IF NOT EXISTS predictions (
+    prediction_id TEXT PRIMARY KEY, group_name TEXT, cell_key TEXT NOT NULL, strategy TEXT NOT NULL,
+    workers INTEGER NOT NULL, batch_size INTEGER NOT NULL, microbatches INTEGER, predicted_step_s REAL,
+    predicted_epoch_s REAL, memory_bytes INTEGER, capacity_bytes INTEGER, fits INTEGER, dominant_cost TEXT,
+    detail_json TEXT, run_id TEXT, created_at REAL NOT NULL
+);
 CREATE INDEX IF NOT EXISTS steps_by_run ON steps (run_id, worker_index);
 CREATE INDEX IF NOT EXISTS host_by_run ON host_samples (run_id, worker_index);
 """
@@ -209,6 +215,36 @@ class ResultsStore:
         order = {"steps": "worker_index, step", "workers": "worker_index"}.get(table, "wall_time")
         cur = self.conn.execute(f"SELECT * FROM {table} WHERE run_id = ? ORDER BY {order}", (run_id,))
         return [dict(r) for r in cur.fetchall()]
+
+    # ------------------------------------------------------------------ predictions
+    def add_prediction(self, cell_key: str, strategy: str, workers: int, batch_size: int, *,
+                       group_name: str | None = None, microbatches: int | None = None,
+                       predicted_step_s: float | None = None, predicted_epoch_s: float | None = None,
+                       memory_bytes: int | None = None, capacity_bytes: int | None = None, fits: bool | None = None,
+                       dominant_cost: str | None = None, detail: dict[str, Any] | None = None,
+                       run_id: str | None = None) -> str:
+        """Store one prediction (seconds, bytes) next to the measurements; returns its id.
+
+        ``cell_key`` names the cell (the label its real run gets), so validating is a join on it.
+        """
+        pid = uuid.uuid4().hex[:12]
+        self.conn.execute(
+            "INSERT INTO predictions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (pid, group_name, cell_key, strategy, workers, batch_size, microbatches, predicted_step_s,
+             predicted_epoch_s, memory_bytes, capacity_bytes, None if fits is None else int(fits), dominant_cost,
+             json.dumps(detail or {}, default=str), run_id, time.time()))
+        return pid
+
+    def link_prediction(self, prediction_id: str, run_id: str) -> None:
+        """Record which real run measured a prediction."""
+        self.conn.execute("UPDATE predictions SET run_id = ? WHERE prediction_id = ?", (run_id, prediction_id))
+
+    def predictions(self, group_name: str | None = None) -> list[dict[str, Any]]:
+        """Stored predictions (of one group, or all), oldest first."""
+        sql, args = "SELECT * FROM predictions", ()
+        if group_name is not None:
+            sql, args = sql + " WHERE group_name = ?", (group_name,)
+        return [dict(r) for r in self.conn.execute(sql + " ORDER BY created_at", args).fetchall()]
 
     def step_counts(self, run_id: str) -> dict[int, int]:
         """Steps stored so far per worker (for progress bars)."""

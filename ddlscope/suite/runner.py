@@ -53,7 +53,7 @@ def run_suite(spec: SuiteSpec, db_path: Path, data_root: Path | None = None, pro
     cells = expand(spec)
     with ResultsStore(db_path) as store:
         done = {r["name"]: r["run_id"] for r in store.runs(spec.name) if r["status"] == "completed"}
-    bar = _CellProgress(len(cells)) if progress else None
+    bar = CellProgress(len(cells)) if progress else None
     run_ids = []
     try:
         for cell in cells:
@@ -91,13 +91,13 @@ def _cell_config_dict(cell: Cell) -> dict:
     return values
 
 
-class _CellProgress:
-    """One rich progress bar over the suite's cells, with the cell running now and an ETA."""
+class CellProgress:
+    """One rich progress bar over cells (of a suite, a validation grid), with the one running now and an ETA."""
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, what: str = "suite"):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-        self.progress = Progress(TextColumn("suite {task.description}"), BarColumn(), MofNCompleteColumn(),
+        self.progress = Progress(TextColumn(what + " {task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
         self.task = self.progress.add_task("", total=total)
         self.progress.start()
