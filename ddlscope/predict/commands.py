@@ -6,7 +6,14 @@ commands read together). User errors raise :class:`~ddlscope.errors.UserError`.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Optional
+
 import typer
+
+from ddlscope.errors import UserError
+from ddlscope.predict.costs import MODELS
 
 
 def register(app: typer.Typer) -> None:
@@ -16,5 +23,121 @@ def register(app: typer.Typer) -> None:
     # ---- calibrate (predict/calibrate.py)
 
     # ---- recommend (predict/recommend.py)
+    @app.command("recommend")
+    def recommend_cmd(
+        model: str = typer.Option("resnet18", "--model", help="zoo network"),
+        dataset: str = typer.Option("cifar10", "--dataset", help="dataset shape (mnist, cifar10, imagenet, highres, digits)"),
+        cluster: Path = typer.Option(..., "--cluster", help="cluster TOML (see examples/cluster-*.toml, ddlscope calibrate)"),
+        batch_size: int = typer.Option(64, "--batch-size", min=1, help="global batch: samples per optimizer step"),
+        workers: Optional[int] = typer.Option(None, "--workers", min=2, help="workers/peers (default: the cluster's devices or peers)"),
+        strategies: str = typer.Option(",".join(MODELS), "--strategies", help="distribution models to consider, comma-separated"),
+        microbatches: Optional[int] = typer.Option(None, "--microbatches", min=1, help="gpipe/1f1b (default 2 x workers)"),
+        target_batch_size: Optional[int] = typer.Option(None, "--target-batch-size", min=1, help="collaborative (default: the global batch)"),
+        matchmaking_time_s: float = typer.Option(2.0, "--matchmaking-time", min=0.01, help="collaborative: seconds"),
+        local_updates: bool = typer.Option(False, "--local-updates", help="collaborative: use_local_updates"),
+        loader_workers: int = typer.Option(0, "--loader-workers", min=0),
+        threads: int = typer.Option(1, "--threads", min=1, help="cores of the profiled device (CPU)"),
+        cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="profile cache (default <results>/profiles)"),
+        as_json: bool = typer.Option(False, "--json", help="print JSON only"),
+    ):
+        """Rank the distribution models for a job on a cluster and recommend the fastest that fits."""
+        from ddlscope.predict.cluster import load_cluster
+        from ddlscope.predict.devices import compute_scale
+        from ddlscope.predict.profile import load_or_profile
+        from ddlscope.predict.recommend import candidate_settings, recommend
+        from ddlscope.workloads.datasets import DATASETS
+
+        spec = load_cluster(cluster)
+        if dataset not in DATASETS:
+            raise UserError(f"unknown dataset {dataset!r}; allowed: {', '.join(sorted(DATASETS))}")
+        n = workers or (len(spec.peers) if spec.peers and spec.workers == 1 else spec.workers)
+        if n < 2:
+            raise UserError(f"the cluster {spec.name!r} has one device; describe at least 2 devices or peers, or pass --workers")
+        profile = load_or_profile(model, dataset, batch_size, threads=threads, loader_workers=(loader_workers,),
+                                  cache_dir=cache_dir, progress=not as_json)
+        scale = compute_scale(profile, batch_size, spec.device.kind)
+        settings = candidate_settings([x.strip() for x in strategies.split(",") if x.strip()], n, batch_size,
+                                      DATASETS[dataset].train_size, microbatches=microbatches,
+                                      loader_workers=loader_workers, target_batch_size=target_batch_size,
+                                      matchmaking_time_s=matchmaking_time_s, use_local_updates=local_updates)
+        rec = recommend(profile, spec, settings, scale.factor, (scale.low, scale.high))
+        if spec.device.kind != "local":
+            rec.notes.append(f"compute scaled from {profile.device.name} to {spec.device.kind}: x{scale.factor:.3g} "
+                             f"(band x{scale.low:.3g} .. x{scale.high:.3g}; {scale.method})")
+        if as_json:
+            typer.echo(json.dumps(rec.to_dict(), indent=2, default=str))
+        else:
+            print_recommendation(rec, f"{model} on {dataset}, global batch {batch_size}, cluster {spec.name}")
 
     # ---- validate (predict/validate.py)
+    @app.command("validate")
+    def validate_cmd(
+        grid: str = typer.Argument("local", metavar="[GRID]", help="grid TOML ([validation] table) or preset: local, tiny"),
+        cluster: Optional[Path] = typer.Option(None, "--cluster", help="cluster TOML of this machine (default: calibrate now, kept next to the database)"),
+        out: Optional[Path] = typer.Option(None, "--out", help="report folder (default <results>/validation/<name>)"),
+        rerun: bool = typer.Option(False, "--rerun", help="run cells again even if a completed run is stored"),
+        predict_only: bool = typer.Option(False, "--predict-only", help="store and report predictions, run nothing"),
+        db: Optional[Path] = typer.Option(None, "--db", help="results database (default ./ddlscope-results/ddlscope.db)"),
+        progress: bool = typer.Option(True, "--progress/--no-progress"),
+    ):
+        """Predict every cell of a grid, run it for real here, and report error, recommendation correctness and regret."""
+        from ddlscope.predict.validate import load_grid, run_validation
+        from ddlscope.predict.validation_report import print_validation, write_validation_report
+        from ddlscope.store.db import default_db_path
+
+        spec = load_grid(grid)
+        db_path = Path(db) if db else default_db_path()
+        cl = _local_cluster(cluster, db_path, spec.workers, spec.threads)
+        try:
+            cells = run_validation(spec, cl, db_path, progress=progress, run_real=not predict_only)
+        except KeyboardInterrupt:
+            typer.echo("interrupted: finished cells are stored; run the same command again to resume", err=True)
+            raise typer.Exit(130)
+        folder = out or db_path.parent / "validation" / spec.name
+        path = write_validation_report(cells, folder, f"Predictor validation: {spec.name}",
+                                       extra={"cluster": cl.model_dump(), "grid": spec.model_dump()})
+        print_validation(cells)
+        typer.echo(f"report: {path}")
+
+
+def _local_cluster(path: Path | None, db_path: Path, workers: int, threads: int):
+    """The cluster file given, or this machine calibrated once and kept next to the database."""
+    from ddlscope.predict.cluster import load_cluster, write_cluster
+
+    if path is not None:
+        return load_cluster(path)
+    kept = db_path.parent / f"cluster-calibrated-{workers}x{threads}.toml"
+    if kept.exists():
+        return load_cluster(kept)
+    from ddlscope.predict.calibrate import calibrate
+
+    typer.echo(f"calibrating this machine ({workers} workers x {threads} threads) ...", err=True)
+    spec = calibrate(workers=workers, threads=threads).cluster
+    write_cluster(spec, kept)
+    return spec
+
+
+def print_recommendation(rec, title: str) -> None:
+    """The ranked candidates as a rich table, then the recommendation and why."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("#", "distribution model", "batch/worker", "s/epoch", "step s", "memory/worker", "capacity",
+                "fits", "dominant cost", "thesis reference s/epoch"):
+        table.add_column(col, justify="right" if col not in ("distribution model", "dominant cost", "fits") else "left")
+    for i, c in enumerate(rec.candidates, 1):
+        p, s = c.prediction, c.setting
+        per = f"{s.batch_size}" + (f" ({s.microbatches} mb)" if s.microbatches else "")
+        ref = ", ".join(f"{k} {v:.1f}" for k, v in (p.reference_epoch_s.items() if p else []))
+        gib = lambda b: "-" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
+        table.add_row(str(i), f"{s.strategy} x{s.workers}", per, f"{p.epoch_s:.1f}" if p else "-",
+                      f"{p.step_s:.3f}" if p else "-", gib(c.memory_bytes), gib(c.capacity_bytes),
+                      "yes" if c.fits else ("no" if c.invalid_reason is None else "invalid"),
+                      p.dominant_cost if p else (c.invalid_reason or "")[:60], ref or "-")
+    console = Console()
+    console.print(table)
+    for note in rec.notes:
+        console.print(f"note: {note}")
+    head = f"recommended: {rec.best.label}" if rec.best else "no recommendation"
+    console.print(f"[bold]{head}[/bold] — {rec.why}")
