@@ -1,0 +1,192 @@
+"""The validation report over hand-made records: definitions, edge cases, targets, files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from scipy.stats import kendalltau
+
+from ddlscope.errors import UserError
+from ddlscope.predict.validation_report import (
+    TARGET_MAX_MEDIAN_ABS_ERROR, TARGET_MAX_MEDIAN_REGRET, TARGET_MIN_TOP1_RATE, StrategyOutcome, ValidationCell,
+    actual_fastest, kendall_tau, load_validation, pooled_kendall_tau, print_validation, recommended, regret,
+    relative_error, summarize, top1_correct, write_validation_report)
+
+
+def out(strategy, pred, meas, fits=True, status=None, reason=None, refs=None, mem=2**20):
+    """An outcome: ``meas`` None means the run failed unless ``status`` says otherwise."""
+    return StrategyOutcome(strategy=strategy, predicted_epoch_s=pred, predicted_memory_bytes=mem, fits=fits,
+                           measured_epoch_s=meas, status=status or ("completed" if meas is not None else "failed"),
+                           reason=reason, reference_epoch_s=refs or {})
+
+
+def cell(outcomes, dataset="mnist", network="resnet18", workers=4):
+    return ValidationCell(dataset=dataset, network=network, workers=workers, outcomes=outcomes)
+
+
+def test_relative_error_sign_and_bad_measurement():
+    assert relative_error(110.0, 100.0) == pytest.approx(0.10)   # overestimate: positive
+    assert relative_error(80.0, 100.0) == pytest.approx(-0.20)   # underestimate: negative
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(UserError, match="positive finite"):
+            relative_error(1.0, bad)
+
+
+def test_recommended_never_picks_a_model_that_does_not_fit():
+    c = cell([out("single", 100.0, 100.0), out("ddp", 10.0, 30.0, fits=False),
+              out("fsdp", 20.0, 40.0, fits=None), out("gpipe", 50.0, 60.0)])
+    assert recommended(c) == "gpipe"          # ddp and fsdp are faster on paper but not known to fit
+    assert actual_fastest(c) == "ddp"         # ... yet the real ddp run completed and was fastest
+    assert regret(c) == pytest.approx((60 - 30) / 30)
+    assert top1_correct(c) is False
+
+
+def test_nothing_fits_means_no_recommendation():
+    c = cell([out("ddp", 10.0, 30.0, fits=False), out("gpipe", 20.0, None, fits=False)])
+    assert recommended(c) is None
+    assert regret(c) is None
+    assert top1_correct(c) is False           # a model did run, the recommender offered none
+    s = summarize([c])
+    assert s.cells_without_recommendation == 1 and s.regret_count == 0
+
+
+def test_single_is_a_candidate_and_correct_recommendation_has_zero_regret():
+    c = cell([out("single", 5.0, 6.0), out("ddp", 8.0, 9.0)])
+    assert recommended(c) == actual_fastest(c) == "single"
+    assert regret(c) == 0.0 and top1_correct(c) is True
+
+
+def test_recommended_without_measurement_is_counted_separately():
+    failed = cell([out("ddp", 10.0, None, reason="out of memory"), out("gpipe", 20.0, 25.0)], network="vgg16")
+    not_run = cell([out("ddp", 10.0, None, status="not-run", reason="skipped"), out("gpipe", 20.0, 25.0)],
+                   network="vgg11")
+    ok = cell([out("ddp", 10.0, 11.0), out("gpipe", 20.0, 22.0)])
+    assert regret(failed) is None and regret(not_run) is None
+    assert top1_correct(failed) is False      # the recommendation did not run
+    assert top1_correct(not_run) is None      # undecided
+    s = summarize([failed, not_run, ok])
+    assert (s.cells_recommended_unmeasured, s.cells_recommended_failed) == (2, 1)
+    assert (s.top1_correct, s.top1_determined) == (1, 2)
+    assert s.regret_count == 1 and s.median_regret == 0.0
+    assert s.per_model["ddp"].without_measurement == 2 and s.per_model["ddp"].count == 1
+
+
+def test_kendall_tau_perfect_reversed_and_pooled():
+    models = ["single", "ddp", "fsdp", "gpipe"]
+    same = cell([out(m, p, p * 1.3) for m, p in zip(models, [4.0, 1.0, 2.0, 3.0])])
+    rev = cell([out(m, p, 10 - p) for m, p in zip(models, [4.0, 1.0, 2.0, 3.0])], network="vgg11")
+    assert kendall_tau(same) == pytest.approx(1.0)
+    assert kendall_tau(rev) == pytest.approx(-1.0)
+    assert pooled_kendall_tau([same, rev]) == pytest.approx(0.0)
+    assert kendall_tau(cell([out("ddp", 1.0, 2.0), out("gpipe", 2.0, None)])) is None  # one pair only
+    # a cell with ties: the pooled tau of one cell equals scipy's tau-b
+    mixed = cell([out(m, p, q) for m, p, q in zip(models, [1.0, 1.0, 2.0, 3.0], [2.0, 1.0, 1.0, 4.0])])
+    expected = kendalltau([1.0, 1.0, 2.0, 3.0], [2.0, 1.0, 1.0, 4.0]).statistic
+    assert kendall_tau(mixed) == pytest.approx(expected)
+    assert pooled_kendall_tau([mixed]) == pytest.approx(expected)
+
+
+def _grid(error: float, wrong_cells: int, regret_frac: float) -> list[ValidationCell]:
+    """10 cells; ddp predicted with relative error ``error``; ``wrong_cells`` recommend gpipe wrongly."""
+    cells = []
+    for i in range(10):
+        m_ddp, m_gp = 10.0, 10.0 * (1 + regret_frac)
+        if i < wrong_cells:   # the predictor puts gpipe first although ddp is faster
+            p_ddp, p_gp = 12.0, 11.0
+        else:
+            p_ddp, p_gp = m_ddp * (1 + error), m_gp * (1 + error)
+        cells.append(cell([out("ddp", p_ddp, m_ddp, refs={"eq5.1": 9.0}), out("gpipe", p_gp, m_gp)],
+                          network=f"net{i}"))
+    return cells
+
+
+def test_targets_pass_and_fail():
+    good = summarize(_grid(error=0.05, wrong_cells=0, regret_frac=0.5))
+    assert good.all_targets_met
+    assert good.top1_rate == 1.0 and good.median_regret == 0.0
+    assert good.per_model["ddp"].median_abs_error == pytest.approx(0.05)
+    assert good.per_reference["ddp eq5.1"].median_abs_error == pytest.approx(0.10)
+    assert good.per_reference["ddp eq5.1"].median_error == pytest.approx(-0.10)
+
+    big_error = summarize(_grid(error=0.2, wrong_cells=0, regret_frac=0.5))
+    failed = {t.name for t in big_error.targets if t.passed is False}
+    assert failed == {"median abs error ddp", "median abs error gpipe"} and not big_error.all_targets_met
+
+    # 2 wrong of 10: top-1 80 % fails; the median regret is still 0 (8 correct cells)
+    wrong = summarize(_grid(error=0.0, wrong_cells=2, regret_frac=0.5))
+    assert wrong.top1_rate == pytest.approx(0.8) and wrong.top1_rate < TARGET_MIN_TOP1_RATE
+    assert {t.name: t.passed for t in wrong.targets}["top-1 rate"] is False
+    assert {t.name: t.passed for t in wrong.targets}["median regret"] is True
+    assert wrong.max_regret == pytest.approx(0.5)
+
+    # 6 wrong of 10 with 10 % regret each: median regret 10 % fails
+    regretful = summarize(_grid(error=0.0, wrong_cells=6, regret_frac=0.1))
+    assert regretful.median_regret == pytest.approx(0.1) and regretful.median_regret > TARGET_MAX_MEDIAN_REGRET
+    assert {t.name: t.passed for t in regretful.targets}["median regret"] is False
+    assert TARGET_MAX_MEDIAN_ABS_ERROR == 0.10
+
+
+def test_model_without_measurement_has_no_data_target():
+    c = cell([out("ddp", 10.0, 10.0), out("collaborative", 5.0, None, status="not-run", reason="no peers")])
+    s = summarize([c])
+    targets = {t.name: t.passed for t in s.targets}
+    assert targets["median abs error collaborative"] is None and targets["median abs error ddp"] is True
+    assert not s.all_targets_met
+
+
+@pytest.mark.parametrize("cells, message", [
+    ([], "no validation cells"),
+    ([cell([out("ddp", 1.0, 1.0), out("ddp", 2.0, 2.0)])], r"\['ddp'\] appear more than once"),
+    ([cell([out("ddp", 1.0, 1.0, status="crashed")])], "status = 'crashed'; allowed: completed, failed, not-run"),
+    ([cell([out("ddp", 1.0, None, status="completed")])], "measured_epoch_s is None"),
+    ([cell([out("ddp", 1.0, 2.0, status="failed")])], "a measured time needs status 'completed'"),
+    ([cell([out("ddp", -1.0, 2.0)])], "predicted_epoch_s = -1.0"),
+    ([cell([out("ddp", 1.0, 2.0)]), cell([out("ddp", 1.0, 2.0)])], "appears twice"),
+    ([cell([])], "has no outcomes"),
+])
+def test_bad_records(cells, message):
+    with pytest.raises(UserError, match=message):
+        summarize(cells)
+
+
+def test_report_files(tmp_path, capsys):
+    cells = [
+        cell([out("single", 40.0, 42.0), out("ddp", 11.0, 10.0, refs={"eq5.1": 8.0}),
+              out("gpipe", 12.0, 15.0, refs={"eq6.1+6.2": 13.0})], dataset="mnist", network="resnet18"),
+        cell([out("single", 90.0, 80.0), out("ddp", 20.0, None, fits=False, reason="out of memory | 3 GiB"),
+              out("gpipe", 30.0, 33.0)], dataset="cifar10", network="resnet18"),
+        cell([out("single", 40.0, 42.0), out("ddp", 11.0, 14.0), out("gpipe", 10.0, 12.0)],
+             dataset="mnist", network="vgg11"),
+    ]
+    md_path = write_validation_report(cells, tmp_path / "rep", "Validation test", extra={"cluster": "local"})
+    rep = tmp_path / "rep"
+    for name in ("validation.md", "validation.html", "validation.json", "error.png", "correctness.png"):
+        assert (rep / name).stat().st_size > 0, name
+    md = md_path.read_text()
+    # Table 8.1 layout: rows networks, columns datasets
+    assert "| network | mnist | cifar10 |" in md
+    assert "| resnet18 | ddp / ddp / 0.0 % | gpipe / gpipe / 0.0 % |" in md
+    assert "| vgg11 | gpipe / gpipe / 0.0 % | - |" in md
+    # Table 8.2 layout and the per-cell table (the reason's '|' must not break the table)
+    assert "| resnet18 | T | T |" in md
+    assert "failed: out of memory / 3 GiB" in md
+    assert "eq5.1: -20.0 %" in md and "+10.0 %" in md
+    assert "ddp eq5.1" in md and "gpipe eq6.1+6.2" in md
+    assert "<table>" in (rep / "validation.html").read_text()
+    data = json.loads((rep / "validation.json").read_text())
+    assert data["summary"]["cells"] == 3 and data["extra"] == {"cluster": "local"}
+    assert data["cells"][0]["recommended"] == "ddp"
+    again = load_validation(rep / "validation.json")
+    assert again == cells
+    print_validation(cells)
+    shown = capsys.readouterr().out
+    assert "validation summary" in shown and "Table 8.1" in shown
+
+
+def test_load_validation_bad_file(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        load_validation(tmp_path / "missing.json")
+    (tmp_path / "v.json").write_text("{}")
+    with pytest.raises(UserError, match="not a validation.json"):
+        load_validation(tmp_path / "v.json")
