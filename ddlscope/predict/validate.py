@@ -172,8 +172,8 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
                     outcomes.append(_validate_candidate(grid, cand, net, ds, root, db_path, run_local, rerun, run_real))
                     if bar:
                         bar.advance()
-                cells.append(ValidationCell(dataset=ds, network=net, workers=grid.workers, outcomes=outcomes))
-                cells[-1].profile_and_predict_s = predict_s  # type: ignore[attr-defined]
+                cells.append(ValidationCell(dataset=ds, network=net, workers=grid.workers, outcomes=outcomes,
+                                            predict_s=predict_s))
     finally:
         if bar:
             bar.close()
@@ -212,8 +212,11 @@ def _validate_candidate(grid: ValidationGrid, cand: Candidate, net: str, ds: str
     with ResultsStore(db_path) as store:
         store.link_prediction(pid, run_id)
         res = cell_result(store, dict(store.run(run_id)))
-    outcome.status, outcome.measured_epoch_s = res.status, res.epoch_s
-    outcome.reason = res.reason or outcome.reason
-    outcome.measured_memory_bytes = res.peak_memory_bytes  # type: ignore[attr-defined]
+    if res.status == "completed" and res.epoch_s:
+        outcome.status, outcome.measured_epoch_s = "completed", res.epoch_s
+    else:  # failed, interrupted, or completed without a measured step
+        outcome.status = "failed"
+        outcome.reason = res.reason or f"run {run_id} ended {res.status} without measured steps"
+    outcome.measured_memory_bytes = res.peak_memory_bytes
     return outcome
 

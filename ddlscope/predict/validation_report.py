@@ -77,6 +77,7 @@ class StrategyOutcome:
     reason: str | None = None          # why it failed / was not run
     reference_epoch_s: dict[str, float] = field(default_factory=dict)  # thesis closed forms
     dominant_cost: str | None = None   # e.g. "compute", "all-reduce", "bubble", "averaging"
+    measured_memory_bytes: int | None = None  # the real run's largest per-worker peak (CPU: peak RSS)
 
     @property
     def measured(self) -> bool:
@@ -106,6 +107,7 @@ class ValidationCell:
     network: str
     workers: int
     outcomes: list[StrategyOutcome]    # one per distribution model, including the one-device "single" baseline
+    predict_s: float | None = None     # seconds to profile (or read the cached profile) and predict every model
 
     @property
     def label(self) -> str:
@@ -440,7 +442,8 @@ def cell_from_dict(d: dict[str, Any]) -> ValidationCell:
     out_fields = set(StrategyOutcome.__dataclass_fields__)
     try:
         outcomes = [StrategyOutcome(**{k: v for k, v in o.items() if k in out_fields}) for o in d["outcomes"]]
-        return ValidationCell(dataset=d["dataset"], network=d["network"], workers=int(d["workers"]), outcomes=outcomes)
+        return ValidationCell(dataset=d["dataset"], network=d["network"], workers=int(d["workers"]), outcomes=outcomes,
+                              predict_s=d.get("predict_s"))
     except (KeyError, TypeError) as e:
         raise UserError(f"validation record is missing a field or has a wrong one: {e}") from e
 

@@ -1,0 +1,110 @@
+"""Predictor accuracy and speed on the local validation grid (issue 4's targets).
+
+1. Speed: profile ResNet-18 on CIFAR-10 shapes from scratch (empty cache) and predict every
+   distribution model with memory; then time one more prediction on another cluster and for
+   one more distribution model. Targets: profile + prediction <= 60 s, each further <= 1 s.
+2. Accuracy: ``ddlscope validate`` on the grid (default preset ``local``: MNIST and CIFAR-10
+   shapes x ResNet-18, VGG-11, MobileNetV2 x single, ddp, fsdp, gpipe, 1f1b, collaborative on 2
+   workers of one core): predicted vs. measured seconds per epoch. Targets: median absolute
+   error <= 10 % for every distribution model, top-1 recommendation correct in >= 90 % of
+   cells, median regret <= 5 %.
+
+    python benchmarks/predictor.py [--grid local] [--cluster FILE] [--db DB]
+
+Prints a table and writes ``benchmarks/results/predictor.json`` (and the validation report next
+to the database). Real runs are stored in the database, so a second invocation with the same
+``--db`` reuses them (pass ``--rerun`` to measure again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from ddlscope.predict.cluster import load_cluster
+from ddlscope.predict.recommend import candidate_settings, recommend
+from ddlscope.predict.validate import load_grid, run_validation
+from ddlscope.predict.validation_report import summarize, write_validation_report
+from ddlscope.workloads.datasets import DATASETS
+
+HERE = Path(__file__).parent
+SPEED_TARGET_S, FURTHER_TARGET_S = 60.0, 1.0
+
+
+def speed(grid, cluster, other_cluster, cache_dir: Path, data_root: Path) -> dict:
+    """Seconds to profile ResNet-18 from scratch and predict, and for each further prediction."""
+    from ddlscope.predict.profile import load_or_profile
+    from ddlscope.workloads.datasets import write_synthetic
+
+    write_synthetic("cifar10", data_root, train_size=max(128, grid.batch_size), test_size=32, seed=0)
+    t0 = time.perf_counter()
+    profile = load_or_profile("resnet18", "cifar10", grid.batch_size, threads=grid.threads,
+                              loader_workers=(grid.loader_workers,), data_root=data_root, cache_dir=cache_dir)
+    t1 = time.perf_counter()
+    settings = candidate_settings(grid.strategies, grid.workers, grid.batch_size, DATASETS["cifar10"].train_size,
+                                  microbatches=grid.microbatches, matchmaking_time_s=grid.matchmaking_time_s)
+    recommend(profile, cluster, settings)
+    t2 = time.perf_counter()
+    recommend(profile, other_cluster, settings)
+    t3 = time.perf_counter()
+    recommend(profile, cluster, settings[:1])
+    t4 = time.perf_counter()
+    return {"profile_s": t1 - t0, "predict_all_s": t2 - t1, "profile_and_predict_s": t2 - t0,
+            "further_cluster_s": t3 - t2, "further_strategy_s": t4 - t3,
+            "distribution_models": len(settings)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--grid", default="local")
+    ap.add_argument("--cluster", type=Path, help="cluster TOML of this machine (default: calibrate now)")
+    ap.add_argument("--other-cluster", type=Path, default=HERE.parent / "examples" / "cluster-4xv100-nvlink.toml")
+    ap.add_argument("--db", type=Path, help="results database (default: a fresh temporary one)")
+    ap.add_argument("--rerun", action="store_true")
+    args = ap.parse_args()
+
+    grid = load_grid(args.grid)
+    tmp = Path(tempfile.mkdtemp(prefix="ddlscope-predictor-"))
+    db = args.db or tmp / "ddlscope.db"
+    if args.cluster:
+        cluster = load_cluster(args.cluster)
+    else:
+        from ddlscope.predict.calibrate import calibrate
+
+        cluster = calibrate(workers=grid.workers, threads=grid.threads).cluster
+    data_root = db.parent / "suite-data"
+    fast = speed(grid, cluster, load_cluster(args.other_cluster), tmp / "fresh-profiles", data_root)
+    t0 = time.perf_counter()
+    cells = run_validation(grid, cluster, db, data_root=data_root, profile_dir=db.parent / "profiles",
+                           rerun=args.rerun)
+    wall = time.perf_counter() - t0
+    summary = summarize(cells)
+    report = write_validation_report(cells, db.parent / "validation" / grid.name, f"Predictor validation: {grid.name}",
+                                     extra={"speed": fast, "cluster": cluster.model_dump()})
+
+    rows = [("profile + predict ResNet-18 (s)", fast["profile_and_predict_s"], f"<= {SPEED_TARGET_S:.0f}",
+             fast["profile_and_predict_s"] <= SPEED_TARGET_S),
+            ("further cluster (s)", fast["further_cluster_s"], f"<= {FURTHER_TARGET_S:.0f}",
+             fast["further_cluster_s"] <= FURTHER_TARGET_S),
+            ("further distribution model (s)", fast["further_strategy_s"], f"<= {FURTHER_TARGET_S:.0f}",
+             fast["further_strategy_s"] <= FURTHER_TARGET_S)]
+    rows += [(t.name, t.value, f"{t.comparison} {t.threshold:g}", t.passed) for t in summary.targets]
+    print(f"\n{'measure':48s} {'value':>10s} {'target':>10s}  pass")
+    for name, value, target, ok in rows:
+        shown = "-" if value is None else f"{value:.3f}"
+        print(f"{name:48s} {shown:>10s} {target:>10s}  {'yes' if ok else 'NO'}")
+    print(f"\nvalidation wall time {wall / 60:.1f} min; report {report}")
+    out = {"grid": grid.model_dump(), "cluster": cluster.model_dump(), "speed": fast, "validation_wall_s": wall,
+           "summary": summary.to_dict(), "cells": [asdict(c) for c in cells], "db": str(db),
+           "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "predictor.json").write_text(json.dumps(out, indent=2, default=str))
+    print(f"wrote {HERE / 'results' / 'predictor.json'}")
+
+
+if __name__ == "__main__":
+    main()
