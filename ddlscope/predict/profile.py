@@ -42,6 +42,10 @@ class LayerProfile(BaseModel):
     output_bytes_per_sample: int = Field(ge=0, description="activation this layer outputs, per sample (what a stage sends)")
     saved_bytes_per_sample: int = Field(ge=0, description="activations autograd keeps for this layer's backward, per sample")
     forward_flops_per_sample: float = Field(ge=0)
+    buffer_bytes: int = Field(0, ge=0, description="buffers of this layer (BatchNorm running statistics)")
+    input_saved_bytes_per_sample: int = Field(
+        0, ge=0, description="the part of saved_bytes_per_sample that is this layer's input (0 when an earlier layer "
+                             "saved that tensor already, or this layer does not save its input)")
 
 
 class StepProfile(BaseModel):
@@ -233,8 +237,9 @@ def device_name(device: str) -> str:
 def _fake_analysis(network: str, family: str, batch_sizes: list[int]) -> dict:
     """Bytes and FLOPs of the zoo model on fake tensors (nothing of the model's size is allocated).
 
-    Returns a dict with ``layers`` (per top-level child: name, param_bytes, output_bytes_per_sample,
-    saved_bytes_per_sample, forward_flops_per_sample at the largest batch size), the model's
+    Returns a dict with ``layers`` (per top-level child: name, param_bytes, buffer_bytes,
+    output_bytes_per_sample, saved_bytes_per_sample, input_saved_bytes_per_sample,
+    forward_flops_per_sample at the largest batch size), the model's
     ``param_count``, ``param_bytes``, ``buffer_bytes``, ``optimizer_state_bytes``, and
     ``activation_peak_bytes`` per batch size.
 
@@ -272,6 +277,7 @@ def _fake_analysis(network: str, family: str, batch_sizes: list[int]) -> dict:
         current = [""]
         saved: dict[int, tuple[str, int]] = {}
         outputs: dict[str, int] = {}
+        input_keys: dict[str, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             st = t.untyped_storage()
@@ -282,7 +288,11 @@ def _fake_analysis(network: str, family: str, batch_sizes: list[int]) -> dict:
 
         handles = []
         for name, child in children:
-            handles.append(child.register_forward_pre_hook(lambda m, a, name=name: current.__setitem__(0, name)))
+            def enter(m, args, name=name):
+                current[0] = name
+                input_keys[name] = args[0].untyped_storage()._cdata
+
+            handles.append(child.register_forward_pre_hook(enter))
             handles.append(child.register_forward_hook(
                 lambda m, a, o, name=name: outputs.__setitem__(name, o.numel() * o.element_size())))
         with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -292,14 +302,19 @@ def _fake_analysis(network: str, family: str, batch_sizes: list[int]) -> dict:
         flops = counter.get_flop_counts()
         root = type(model).__name__
         saved_by_layer: dict[str, int] = {}
-        for name, nbytes in saved.values():
+        input_saved: dict[str, int] = {}
+        for key, (name, nbytes) in saved.items():
             saved_by_layer[name] = saved_by_layer.get(name, 0) + nbytes
+            if input_keys.get(name) == key:
+                input_saved[name] = nbytes
         out["layers"] = [
             dict(name=name,
                  param_bytes=sum(p.numel() * p.element_size() for p in child.parameters()),
                  output_bytes_per_sample=round(outputs[name] / ref),
                  saved_bytes_per_sample=round(saved_by_layer.get(name, 0) / ref),
-                 forward_flops_per_sample=float(sum(flops.get(f"{root}.{name}", {}).values())) / ref)
+                 forward_flops_per_sample=float(sum(flops.get(f"{root}.{name}", {}).values())) / ref,
+                 buffer_bytes=sum(b.numel() * b.element_size() for b in child.buffers()),
+                 input_saved_bytes_per_sample=round(input_saved.get(name, 0) / ref))
             for name, child in children
         ]
 
@@ -476,21 +491,45 @@ def _memory_capacity_bytes(device, threads: int) -> int:
 
 
 _PROBE_SCRIPT = """
-import json, sys
+import gc, json, sys
 def status(key):
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return None
-import torch, torch.distributed, ddlscope.train.loop, ddlscope.strategies
+import torch, torch.distributed, ddlscope.train.loop
 args = json.loads(sys.argv[1])
 torch.set_num_threads(args["threads"])
+from ddlscope.predict.profile import _probe_steps, _warm_up_runtime
+_warm_up_runtime(args["family"])
+gc.collect()
 runtime = status("VmRSS")
-from ddlscope.predict.profile import _probe_steps
 peaks = _probe_steps(args["network"], args["family"], args["batch_sizes"], status)
 print(json.dumps({"runtime_bytes": runtime, "peaks": peaks}))
 """
+
+
+def _warm_up_runtime(family: str) -> None:
+    """Two training steps of ``tiny_cnn`` on a batch of 2, then everything is dropped.
+
+    A worker's fixed memory grows when it first trains: the optimizer's first use imports more
+    of torch (``torch._dynamo`` and friends), kernels' code pages and thread pools become
+    resident. Running a tiny step first makes ``runtime_bytes`` include that growth.
+    """
+    import torch
+
+    from ddlscope.workloads.models import build_model, input_spec
+
+    spec = input_spec(family)
+    model = build_model("tiny_cnn", family)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(2, spec.channels, spec.height, spec.width)
+    y = torch.randint(0, spec.num_classes, (2,))
+    for _ in range(2):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
 
 def _probe_steps(network: str, family: str, batch_sizes: list[int], status) -> dict[str, int] | None:
@@ -538,8 +577,9 @@ def _measure_real_memory(network: str, family: str, batch_sizes: list[int], thre
                          ) -> tuple[int, dict[int, int] | None]:
     """``(runtime_bytes, step bytes per batch size)`` measured with real tensors on the device.
 
-    CPU (Linux): a fresh Python process imports torch and ddlscope's training modules; its
-    resident set (VmRSS) then is ``runtime_bytes``. It runs :func:`_probe_steps` with glibc's
+    CPU (Linux): a fresh Python process imports torch and ddlscope's training loop and runs
+    :func:`_warm_up_runtime`; its resident set (VmRSS) then is ``runtime_bytes`` (interpreter,
+    libraries, lazily imported modules, kernel code; no model). It then runs :func:`_probe_steps` with glibc's
     mmap threshold fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``), so that freed tensors leave the
     resident set at once and the high-water mark counts live memory only, including the
     kernels' internal work buffers that fake tensors do not see (e.g. convolution
