@@ -2,9 +2,10 @@
 
 Run as ``python tests/memory_probe.py '<json args>'`` once per worker; for ddp/fsdp the usual
 torch.distributed variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) are set by
-the test. Prints one JSON line: ``baseline_bytes`` (VmRSS after imports, process-group set-up and the
-warm-up that the profile's ``runtime_bytes`` includes, before the model exists), ``peak_bytes`` (VmHWM over the measured steps, the high-water
-mark having been reset after the warm-up steps), and their difference ``training_bytes``.
+the test. Prints one JSON line: ``baseline_bytes`` (VmRSS after imports, process-group set-up
+and the warm-up that the profile's ``runtime_bytes`` includes, before the model and the batch
+exist), ``peak_bytes`` (VmHWM over the measured steps, the high-water mark having been reset
+after the warm-up steps), their difference ``training_bytes``, and the strategy's details.
 
 Run it with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then maps every allocation of 64 KiB or more
 separately and unmaps it on free, so the resident set follows the live tensors instead of
@@ -47,13 +48,13 @@ def main() -> None:
     spec = input_spec(args["family"])
     loss_fn = torch.nn.CrossEntropyLoss()
     b = args["batch_size"]
-    x = torch.randn(b, spec.channels, spec.height, spec.width)
-    y = torch.randint(0, spec.num_classes, (b,))
     from ddlscope.predict.profile import _warm_up_runtime
 
     _warm_up_runtime(args["family"])  # what the profile's runtime_bytes includes: lazy imports, kernel code
     gc.collect()
     baseline = status("VmRSS")
+    x = torch.randn(b, spec.channels, spec.height, spec.width)  # the input batch counts as activation memory
+    y = torch.randint(0, spec.num_classes, (b,))
     torch.manual_seed(0)
     model = build_model(cfg.model, args["family"])
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.learning_rate, momentum=cfg.momentum)
@@ -74,7 +75,8 @@ def main() -> None:
     peak = status("VmHWM")
     details = strategy.details()
     strategy.close()
-    print(json.dumps({"rank": rank, "details": details, "baseline_bytes": baseline, "peak_bytes": peak, "training_bytes": peak - baseline}))
+    print(json.dumps({"rank": rank, "details": details, "baseline_bytes": baseline, "peak_bytes": peak,
+                      "training_bytes": peak - baseline}))
 
 
 if __name__ == "__main__":
