@@ -1,10 +1,23 @@
-"""Peak memory of a worker process."""
+"""Peak memory of a worker process.
+
+Two figures on CPU (Linux):
+
+* :func:`peak_memory_bytes`: the process's lifetime peak resident set (``ru_maxrss``): includes
+  imports, dataset loading, model construction and one-off set-up peaks.
+* the *training* peak: :func:`reset_peak_rss` at the start of training resets the kernel's
+  resident high-water mark (``echo 5 > /proc/self/clear_refs``), and :func:`peak_rss_bytes`
+  (VmHWM) read at the end is the peak during training only, comparable with the predicted
+  per-worker totals of :mod:`ddlscope.predict.memory`. Resetting does not lower what
+  :func:`peak_memory_bytes` reports: the lifetime peak before the reset is remembered.
+"""
 
 from __future__ import annotations
 
 import resource
 
 import torch
+
+_peak_before_reset_bytes = 0
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -16,4 +29,44 @@ def peak_memory_bytes(device: torch.device) -> int:
     """
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return max(_peak_before_reset_bytes, int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024)
+
+
+def _status_bytes(key: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` in bytes, or None where there is none (not Linux)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def rss_bytes() -> int | None:
+    """Resident set size of this process now (VmRSS), bytes; None where /proc is missing."""
+    return _status_bytes("VmRSS")
+
+
+def peak_rss_bytes() -> int | None:
+    """The kernel's resident high-water mark (VmHWM) of this process, bytes, since the process
+    started or since the last :func:`reset_peak_rss`; None where /proc is missing."""
+    return _status_bytes("VmHWM")
+
+
+def reset_peak_rss() -> bool:
+    """Reset the resident high-water mark to the current resident set (Linux ``clear_refs`` 5).
+
+    The lifetime peak so far is remembered, so :func:`peak_memory_bytes` is unaffected.
+    Returns False (and resets nothing) where the kernel does not allow it.
+    """
+    global _peak_before_reset_bytes
+    _peak_before_reset_bytes = max(_peak_before_reset_bytes,
+                                   int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024)
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True

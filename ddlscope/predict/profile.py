@@ -42,6 +42,10 @@ class LayerProfile(BaseModel):
     output_bytes_per_sample: int = Field(ge=0, description="activation this layer outputs, per sample (what a stage sends)")
     saved_bytes_per_sample: int = Field(ge=0, description="activations autograd keeps for this layer's backward, per sample")
     forward_flops_per_sample: float = Field(ge=0)
+    buffer_bytes: int = Field(0, ge=0, description="buffers of this layer (BatchNorm running statistics)")
+    input_saved_bytes_per_sample: int = Field(
+        0, ge=0, description="the part of saved_bytes_per_sample that is this layer's input (0 when an earlier layer "
+                             "saved that tensor already, or this layer does not save its input)")
 
 
 class StepProfile(BaseModel):
@@ -55,6 +59,20 @@ class StepProfile(BaseModel):
     optimizer_s: float = Field(ge=0, description="optimizer step and zero_grad")
     step_s: float = Field(ge=0, description="the whole compute step (forward + backward + optimizer)")
     activation_peak_bytes: int = Field(ge=0, description="peak of activation/temporary memory in one step, from fake tensors")
+    measured_activation_peak_bytes: int | None = Field(
+        None, ge=0, description="the same quantity measured with real tensors on the device (kernels' work buffers "
+                                "included); None where it could not be measured")
+
+    @property
+    def activation_bytes(self) -> int:
+        """``measured_activation_peak_bytes`` when measured, else ``activation_peak_bytes``.
+
+        Both are the step's peak memory minus parameters, buffers, all gradients and optimizer
+        state, so ``params + buffers + grads + optimizer state + activation_bytes`` is the
+        step's peak on one device.
+        """
+        return self.activation_peak_bytes if self.measured_activation_peak_bytes is None \
+            else self.measured_activation_peak_bytes
 
 
 class DataLoadProfile(BaseModel):
@@ -111,9 +129,13 @@ class WorkloadProfile(BaseModel):
         """The whole-step times at ``batch_size`` (interpolated between measured batch sizes)."""
         xs = [float(s.batch_size) for s in self.steps]
         pick = lambda attr: interpolate(xs, [float(getattr(s, attr)) for s in self.steps], batch_size)  # noqa: E731
+        measured = None
+        if all(s.measured_activation_peak_bytes is not None for s in self.steps):
+            measured = round(pick("measured_activation_peak_bytes"))
         return StepProfile(batch_size=max(1, round(batch_size)), forward_s=pick("forward_s"),
                            backward_s=pick("backward_s"), optimizer_s=pick("optimizer_s"), step_s=pick("step_s"),
-                           activation_peak_bytes=round(pick("activation_peak_bytes")))
+                           activation_peak_bytes=round(pick("activation_peak_bytes")),
+                           measured_activation_peak_bytes=measured)
 
     def layer_times_s(self, batch_size: float) -> tuple[list[float], list[float]]:
         """Per-layer (forward seconds, backward seconds) at ``batch_size``.
@@ -137,3 +159,730 @@ class WorkloadProfile(BaseModel):
             return 0.0
         best = min(self.data_loading, key=lambda d: (abs(d.loader_workers - loader_workers), d.loader_workers))
         return batch_size / best.samples_per_s
+
+
+# =============================================================================================
+# Measuring a profile
+# =============================================================================================
+#
+# Everything below measures; the data models above only describe. torch and the workload
+# modules are imported inside the functions, so that reading a cached profile stays cheap.
+
+STEP_REPEATS = 3
+"""Measured training steps per batch size (after one warm-up step); their median is kept."""
+LAYER_REPEATS = 3
+"""Timed runs of every layer per batch size (after one warm-up run); the minimum is kept."""
+SYNTHETIC_TRAIN_SIZE = 512
+"""Images in the synthetic copy written when no local copy of the dataset exists."""
+MMAP_THRESHOLD_BYTES = 65536
+"""glibc ``M_MMAP_THRESHOLD`` of the memory-probe process: allocations from 64 KiB up are mmap'd
+and unmapped on free, so the process's resident memory follows its live tensors."""
+
+
+def profile_batch_sizes(batch_size: int) -> list[int]:
+    """The batch sizes a profile measures: ``batch_size`` and its halvings down to ``batch_size // 8``.
+
+    At least 1, deduplicated, ascending; e.g. 32 -> [4, 8, 16, 32], 3 -> [1, 3].
+    """
+    return sorted({max(1, batch_size // 2**k) for k in range(4)})
+
+
+def _check_workload(network: str, dataset: str, batch_size: int, device: str, threads: int,
+                    loader_workers: tuple[int, ...]) -> None:
+    """Raise :class:`UserError` for anything :func:`profile_workload` cannot measure."""
+    from ddlscope.errors import UserError
+    from ddlscope.workloads.datasets import DATASETS
+    from ddlscope.workloads.models import NETWORKS
+
+    if network not in NETWORKS:
+        raise UserError(f"unknown network {network!r}; allowed: {', '.join(NETWORKS)}")
+    if dataset not in DATASETS:
+        raise UserError(f"unknown dataset {dataset!r}; allowed: {', '.join(DATASETS)}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise UserError(f"batch size {batch_size!r}; allowed: an integer >= 1")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise UserError(f"threads {threads!r}; allowed: an integer >= 1")
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"unknown device {device!r}; allowed: cpu, cuda")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("device 'cuda' asked for, but torch sees no CUDA device here; allowed: cpu")
+    if any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in loader_workers):
+        raise UserError(f"loader workers {list(loader_workers)}; allowed: integers >= 0")
+
+
+def device_name(device: str) -> str:
+    """The CPU model (``/proc/cpuinfo`` "model name", else :func:`platform.processor`) or the GPU name."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+# ---------------------------------------------------------------- fake tensors: bytes and FLOPs
+
+
+def _fake_analysis(network: str, family: str, batch_sizes: list[int]) -> dict:
+    """Bytes and FLOPs of the zoo model on fake tensors (nothing of the model's size is allocated).
+
+    Returns a dict with ``layers`` (per top-level child: name, param_bytes, buffer_bytes,
+    output_bytes_per_sample, saved_bytes_per_sample, input_saved_bytes_per_sample,
+    forward_flops_per_sample at the largest batch size), the model's
+    ``param_count``, ``param_bytes``, ``buffer_bytes``, ``optimizer_state_bytes``, and
+    ``activation_peak_bytes`` per batch size.
+
+    * saved bytes: storages autograd saves for backward (``saved_tensors_hooks``), parameters
+      and buffers excluded, each storage counted once, charged to the first layer that saves it
+      (so the bytes of a contiguous run of layers add up; a pipeline stage additionally holds
+      the input it received);
+    * FLOPs: :class:`torch.utils.flop_counter.FlopCounterMode` (2 per multiply-add);
+    * activation peak: :class:`torch.distributed._tools.mem_tracker.MemTracker` over a whole
+      training step (forward, cross-entropy, backward, SGD step, ``zero_grad(set_to_none=True)``,
+      momentum state created by one earlier step): its peak minus parameters, buffers, all
+      gradients and optimizer state.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ddlscope.workloads.models import build_model, input_spec
+
+    spec = input_spec(family)
+    ref = max(batch_sizes)
+    out: dict = {}
+    with FakeTensorMode():
+        model = build_model(network, family)
+        children = list(model.named_children())
+        state_keys = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+        params = list(model.parameters())
+        out["param_count"] = sum(p.numel() for p in params)
+        out["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
+        out["buffer_bytes"] = sum(b.numel() * b.element_size() for b in model.buffers())
+
+        # per layer: output bytes, saved bytes, FLOPs (one forward at the reference batch)
+        x = torch.randn(ref, spec.channels, spec.height, spec.width)
+        current = [""]
+        saved: dict[int, tuple[str, int]] = {}
+        outputs: dict[str, int] = {}
+        input_keys: dict[str, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            key = st._cdata
+            if key not in state_keys and key not in saved:
+                saved[key] = (current[0], st.nbytes())
+            return t
+
+        handles = []
+        for name, child in children:
+            def enter(m, args, name=name):
+                current[0] = name
+                input_keys[name] = args[0].untyped_storage()._cdata
+
+            handles.append(child.register_forward_pre_hook(enter))
+            handles.append(child.register_forward_hook(
+                lambda m, a, o, name=name: outputs.__setitem__(name, o.numel() * o.element_size())))
+        with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x)
+        for h in handles:
+            h.remove()
+        flops = counter.get_flop_counts()
+        root = type(model).__name__
+        saved_by_layer: dict[str, int] = {}
+        input_saved: dict[str, int] = {}
+        for key, (name, nbytes) in saved.items():
+            saved_by_layer[name] = saved_by_layer.get(name, 0) + nbytes
+            if input_keys.get(name) == key:
+                input_saved[name] = nbytes
+        out["layers"] = [
+            dict(name=name,
+                 param_bytes=sum(p.numel() * p.element_size() for p in child.parameters()),
+                 output_bytes_per_sample=round(outputs[name] / ref),
+                 saved_bytes_per_sample=round(saved_by_layer.get(name, 0) / ref),
+                 forward_flops_per_sample=float(sum(flops.get(f"{root}.{name}", {}).values())) / ref,
+                 buffer_bytes=sum(b.numel() * b.element_size() for b in child.buffers()),
+                 input_saved_bytes_per_sample=round(input_saved.get(name, 0) / ref))
+            for name, child in children
+        ]
+
+        # whole training steps: peak memory per batch size
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        peaks: dict[int, int] = {}
+        for b in batch_sizes:
+            xb = torch.randn(b, spec.channels, spec.height, spec.width)
+            yb = torch.randint(0, spec.num_classes, (b,))
+            if not optimizer.state:  # momentum buffers exist in every step but the first
+                loss_fn(model(xb), yb).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer, xb, yb)
+            with tracker:
+                loss_fn(model(xb), yb).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            peak = sum(v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items() if k != "Total")
+            peaks[b] = peak
+        out["optimizer_state_bytes"] = sum(t.numel() * t.element_size() for s in optimizer.state.values()
+                                           for t in s.values() if isinstance(t, torch.Tensor))
+        state = out["param_bytes"] * 2 + out["buffer_bytes"] + out["optimizer_state_bytes"]  # params, grads, buffers, opt
+        out["activation_peak_bytes"] = {b: max(0, p - state) for b, p in peaks.items()}
+    return out
+
+
+# ---------------------------------------------------------------- timing on the real device
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_layers(model, x, repeats: int = LAYER_REPEATS) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds of each top-level child of ``model`` on batch ``x`` ([b, C, H, W]).
+
+    Each child runs on the activation the children before it produce, its input requiring a
+    gradient except for the first (the data needs none in training); the backward pass gets a
+    random output gradient. Minimum of ``repeats`` runs after one warm-up run; BatchNorm
+    running statistics are restored afterwards and the gradients dropped.
+    """
+    import time
+
+    import torch
+
+    fwd_s, bwd_s = [], []
+    for i, layer in enumerate(model.children()):
+        saved = [b.detach().clone() for b in layer.buffers()]
+        f_times, b_times = [], []
+        for r in range(repeats + 1):
+            inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())
+            _sync(x.device)
+            t0 = time.perf_counter()
+            out = layer(inp)
+            _sync(x.device)
+            t1 = time.perf_counter()
+            grad = torch.randn_like(out)
+            _sync(x.device)
+            t2 = time.perf_counter()
+            out.backward(grad)
+            _sync(x.device)
+            t3 = time.perf_counter()
+            if r:
+                f_times.append(t1 - t0)
+                b_times.append(t3 - t2)
+        layer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for b, s in zip(layer.buffers(), saved):
+                b.copy_(s)
+        fwd_s.append(min(f_times))
+        bwd_s.append(min(b_times))
+        x = out.detach()
+    return fwd_s, bwd_s
+
+
+def _time_steps(model, optimizer, x, y, repeats: int = STEP_REPEATS) -> tuple[float, float, float]:
+    """Median (forward + loss, backward, optimizer step + zero_grad) seconds of training steps.
+
+    The step is the training loop's (:mod:`ddlscope.train.loop`): cross-entropy loss, backward,
+    ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``; one warm-up step first.
+    """
+    import statistics
+
+    import torch
+
+    from ddlscope.measure.timeline import Stopwatch
+
+    loss_fn = torch.nn.CrossEntropyLoss()
+    watch = Stopwatch(x.device)
+    laps = []
+    for r in range(repeats + 1):
+        watch.start()
+        loss = loss_fn(model(x), y)
+        loss.item()
+        f = watch.lap()
+        loss.backward()
+        b = watch.lap()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        o = watch.lap()
+        if r:
+            laps.append((f, b, o))
+    return tuple(statistics.median(lap[i] for lap in laps) for i in range(3))  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------- device microbenchmarks
+
+
+def _peak_tflops(device) -> float:
+    """Float32 matmul throughput (1e12 FLOP/s): best of 5 square matmuls after a warm-up.
+
+    n = 1024 on CPU, 8192 on CUDA; 2 n^3 FLOP per matmul.
+    """
+    import time
+
+    import torch
+
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    best = float("inf")
+    for r in range(6):
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        if r:
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e12
+
+
+def _bandwidth_gb_per_s(device) -> float:
+    """Copy bandwidth (1e9 bytes/s) of a large tensor: read + write bytes per copy, as STREAM's
+    "Copy" counts them (McCalpin 1995); best of 5 after a warm-up. 64 MiB on CPU, 1 GiB on CUDA."""
+    import time
+
+    import torch
+
+    nbytes = 2**30 if device.type == "cuda" else 2**26
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for r in range(6):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        if r:
+            best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best / 1e9
+
+
+def _memory_capacity_bytes(device, threads: int) -> int:
+    """CPU: host memory x threads / logical cores (psutil); CUDA: the device's total memory."""
+    import os
+
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    import psutil
+
+    cores = os.cpu_count() or 1
+    return max(1, int(psutil.virtual_memory().total * min(threads, cores) / cores))
+
+
+# ---------------------------------------------------------------- real memory: the probe process
+
+
+_PROBE_SCRIPT = """
+import gc, json, sys
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+import torch, torch.distributed, ddlscope.train.loop
+args = json.loads(sys.argv[1])
+torch.set_num_threads(args["threads"])
+from ddlscope.predict.profile import _probe_steps, _warm_up_runtime
+_warm_up_runtime(args["family"])
+gc.collect()
+runtime = status("VmRSS")
+peaks = _probe_steps(args["network"], args["family"], args["batch_sizes"], status)
+print(json.dumps({"runtime_bytes": runtime, "peaks": peaks}))
+"""
+
+
+def _warm_up_runtime(family: str) -> None:
+    """Two training steps of ``tiny_cnn`` on a batch of 2, then everything is dropped.
+
+    A worker's fixed memory grows when it first trains: the optimizer's first use imports more
+    of torch (``torch._dynamo`` and friends), kernels' code pages and thread pools become
+    resident. Running a tiny step first makes ``runtime_bytes`` include that growth.
+    """
+    import torch
+
+    from ddlscope.workloads.models import build_model, input_spec
+
+    spec = input_spec(family)
+    model = build_model("tiny_cnn", family)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(2, spec.channels, spec.height, spec.width)
+    y = torch.randint(0, spec.num_classes, (2,))
+    for _ in range(2):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _probe_steps(network: str, family: str, batch_sizes: list[int], status) -> dict[str, int] | None:
+    """In the probe process: resident bytes added by one training step, per batch size.
+
+    For each batch size: one step (creates the momentum buffers the first time), then the
+    kernel's resident high-water mark is reset (``echo 5 > /proc/self/clear_refs``) and one
+    more step runs; the result is VmHWM at its end minus VmRSS before it, i.e. the memory the
+    step needed beyond parameters, buffers, optimizer state and the input batch. None when the
+    high-water mark cannot be reset.
+    """
+    import gc
+
+    import torch
+
+    from ddlscope.workloads.models import build_model, input_spec
+
+    spec = input_spec(family)
+    torch.manual_seed(0)
+    model = build_model(network, family)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    out: dict[str, int] = {}
+    for b in batch_sizes:
+        x = torch.randn(b, spec.channels, spec.height, spec.width)
+        y = torch.randint(0, spec.num_classes, (b,))
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        before = status("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            return None
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        out[str(b)] = max(0, status("VmHWM") - before)
+    return out
+
+
+def _measure_real_memory(network: str, family: str, batch_sizes: list[int], threads: int, device
+                         ) -> tuple[int, dict[int, int] | None]:
+    """``(runtime_bytes, step bytes per batch size)`` measured with real tensors on the device.
+
+    CPU (Linux): a fresh Python process imports torch and ddlscope's training loop and runs
+    :func:`_warm_up_runtime`; its resident set (VmRSS) then is ``runtime_bytes`` (interpreter,
+    libraries, lazily imported modules, kernel code; no model). It then runs :func:`_probe_steps` with glibc's
+    mmap threshold fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``), so that freed tensors leave the
+    resident set at once and the high-water mark counts live memory only, including the
+    kernels' internal work buffers that fake tensors do not see (e.g. convolution
+    workspaces). Step bytes are None where /proc is missing or the probe fails.
+
+    CUDA: ``runtime_bytes`` is the memory in use on the device beyond what torch's allocator
+    reserved (the CUDA context and libraries, as ``torch.cuda.mem_get_info`` sees it); step bytes
+    come from ``torch.cuda.max_memory_allocated`` in this process.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if device.type == "cuda":
+        import torch
+
+        from ddlscope.workloads.models import build_model, input_spec
+
+        torch.cuda.init()
+        free, total = torch.cuda.mem_get_info(device)
+        runtime = max(0, total - free - torch.cuda.memory_reserved(device))
+        spec = input_spec(family)
+        torch.manual_seed(0)
+        model = build_model(network, family).to(device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        peaks = {}
+        for b in batch_sizes:
+            x = torch.randn(b, spec.channels, spec.height, spec.width, device=device)
+            y = torch.randint(0, spec.num_classes, (b,), device=device)
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(device)
+            peaks[b] = max(0, torch.cuda.max_memory_allocated(device) - before)
+        del model, optimizer
+        torch.cuda.empty_cache()
+        return runtime, peaks
+
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD_BYTES), OMP_NUM_THREADS=str(threads))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    args = json.dumps(dict(network=network, family=family, batch_sizes=batch_sizes, threads=threads))
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE_SCRIPT, args], env=env, capture_output=True,
+                              text=True, timeout=600, check=True)
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError) as exc:
+        raise RuntimeError(f"the memory probe process failed: {exc}") from exc
+    peaks = result["peaks"]
+    return int(result["runtime_bytes"] or 0), None if peaks is None else {int(k): int(v) for k, v in peaks.items()}
+
+
+# ---------------------------------------------------------------- data loading
+
+
+def _open_training_data(dataset: str, data_root, cache_root, min_samples: int):
+    """The dataset's training split with the training transforms, as a run opens it.
+
+    Uses ``data_root/<dataset>`` (default: :func:`default_data_root`) when it exists (digits is
+    materialised there, it is bundled real data), else a synthetic copy with
+    :data:`SYNTHETIC_TRAIN_SIZE` images (or ``min_samples`` if more) written under ``cache_root``.
+    """
+    from pathlib import Path
+
+    from ddlscope.train.loop import Transformed
+    from ddlscope.workloads.datasets import default_data_root, open_dataset, write_synthetic
+    from ddlscope.workloads.preprocessing import train_transform
+
+    root = Path(data_root) if data_root is not None else default_data_root()
+    if dataset != "digits" and not (root / dataset).is_dir():
+        root = Path(cache_root)
+        write_synthetic(dataset, root, max(SYNTHETIC_TRAIN_SIZE, min_samples), 16, seed=0)
+    train_set, spec = open_dataset(dataset, root, "train")
+    return Transformed(train_set, train_transform(spec, augment=True)), root / dataset
+
+
+def _measure_data_loading(dataset: str, batch_size: int, loader_workers: tuple[int, ...], data_root,
+                          cache_root) -> list[DataLoadProfile]:
+    """Samples/s of the training input pipeline (decode + augmentation + batching) per worker count.
+
+    Times :func:`ddlscope.datapipe.measure.loader_samples_per_s` (shuffled, drop_last, persistent
+    workers, as the training loop builds its loader) over ``max(4 batches, 256 samples)`` after a
+    warm-up batch.
+    """
+    from ddlscope.datapipe.measure import loader_samples_per_s
+    from ddlscope.errors import UserError
+
+    train_set, folder = _open_training_data(dataset, data_root, cache_root, batch_size)
+    if len(train_set) < batch_size:
+        raise UserError(f"batch size {batch_size} is larger than the training split of {folder} "
+                        f"({len(train_set)} samples); allowed: <= {len(train_set)}")
+    samples = max(4 * batch_size, 256)
+    return [DataLoadProfile(loader_workers=w,
+                            samples_per_s=loader_samples_per_s(train_set, batch_size, w, samples).samples_per_s)
+            for w in sorted(set(loader_workers))]
+
+
+# ---------------------------------------------------------------- the profile
+
+
+def profile_workload(network: str, dataset: str, batch_size: int, device: str = "cpu", threads: int = 1,
+                     loader_workers: tuple[int, ...] = (0, 1), data_root=None, progress: bool = False,
+                     cache_root=None) -> WorkloadProfile:
+    """Measure ``network`` on ``dataset``'s input shape at ``batch_size`` on the local device.
+
+    Measured (each part is documented at its helper):
+
+    * batch sizes :func:`profile_batch_sizes` (``batch_size`` and halvings to ``batch_size // 8``);
+    * per top-level layer and batch size: forward and backward seconds, timed separately on
+      the activation the previous layers produce (minimum of :data:`LAYER_REPEATS` runs after a
+      warm-up); parameter bytes; output, saved-for-backward bytes and forward FLOPs per sample
+      from fake tensors (:func:`_fake_analysis`);
+    * per batch size a whole training step as the training loop runs it (cross-entropy, SGD with
+      momentum 0.9, ``zero_grad(set_to_none=True)``): median of :data:`STEP_REPEATS` steps after a
+      warm-up; activation peak from fake tensors, and the same quantity measured with real
+      tensors (``measured_activation_peak_bytes``, :func:`_measure_real_memory`);
+    * data loading: samples/s with each number of ``loader_workers`` (:func:`_measure_data_loading`);
+    * the device: float32 matmul TFLOP/s, copy bandwidth, capacity, runtime bytes, name.
+
+    ``torch.set_num_threads(threads)`` holds during the measurement and is restored afterwards.
+
+    Args:
+        network: a zoo network (``ddlscope.workloads.models.NETWORKS``).
+        dataset: a dataset name (``ddlscope.workloads.datasets.DATASETS``); its family sets the
+            input geometry (``input_spec``).
+        batch_size: samples per step (>= 1). device: ``"cpu"`` or ``"cuda"``. threads: >= 1.
+        loader_workers: DataLoader worker counts to time (empty: no data-loading measurement).
+        data_root: where a local copy of the dataset is looked for (default: ``default_data_root()``).
+        progress: print what is being measured to stderr.
+        cache_root: where a synthetic dataset copy is written when there is no local copy
+            (default: ``<results>/profiles/data``).
+
+    Returns:
+        the :class:`WorkloadProfile`.
+
+    Raises:
+        UserError: unknown network or dataset, batch size or threads < 1, negative loader
+            workers, CUDA asked for but absent, batch size larger than the local dataset copy.
+    """
+    import sys
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from ddlscope.store.db import default_db_path
+    from ddlscope.workloads.datasets import DATASETS
+    from ddlscope.workloads.models import build_model, input_spec
+
+    loader_workers = tuple(loader_workers)
+    _check_workload(network, dataset, batch_size, device, threads, loader_workers)
+    start, created = time.perf_counter(), time.time()
+    say = (lambda msg: print(f"profile: {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    family = DATASETS[dataset].family
+    spec = input_spec(family)
+    sizes = profile_batch_sizes(batch_size)
+    dev = torch.device("cuda:0" if device == "cuda" else "cpu")
+    cache_root = Path(cache_root) if cache_root is not None else default_db_path().parent / "profiles" / "data"
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        say("memory of a worker process and of real training steps")
+        runtime_bytes, real_steps = _measure_real_memory(network, family, sizes, threads, dev)
+        say("fake-tensor analysis (bytes, FLOPs)")
+        fake = _fake_analysis(network, family, sizes)
+        torch.manual_seed(0)
+        model = build_model(network, family).to(dev)
+        model.train()
+        fwd: list[list[float]] = [[] for _ in fake["layers"]]
+        bwd: list[list[float]] = [[] for _ in fake["layers"]]
+        for b in sizes:
+            say(f"layer times at batch {b}")
+            x = torch.randn(b, spec.channels, spec.height, spec.width, device=dev)
+            f_s, b_s = _time_layers(model, x)
+            for i, (f, bk) in enumerate(zip(f_s, b_s)):
+                fwd[i].append(f)
+                bwd[i].append(bk)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        steps = []
+        input_bytes = spec.channels * spec.height * spec.width * 4
+        for b in sizes:
+            say(f"training steps at batch {b}")
+            x = torch.randn(b, spec.channels, spec.height, spec.width, device=dev)
+            y = torch.randint(0, spec.num_classes, (b,), device=dev)
+            f, bk, o = _time_steps(model, optimizer, x, y)
+            measured = None
+            if real_steps is not None and b in real_steps:
+                # the probe's step bytes exclude the input batch (resident before) and include the gradients
+                measured = max(0, real_steps[b] + b * (input_bytes + 8) - fake["param_bytes"])
+            steps.append(StepProfile(batch_size=b, forward_s=f, backward_s=bk, optimizer_s=o, step_s=f + bk + o,
+                                     activation_peak_bytes=fake["activation_peak_bytes"][b],
+                                     measured_activation_peak_bytes=measured))
+        del model, optimizer
+        loading = []
+        if loader_workers:
+            say(f"data loading with {', '.join(map(str, sorted(set(loader_workers))))} loader workers")
+            loading = _measure_data_loading(dataset, batch_size, loader_workers, data_root, cache_root)
+        say("device microbenchmarks")
+        dev_profile = DeviceProfile(type=dev.type, name=device_name(device), threads=threads,
+                                    peak_tflops=_peak_tflops(dev), memory_bandwidth_gb_per_s=_bandwidth_gb_per_s(dev),
+                                    memory_bytes=_memory_capacity_bytes(dev, threads), runtime_bytes=runtime_bytes)
+    finally:
+        torch.set_num_threads(old_threads)
+    layers = [LayerProfile(forward_s=fwd[i], backward_s=bwd[i], **info) for i, info in enumerate(fake["layers"])]
+    return WorkloadProfile(
+        network=network, dataset=dataset, input_shape=(spec.channels, spec.height, spec.width),
+        num_classes=spec.num_classes, optimizer="sgd", device=dev_profile, torch_version=torch.__version__,
+        batch_sizes=sizes, layers=layers, steps=steps, data_loading=loading, param_count=fake["param_count"],
+        param_bytes=fake["param_bytes"], buffer_bytes=fake["buffer_bytes"],
+        optimizer_state_bytes=fake["optimizer_state_bytes"], sample_bytes=input_bytes,
+        profile_s=time.perf_counter() - start, created_at=created,
+    )
+
+
+# =============================================================================================
+# The profile cache
+# =============================================================================================
+
+
+def default_profile_dir():
+    """``<results folder>/profiles``: next to the results database (``./ddlscope-results/profiles``)."""
+    from ddlscope.store.db import default_db_path
+
+    return default_db_path().parent / "profiles"
+
+
+def profile_cache_key(network: str, dataset: str, batch_size: int, device: str = "cpu", threads: int = 1,
+                      loader_workers: tuple[int, ...] = (0, 1)) -> str:
+    """File name stem of a cached profile: readable parts plus a hash of everything that matters.
+
+    The hash covers network, dataset, batch size, device type and name (CPU model / GPU name),
+    threads, the torch version and the loader worker counts; so a profile measured on another
+    machine type or torch version is never read back for this one.
+    """
+    import hashlib
+    import re
+
+    import torch
+
+    ident = [network, dataset, batch_size, device, device_name(device), threads, torch.__version__,
+             sorted(set(loader_workers))]
+    digest = hashlib.sha1(repr(ident).encode()).hexdigest()[:12]
+    safe = lambda s: re.sub(r"[^A-Za-z0-9_.-]+", "_", str(s))  # noqa: E731
+    return f"{safe(network)}_{safe(dataset)}_bs{batch_size}_{device}_t{threads}_{digest}"
+
+
+def load_or_profile(network: str, dataset: str, batch_size: int, device: str = "cpu", threads: int = 1,
+                    loader_workers: tuple[int, ...] = (0, 1), data_root=None, cache_dir=None, refresh: bool = False,
+                    progress: bool = False) -> WorkloadProfile:
+    """The cached profile of this workload and device, measured (:func:`profile_workload`) if absent.
+
+    The profile is JSON at ``<cache_dir>/<profile_cache_key(...)>.json`` (``cache_dir`` default:
+    :func:`default_profile_dir`), written atomically (temporary file in the same folder, then
+    rename), so a crash never leaves half a file. ``refresh`` measures again and replaces it; a
+    file that cannot be read or validated is measured again too (and replaced). Synthetic dataset
+    copies are written under ``<cache_dir>/data``. The path of the file is :func:`profile_path`.
+
+    Raises:
+        UserError: as :func:`profile_workload`.
+    """
+    import os
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    loader_workers = tuple(loader_workers)
+    _check_workload(network, dataset, batch_size, device, threads, loader_workers)
+    path = profile_path(network, dataset, batch_size, device, threads, loader_workers, cache_dir)
+    if path.exists() and not refresh:
+        try:
+            return WorkloadProfile.model_validate_json(path.read_bytes())
+        except (OSError, ValueError, ValidationError) as exc:
+            if progress:
+                print(f"profile: cached {path} unreadable ({type(exc).__name__}); measuring again", file=sys.stderr)
+    cache = Path(path.parent)
+    profile = profile_workload(network, dataset, batch_size, device, threads, loader_workers, data_root,
+                               progress=progress, cache_root=cache / "data")
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=cache)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(profile.model_dump_json(indent=1))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return profile
+
+
+def profile_path(network: str, dataset: str, batch_size: int, device: str = "cpu", threads: int = 1,
+                 loader_workers: tuple[int, ...] = (0, 1), cache_dir=None):
+    """Where :func:`load_or_profile` keeps this workload's profile (a :class:`pathlib.Path`)."""
+    from pathlib import Path
+
+    folder = Path(cache_dir) if cache_dir is not None else default_profile_dir()
+    return folder / f"{profile_cache_key(network, dataset, batch_size, device, threads, loader_workers)}.json"

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from ddlscope.config import RunConfig
 from ddlscope.measure.host import HostSampler
-from ddlscope.measure.memory import peak_memory_bytes
+from ddlscope.measure.memory import peak_memory_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
 from ddlscope.measure.timeline import Stopwatch
 from ddlscope.store.db import ResultsStore
 from ddlscope.strategies import WorkerContext, strategy_class
@@ -166,6 +166,8 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy) -> str:
     train_start = time.time()
     store.upsert_worker(run_id, wi, status="training", train_start_time=train_start)
     model.train()
+    train_rss = rss_bytes() if wl.device.type == "cpu" else None
+    rss_peak_reset = train_rss is not None and reset_peak_rss()  # training-phase peak, see measure/memory.py
     clock = _EvalClock(store, run_id, wi, model, wl, strategy, cfg.eval_max_samples, train_start)
     reason, steps_done = "sample_budget", 0
     for step in itertools.count():
@@ -213,6 +215,9 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy) -> str:
                 break
     store.upsert_worker(run_id, wi, train_end_time=time.time(), eval_s=clock.eval_s,
                         peak_memory_bytes=peak_memory_bytes(wl.device))
+    if rss_peak_reset:
+        store.add_event(run_id, wi, "memory", rss_at_train_start_bytes=train_rss,
+                        train_peak_rss_bytes=peak_rss_bytes())
     if strategy.details():
         store.add_event(run_id, wi, "strategy_details", **strategy.details())
     if cfg.final_eval and steps_done and clock.last_eval_step != steps_done - 1:  # outside the training time

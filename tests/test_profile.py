@@ -1,0 +1,174 @@
+"""``ddlscope profile``: the measured workload profile, its cache and its command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddlscope.errors import UserError
+from ddlscope.predict import profile as prof
+from ddlscope.predict.profile import (
+    WorkloadProfile,
+    interpolate,
+    load_or_profile,
+    profile_batch_sizes,
+    profile_cache_key,
+    profile_path,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(data_root, tmp_path_factory):
+    """A real profile of tiny_cnn on MNIST at batch 8 (about 10 s), measured through the cache;
+    torch's thread count is 2 around the call, to see that profiling restores it."""
+    cache = tmp_path_factory.mktemp("profiles")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        p = load_or_profile("tiny_cnn", "mnist", 8, threads=1, loader_workers=(0, 1), data_root=data_root,
+                            cache_dir=cache)
+        threads_after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    return p, cache, threads_after
+
+
+def test_batch_sizes_are_the_batch_and_its_halvings():
+    assert profile_batch_sizes(32) == [4, 8, 16, 32]
+    assert profile_batch_sizes(8) == [1, 2, 4, 8]
+    assert profile_batch_sizes(3) == [1, 3]
+    assert profile_batch_sizes(1) == [1]
+
+
+def test_tiny_profile_measures_every_layer_at_every_batch_size(tiny):
+    p, _, threads_after = tiny
+    assert threads_after == 2  # restored after profiling with 1 thread
+    assert p.batch_sizes == [1, 2, 4, 8] and [s.batch_size for s in p.steps] == p.batch_sizes
+    assert [layer.name for layer in p.layers] == ["conv1", "conv2", "pool", "classifier"]
+    for layer in p.layers:
+        assert len(layer.forward_s) == len(layer.backward_s) == 4
+        assert all(t > 0 for t in layer.forward_s + layer.backward_s)
+    # tiny_cnn on 1x28x28: conv1 3x3x1 -> 8 channels (80 params), conv2 3x3x8 -> 16 (1168), linear 256 -> 10 (2570)
+    assert p.param_count == 80 + 1168 + 2570 and p.param_bytes == 4 * p.param_count
+    assert [layer.param_bytes for layer in p.layers] == [320, 4672, 0, 10280]
+    assert p.optimizer_state_bytes == p.param_bytes  # SGD momentum: one buffer per parameter
+    assert p.buffer_bytes == 0 and p.sample_bytes == 28 * 28 * 4 and p.input_shape == (1, 28, 28)
+    conv1, conv2, pool, fc = p.layers
+    assert conv1.output_bytes_per_sample == 8 * 28 * 28 * 4 and conv2.output_bytes_per_sample == 16 * 14 * 14 * 4
+    # conv1 saves its input (the batch) and ReLU its output; the pool saves nothing, the linear layer its input
+    assert conv1.input_saved_bytes_per_sample == 28 * 28 * 4
+    assert conv1.saved_bytes_per_sample == 28 * 28 * 4 + 8 * 28 * 28 * 4
+    assert pool.saved_bytes_per_sample == 0 and fc.input_saved_bytes_per_sample == fc.saved_bytes_per_sample == 256 * 4
+    assert conv1.forward_flops_per_sample == 2 * 9 * 8 * 28 * 28  # multiply-adds of the convolution, x2
+    for s in p.steps:
+        assert s.step_s == pytest.approx(s.forward_s + s.backward_s + s.optimizer_s)
+        assert s.measured_activation_peak_bytes is not None
+    fake = [s.activation_peak_bytes for s in p.steps]
+    assert fake == sorted(fake) and fake[-1] > fake[0] > 0
+    assert [d.loader_workers for d in p.data_loading] == [0, 1] and all(d.samples_per_s > 0 for d in p.data_loading)
+    dev = p.device
+    assert dev.type == "cpu" and dev.threads == 1 and dev.peak_tflops > 0 and dev.memory_bandwidth_gb_per_s > 0
+    assert 0 < dev.memory_bytes and dev.runtime_bytes > 50 * 2**20  # an interpreter with torch loaded
+    assert p.torch_version == torch.__version__ and p.profile_s > 0
+
+
+def test_interpolation_between_measured_batch_sizes(tiny):
+    p, _, _ = tiny
+    s2, s4 = p.steps[1], p.steps[2]
+    mid = p.step_at(3)
+    assert mid.step_s == pytest.approx((s2.step_s + s4.step_s) / 2)
+    assert mid.activation_peak_bytes == pytest.approx((s2.activation_peak_bytes + s4.activation_peak_bytes) / 2, abs=1)
+    fwd, bwd = p.layer_times_s(3)  # per-layer times rescaled to the whole step's
+    assert sum(fwd) == pytest.approx(mid.forward_s) and sum(bwd) == pytest.approx(mid.backward_s)
+    assert interpolate([2.0], [4.0], 3.0) == 6.0  # one point: proportional
+    assert interpolate([1.0, 2.0], [1.0, 3.0], 4.0) == 7.0  # extended linearly
+    assert interpolate([1.0, 2.0], [3.0, 1.0], 10.0) == 0.0  # never below zero
+
+
+def test_cache_hit_refresh_and_corrupt_file(tiny, tmp_path, monkeypatch):
+    p, _, _ = tiny
+    calls = []
+
+    def fake_measure(*args, **kwargs):
+        calls.append(args)
+        return p
+
+    monkeypatch.setattr(prof, "profile_workload", fake_measure)
+    args = ("tiny_cnn", "mnist", 8)
+    first = load_or_profile(*args, cache_dir=tmp_path)
+    path = profile_path(*args, cache_dir=tmp_path)
+    assert len(calls) == 1 and path.is_file() and first == p
+    assert load_or_profile(*args, cache_dir=tmp_path) == p and len(calls) == 1  # hit
+    load_or_profile(*args, cache_dir=tmp_path, refresh=True)
+    assert len(calls) == 2
+    path.write_text('{"network": "tiny_cnn", "truncated')  # e.g. an interrupted copy
+    assert load_or_profile(*args, cache_dir=tmp_path) == p and len(calls) == 3
+    assert WorkloadProfile.model_validate_json(path.read_text()) == p  # replaced by a valid one
+    assert [f.name for f in tmp_path.iterdir()] == [path.name]  # no temporary files left
+
+
+def test_cache_key_names_everything_that_changes_a_profile():
+    key = profile_cache_key("resnet18", "cifar10", 32, "cpu", 1, (0, 1))
+    assert key == profile_cache_key("resnet18", "cifar10", 32, "cpu", 1, (1, 0))
+    assert key.startswith("resnet18_cifar10_bs32_cpu_t1_")
+    others = [profile_cache_key("resnet18", "cifar10", 16, "cpu", 1, (0, 1)),
+              profile_cache_key("resnet18", "cifar10", 32, "cpu", 2, (0, 1)),
+              profile_cache_key("resnet18", "mnist", 32, "cpu", 1, (0, 1)),
+              profile_cache_key("resnet18", "cifar10", 32, "cpu", 1, (0,))]
+    assert len({key, *others}) == 5
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(network="resnet19"), ["unknown network 'resnet19'", "resnet18", "tiny_cnn"]),
+    (dict(dataset="svhn"), ["unknown dataset 'svhn'", "cifar10", "digits"]),
+    (dict(threads=0), ["threads 0", ">= 1"]),
+    (dict(batch_size=0), ["batch size 0", ">= 1"]),
+    (dict(loader_workers=(-1,)), ["loader workers", ">= 0"]),
+])
+def test_bad_input_is_a_user_error(kwargs, words):
+    args = dict(network="tiny_cnn", dataset="mnist", batch_size=8) | kwargs
+    with pytest.raises(UserError) as err:
+        prof.profile_workload(**args)
+    assert all(w in str(err.value) for w in words)
+
+
+def test_data_loading_without_a_local_copy_writes_a_synthetic_one(tmp_path):
+    rates = prof._measure_data_loading("cifar10", 8, (0,), tmp_path / "empty", tmp_path / "cache")
+    assert [r.loader_workers for r in rates] == [0] and rates[0].samples_per_s > 0
+    assert (tmp_path / "cache" / "cifar10").is_dir() and not (tmp_path / "empty").exists()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddlscope", "profile", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+
+
+def test_cli_prints_the_cached_profile(tiny):
+    p, cache, _ = tiny
+    common = ["--model", "tiny_cnn", "--dataset", "mnist", "--batch-size", "8", "--loader-workers", "0,1",
+              "--cache-dir", str(cache)]
+    out = _cli(*common, "--json")
+    assert out.returncode == 0, out.stderr
+    assert WorkloadProfile.model_validate(json.loads(out.stdout)) == p  # the cache hit, JSON only
+    table = _cli(*common)
+    assert table.returncode == 0, table.stderr
+    assert "conv1" in table.stdout and "classifier" in table.stdout and "samples/s" in table.stdout
+    assert str(profile_path("tiny_cnn", "mnist", 8, cache_dir=cache)) in table.stdout.replace("\n", "")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model", "nope", "--dataset", "mnist", "--batch-size", "8"], ["unknown network 'nope'", "resnet18"]),
+    (["--model", "tiny_cnn", "--dataset", "mnist", "--batch-size", "8", "--threads", "0"], ["threads 0"]),
+    (["--model", "tiny_cnn", "--dataset", "mnist", "--batch-size", "8", "--loader-workers", "x"], ["--loader-workers"]),
+])
+def test_cli_bad_input_is_one_error_line(args, words):
+    out = _cli(*args)
+    assert out.returncode == 2 and out.stderr.startswith("error:") and "Traceback" not in out.stderr
+    assert all(w in out.stderr for w in words)
