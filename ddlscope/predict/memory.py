@@ -28,8 +28,8 @@ Checked against measurements (``tests/test_memory_model.py``: ResNet-18, MNIST s
 CPU, gloo, 2 workers, resident memory with glibc's mmap threshold fixed at 64 KiB): predicted
 memory added by training was 4-5% below the measured for single and ddp, 1% for fsdp, 2-4% for
 the two gpipe stages. Two terms were found by those measurements and then traced to their
-mechanism (gloo's flat working copies for FSDP; gradient accumulation over micro-batches and
-the loop keeping the full model for pipelines). With glibc's default allocator settings a
+mechanism (gloo's flat working copies for FSDP; gradient accumulation over micro-batches for
+pipelines). With glibc's default allocator settings a
 process also keeps freed heap memory, so its resident peak can be higher than predicted.
 """
 
@@ -139,10 +139,8 @@ def predict_memory(profile: WorkloadProfile, strategy: str, workers: int, batch_
       holding layers ``[k_s, k_(s+1))`` of ``stage_bounds``; default
       :func:`~ddlscope.strategies.partition.balanced_partition` of the profiled per-layer
       forward + backward times at the micro-batch size, as the strategy partitions):
-      ``params = P + Bf``: the training loop keeps the whole model it built before the stage
-      was cut out (:class:`ddlscope.train.loop.Workload` holds it), so every stage keeps all
-      parameters, measured so in ``tests/test_memory_model.py``; ``grads = sum p_l`` and
-      ``optimizer = O * sum p_l / P`` over the stage's own layers.
+      ``params = sum (p_l + bf_l)``, ``grads = sum p_l`` and ``optimizer = O * sum p_l / P``
+      over the stage's own layers (the strategy frees the other stages' layers in place).
       Micro-batches in flight: GPipe runs every forward before any backward, so ``k = M``
       (Huang et al. 2019); 1F1B holds at most ``k = min(M, S - s)`` (Narayanan et al. 2021,
       PipeDream-flush). ``activations = k * m * a_s + t_s + b * sample_bytes``, where
@@ -260,10 +258,10 @@ def _pipeline(profile: WorkloadProfile, strategy: str, stages: int, batch_size: 
         recv_grad = mine[-1].output_bytes_per_sample if s < stages - 1 else 0
         comm = microbatches * m * (recv_in + recv_grad)
         out.append(MemoryEstimate(
-            worker=s, params_bytes=P + profile.buffer_bytes,
+            worker=s, params_bytes=p + sum(layer.buffer_bytes for layer in mine),
             grads_bytes=p + (max(layer.param_bytes for layer in mine) if microbatches > 1 else 0),
             optimizer_bytes=round(O * p / P) if P else 0, activations_bytes=round(activations),
             comm_buffers_bytes=comm, runtime_bytes=R,
             notes=f"stage {s}: layers {lo}..{hi - 1} ({mine[0].name}..{mine[-1].name}), {in_flight} of "
-                  f"{microbatches} micro-batches of {m} in flight; the full model's parameters stay resident"))
+                  f"{microbatches} micro-batches of {m} in flight"))
     return out

@@ -164,7 +164,14 @@ class PipelineStrategy(TorchDistributedStrategy):
         lo, hi = self.bounds[self.rank], self.bounds[self.rank + 1]
         # keep the full model's child names, so a stage's state_dict keys are the full model's keys
         self.stage_module = torch.nn.Sequential(OrderedDict(named[lo:hi])).to(self.device)
-        self.full_model = None  # the other stages' layers are not ours to keep
+        # the other stages' layers are not ours to keep: the training loop still holds the full
+        # model and its optimizer, so free their tensors in place rather than only dropping our reference
+        for i, (_, layer) in enumerate(named):
+            if not lo <= i < hi:
+                layer.to_empty(device="meta")
+        self.optimizer.param_groups.clear()
+        self.optimizer.state.clear()
+        self.full_model = None
         self.stage = PipelineStage(self.stage_module, self.rank, self.stages, self.device)
         self._time_compute()
         self.schedule = self.schedule_class(self.stage, n_microbatches=self.cfg.distributed.microbatches,
