@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -264,7 +266,6 @@ def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this worker when the calibrating process dies (no orphans)."""
     try:
         import ctypes
-        import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -506,6 +507,7 @@ def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[
             for line in complete.splitlines():
                 progress(line)
 
+        previous_sigterm = _sigterm_as_interrupt()
         try:
             for rank in range(workers):
                 log = open(os.path.join(tmp, f"worker-{rank}.log"), "wb")
@@ -544,6 +546,20 @@ def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[
             return results
         finally:
             _stop(procs)
+            if previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def _sigterm_as_interrupt():
+    """In the main thread, make SIGTERM raise KeyboardInterrupt (so workers are stopped and the
+    temporary folder removed, as on Ctrl-C); return the previous handler, or None if not installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    return signal.signal(signal.SIGTERM, handler)
 
 
 # ------------------------------------------------------------------------------------ calibrate
@@ -609,6 +625,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
     plan = dict(workers=workers, threads=threads, core_sets=core_sets, sizes_bytes=sizes, repeats=repeats,
                 warmup=warmup, overlap_bytes=OVERLAP_BYTES, timeout_s=timeout_s)
     say = progress or (lambda msg: None)
+    load_before = os.getloadavg()[0]
     say(f"calibrating {workers} workers x {threads} thread(s) on cores {core_sets} (gloo over loopback)")
     started = time.monotonic()
     raw = _run_workers(plan, say)
@@ -640,6 +657,9 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
     if allreduce.intercept_s < 2 * (workers - 1) * p2p.latency_s:
         notes.append(f"the all-reduce intercept ({allreduce.intercept_s * 1e6:.1f} us) is below 2(W-1) x latency "
                      f"({2 * (workers - 1) * p2p.latency_s * 1e6:.1f} us): collective_fixed_s clamped to 0")
+    if load_before >= 0.5:
+        notes.append(f"the machine was busy before calibration started (1-minute load average {load_before:.2f} on "
+                     f"{len(cores)} cores): the figures include other processes' interference")
     if slowdown < 1:
         notes.append(f"compute ran faster with all workers busy (ratio {slowdown:.3f}, noise): slowdown set to 1")
     cluster = ClusterSpec(

@@ -2,6 +2,11 @@
 
 Written by hand as TOML (see ``examples/cluster-*.toml``) or measured by ``ddlscope calibrate``.
 Units are in the field names: seconds, GB/s (1e9 bytes/s), GiB.
+
+- :func:`load_cluster` reads a file (errors name the field path, e.g.
+  ``cluster.intra_node.bandwidth_gb_per_s: field required``); :func:`parse_cluster` validates a
+  ``[cluster]`` table already in memory; :func:`write_cluster` writes one atomically.
+- Device kinds and their datasheet figures: :mod:`ddlscope.predict.devices`.
 """
 
 from __future__ import annotations
@@ -155,7 +160,7 @@ def format_cluster_errors(err: ValidationError) -> str:
         field = _field_path(loc)
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
-        got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+        got_text = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
         if e["type"] == "extra_forbidden":
             allowed = ", ".join(_parent_model(loc).model_fields)
             msg, got_text = f"unknown field; allowed: {allowed}", ""
