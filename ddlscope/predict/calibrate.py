@@ -567,6 +567,11 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / MIB:g} MiB" if n >= MIB else f"{n / KIB:g} KiB"
 
 
+def _sig(value: float, digits: int = 4) -> float:
+    """``value`` rounded to ``digits`` significant digits."""
+    return float(f"{value:.{digits - 1}e}") if value else 0.0
+
+
 def _slowest(per_worker: list[list[float]]) -> list[float]:
     """Per repeat, the slowest worker's time (a collective ends when its last worker does)."""
     return [max(ts) for ts in zip(*per_worker)]
@@ -662,12 +667,12 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
                      f"{len(cores)} cores): the figures include other processes' interference")
     if slowdown < 1:
         notes.append(f"compute ran faster with all workers busy (ratio {slowdown:.3f}, noise): slowdown set to 1")
-    cluster = ClusterSpec(
+    cluster = ClusterSpec(  # 4 significant digits: far more than the measurements' precision
         name=name or f"local-{workers}x{threads}core", nodes=1, devices_per_node=workers,
         device=DeviceSpec(kind="local"),
-        intra_node=LinkSpec(bandwidth_gb_per_s=allreduce.bandwidth_gb_per_s, latency_s=p2p.latency_s),
-        collective_fixed_s=allreduce.collective_fixed_s, p2p_fixed_s=0.0,
-        concurrent_compute_slowdown=max(1.0, slowdown), comm_overlap=overlap_fraction(tc, tm, tb),
+        intra_node=LinkSpec(bandwidth_gb_per_s=_sig(allreduce.bandwidth_gb_per_s), latency_s=_sig(p2p.latency_s)),
+        collective_fixed_s=_sig(allreduce.collective_fixed_s), p2p_fixed_s=0.0,
+        concurrent_compute_slowdown=_sig(max(1.0, slowdown)), comm_overlap=_sig(overlap_fraction(tc, tm, tb)),
     )
     import torch
 
