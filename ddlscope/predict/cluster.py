@@ -2,11 +2,26 @@
 
 Written by hand as TOML (see ``examples/cluster-*.toml``) or measured by ``ddlscope calibrate``.
 Units are in the field names: seconds, GB/s (1e9 bytes/s), GiB.
+
+- :func:`load_cluster` reads a file (errors name the field path, e.g.
+  ``cluster.intra_node.bandwidth_gb_per_s: field required``); :func:`parse_cluster` validates a
+  ``[cluster]`` table already in memory; :func:`write_cluster` writes one atomically.
+- Device kinds and their datasheet figures: :mod:`ddlscope.predict.devices`.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from ddlscope.errors import UserError
+
+GIB = 1024**3
 
 
 class LinkSpec(BaseModel):
@@ -30,6 +45,25 @@ class DeviceSpec(BaseModel):
 
     kind: str
     memory_gib: float | None = Field(None, gt=0, description="capacity per device; default: the kind's")
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, kind: str) -> str:
+        from ddlscope.predict.devices import DEVICE_KINDS, known_kinds
+
+        if kind not in DEVICE_KINDS:
+            raise ValueError(f"unknown device kind {kind!r}; allowed: {known_kinds()}")
+        return kind
+
+    def memory_bytes(self, profile_device_memory_bytes: int) -> int:
+        """Capacity of one device in bytes: ``memory_gib`` if given, else the kind's datasheet
+        capacity, else (kind ``local``) the profiled device's ``profile_device_memory_bytes``."""
+        from ddlscope.predict.devices import DEVICE_KINDS
+
+        if self.memory_gib is not None:
+            return int(self.memory_gib * GIB)
+        default_gib = DEVICE_KINDS[self.kind].memory_gib
+        return int(default_gib * GIB) if default_gib is not None else int(profile_device_memory_bytes)
 
 
 class PeerSpec(BaseModel):
@@ -67,12 +101,25 @@ class ClusterSpec(BaseModel):
     devices_per_node: int = Field(1, ge=1)
     device: DeviceSpec
     intra_node: LinkSpec
-    inter_node: LinkSpec | None = None
+    inter_node: LinkSpec | None = Field(None, validate_default=True)
     collective_fixed_s: float = Field(0.0, ge=0)
     p2p_fixed_s: float = Field(0.0, ge=0)
     concurrent_compute_slowdown: float = Field(1.0, ge=1)
     comm_overlap: float = Field(1.0, ge=0, le=1)
     peers: list[PeerSpec] = Field(default_factory=list)
+
+    @field_validator("inter_node")
+    @classmethod
+    def _inter_node_when_several_nodes(cls, link: LinkSpec | None, info: ValidationInfo) -> LinkSpec | None:
+        nodes = info.data.get("nodes", 1)
+        if link is None and nodes > 1:
+            raise ValueError(f"required when nodes > 1 (nodes = {nodes}): a [cluster.inter_node] table with "
+                             f"bandwidth_gb_per_s and latency_s")
+        return link
+
+    def device_memory_bytes(self, profile_device_memory_bytes: int) -> int:
+        """Memory of one device in bytes (see :meth:`DeviceSpec.memory_bytes`)."""
+        return self.device.memory_bytes(profile_device_memory_bytes)
 
     @property
     def workers(self) -> int:
@@ -84,3 +131,147 @@ class ClusterSpec(BaseModel):
         if workers > self.devices_per_node and self.inter_node is not None:
             return self.inter_node
         return self.intra_node
+
+
+# ---------------------------------------------------------------------------------------- TOML files
+_TABLE_MODELS: dict[str, type[BaseModel]] = {"device": DeviceSpec, "intra_node": LinkSpec, "inter_node": LinkSpec,
+                                              "peers": PeerSpec}
+_LAYOUT = ("[cluster] with [cluster.device], [cluster.intra_node], optional [cluster.inter_node] and [[cluster.peers]]")
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    out = "cluster"
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def _parent_model(loc: tuple[Any, ...]) -> type[BaseModel]:
+    names = [p for p in loc[:-1] if isinstance(p, str)]
+    return _TABLE_MODELS.get(names[-1], ClusterSpec) if names else ClusterSpec
+
+
+def format_cluster_errors(err: ValidationError) -> str:
+    """One line per problem, each naming the field path (``cluster.intra_node.bandwidth_gb_per_s``)
+    and what is allowed; in the style of :func:`ddlscope.config._format_validation_error`."""
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        field = _field_path(loc)
+        msg = e["msg"].removeprefix("Value error, ")
+        got = e.get("input")
+        got_text = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
+        if e["type"] == "extra_forbidden":
+            allowed = ", ".join(_parent_model(loc).model_fields)
+            msg, got_text = f"unknown field; allowed: {allowed}", ""
+        elif e["type"] == "missing":
+            name = loc[-1] if loc else ""
+            msg, got_text = "field required", ""
+            if name in _TABLE_MODELS and name != "peers":
+                keys = ", ".join(k for k, f in _TABLE_MODELS[name].model_fields.items() if f.is_required())
+                msg += f" (a [{field}] table with {keys})"
+        elif e["type"] == "model_type":
+            msg = "expected a table"
+        lines.append(f"{field}: {msg}{got_text}")
+    return "; ".join(lines)
+
+
+def parse_cluster(values: dict[str, Any], where: str = "cluster description") -> ClusterSpec:
+    """Validate the contents of a ``[cluster]`` table.
+
+    Raises:
+        UserError: naming each bad field by its path and what is allowed.
+    """
+    try:
+        return ClusterSpec.model_validate(values)
+    except ValidationError as err:
+        raise UserError(f"invalid {where}: {format_cluster_errors(err)}") from None
+
+
+def load_cluster(path: Path) -> ClusterSpec:
+    """Read a cluster description from a TOML file (see ``examples/cluster-*.toml``).
+
+    Layout: a ``[cluster]`` table (name, nodes, devices_per_node, collective_fixed_s, p2p_fixed_s,
+    concurrent_compute_slowdown, comm_overlap) with ``[cluster.device]`` (kind, memory_gib),
+    ``[cluster.intra_node]`` and, when nodes > 1, ``[cluster.inter_node]`` (bandwidth_gb_per_s,
+    latency_s), and optionally ``[[cluster.peers]]`` (compute_share, bandwidth_gb_per_s,
+    latency_s, memory_gib).
+
+    Raises:
+        UserError: missing file, invalid TOML, unknown or missing tables/fields, non-positive
+            bandwidth or memory, unknown device kind, nodes > 1 without inter_node; the message
+            names the field (e.g. ``cluster.intra_node.bandwidth_gb_per_s: field required``).
+    """
+    from ddlscope.config import read_toml
+
+    data = read_toml(Path(path), "cluster file")
+    unknown = sorted(set(data) - {"cluster"})
+    if unknown:
+        raise UserError(f"cluster file {path}: unknown table(s) {unknown}; allowed: {_LAYOUT}")
+    if "cluster" not in data:
+        raise UserError(f"cluster file {path}: no [cluster] table; expected {_LAYOUT}")
+    if not isinstance(data["cluster"], dict):
+        raise UserError(f"cluster file {path}: cluster must be a table; expected {_LAYOUT}")
+    return parse_cluster(data["cluster"], f"cluster file {path}")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)  # Python writes 1e-05, 25.0, inf, nan: all valid TOML floats
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # JSON string escapes are valid TOML basic-string escapes
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def dumps_cluster(spec: ClusterSpec, header: str | None = None) -> str:
+    """The TOML text of ``spec`` (what :func:`load_cluster` reads); ``header`` becomes ``#`` comment lines."""
+    data = spec.model_dump(exclude_none=True)
+    lines = [f"# {line}".rstrip() for line in (header or "").splitlines()]
+    lines.append("[cluster]")
+    tables: list[tuple[str, dict]] = []
+    arrays: list[tuple[str, list[dict]]] = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            tables.append((key, value))
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            arrays.append((key, value))
+        elif isinstance(value, list) and not value:
+            continue
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    for key, table in tables:
+        lines += ["", f"[cluster.{key}]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+    for key, items in arrays:
+        for item in items:
+            lines += ["", f"[[cluster.{key}]]"] + [f"{k} = {_toml_value(v)}" for k, v in item.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_cluster(spec: ClusterSpec, path: Path, header: str | None = None) -> Path:
+    """Write ``spec`` as TOML to ``path`` atomically (a temporary file renamed over it); return the path.
+
+    The text is read back and compared with ``spec`` before it replaces anything.
+    """
+    import tomllib
+
+    path = Path(path)
+    text = dumps_cluster(spec, header)
+    if ClusterSpec.model_validate(tomllib.loads(text)["cluster"]) != spec:  # a writer bug, not bad input
+        raise RuntimeError("cluster TOML writer: the written text does not read back to the same description")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,737 @@
+"""``ddlscope calibrate``: measure a cluster description among local workers.
+
+Thesis 002 (ch. 5.1.2) took the latency and bandwidth between GPUs from NVIDIA's
+p2pBandwidthLatencyTest. Here ``workers`` local processes (gloo over loopback, each pinned to its
+own cores with ``threads`` intra-op threads) run four microbenchmarks:
+
+1. **all-reduce** of float32 tensors from 4 KiB to 64 MiB (median of ``repeats``; one repeat's
+   time is the slowest worker's) -> least-squares fit of the ring all-reduce cost (Patarasuk &
+   Yuan 2009; the communication term of thesis 002 eq. 5.1)
+   ``t = collective_fixed_s + 2(W-1) latency_s + 2(W-1)/W x bytes / bandwidth``.
+2. **point-to-point ping-pong** between workers 0 and 1 -> ``t_oneway = latency_s + bytes /
+   bandwidth`` (Hockney's alpha-beta model). A fixed cost of one send/recv pair cannot be told
+   apart from the latency with a ping-pong alone, so the whole intercept is the latency and
+   ``p2p_fixed_s`` is 0.
+3. **concurrent compute slowdown**: a convolution timed on each worker alone and on all workers
+   at once (shared memory bandwidth, caches, clocks) -> ratio, at least 1.
+4. **communication overlap**: compute alone (Tc), an all-reduce alone (Tm), and the all-reduce
+   launched asynchronously while the same compute runs (Tb) ->
+   ``overlap = clamp((Tc + Tm - Tb) / min(Tc, Tm), 0, 1)``.
+
+The fit gives the latency from (2) and puts the rest of the all-reduce intercept into
+``collective_fixed_s`` (the two are not separable from all-reduce timings alone). Fits weight
+every size equally in relative terms (robust least squares on log times, :func:`fit_alpha_beta`), so
+that the small sizes that set the intercept are not drowned by the large ones, and a size disturbed
+by other load on the machine does not drag the fit. The per-size figure is the median of the
+repeats (a repeat of a collective lasts as long as its slowest worker).
+
+Every worker is a child process (``python -m ddlscope.predict.calibrate --rank R``) that dies with
+its parent (Linux ``PR_SET_PDEATHSIG``) and is terminated, then killed, when calibration ends,
+fails or is interrupted. Workers exchange nothing with the parent but files in a temporary folder
+(plan, progress, results, errors).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from ddlscope.errors import UserError
+from ddlscope.predict.cluster import ClusterSpec, DeviceSpec, LinkSpec
+
+KIB = 1024
+MIB = 1024**2
+#: 4 KiB, 16 KiB, ..., 64 MiB (log-spaced by 4x).
+DEFAULT_SIZES_BYTES = [4 * KIB * 4**k for k in range(8)]
+DEFAULT_REPEATS = 15
+#: ``--quick``: fewer sizes and repeats (a few seconds of measuring; used by tests).
+QUICK_SIZES_BYTES = [4 * KIB, 64 * KIB, 1 * MIB, 8 * MIB]
+QUICK_REPEATS = 5
+#: all-reduce size of the overlap test (a DDP bucket is 25 MiB by default; smaller keeps it short).
+OVERLAP_BYTES = 4 * MIB
+
+
+class CalibrationError(RuntimeError):
+    """A calibration worker failed or timed out (the message names the worker and why)."""
+
+
+# ------------------------------------------------------------------------------------ fitting
+class SizeFit(BaseModel):
+    """Measured and fitted seconds per message size; ``residuals`` = (fitted - measured) / measured."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sizes_bytes: list[int]
+    measured_s: list[float]
+    fitted_s: list[float]
+    min_s: list[float] | None = Field(None, description="fastest repeat per size (for reference; the fit uses measured_s)")
+
+    @property
+    def residuals(self) -> list[float]:
+        return [(f - m) / m for f, m in zip(self.fitted_s, self.measured_s)]
+
+    @property
+    def max_abs_residual(self) -> float:
+        return max(abs(r) for r in self.residuals)
+
+
+class P2PFit(BaseModel):
+    """Ping-pong fit ``t_oneway = latency_s + bytes / (bandwidth_gb_per_s * 1e9)``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    latency_s: float
+    bandwidth_gb_per_s: float
+    table: SizeFit
+
+
+class AllReduceFit(BaseModel):
+    """Ring all-reduce fit ``t = intercept_s + 2(W-1)/W x bytes / (bandwidth_gb_per_s * 1e9)``,
+    ``intercept_s = collective_fixed_s + 2(W-1) x latency_s`` (Patarasuk & Yuan 2009; thesis 002 eq. 5.1).
+
+    ``collective_fixed_s`` is clamped at 0 when the latency alone explains more than the intercept.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    workers: int
+    intercept_s: float
+    latency_s: float
+    collective_fixed_s: float
+    bandwidth_gb_per_s: float
+    table: SizeFit
+
+
+#: Scale of the robust fit's Cauchy loss: log-residuals well beyond ~10 % barely pull on the fit.
+ROBUST_F_SCALE = 0.1
+
+
+def fit_alpha_beta(x: Sequence[float], t_s: Sequence[float]) -> tuple[float, float]:
+    """Fit ``t = a + b x`` (``a >= 0``, ``b > 0``) robustly, every size weighing the same in relative terms.
+
+    First the non-negative least-squares fit of the relative errors ``(a + b x_i - t_i) / t_i``
+    (:func:`scipy.optimize.nnls`); from there, as M-estimators usually start, the robust fit
+    ``min sum rho(log(a + b x_i) - log t_i)`` with the Cauchy loss ``rho`` (scale
+    :data:`ROBUST_F_SCALE`; :func:`scipy.optimize.least_squares`). Log residuals make a size measured
+    2x too slow and one 2x too fast count alike; the Cauchy loss keeps a few sizes disturbed by
+    other load on the machine (a scheduler delay of milliseconds on a 40-microsecond message) from
+    dragging the fit. When most sizes are disturbed no fit can tell; the residuals show it.
+
+    Args:
+        x: abscissae (e.g. bytes), all > 0, at least 2 distinct values.
+        t_s: measured seconds, all > 0, same length as ``x``.
+
+    Returns:
+        ``(a, b)``: intercept in seconds and slope in seconds per unit of ``x``.
+
+    Raises:
+        ValueError: fewer than 2 distinct ``x``, lengths differ, an ``x`` or time that is not > 0.
+    """
+    from scipy.optimize import least_squares, nnls
+
+    xs = np.asarray(x, dtype=float)
+    ts = np.asarray(t_s, dtype=float)
+    if xs.shape != ts.shape or xs.ndim != 1:
+        raise ValueError(f"x and t_s must be 1-D of equal length (got {xs.shape} and {ts.shape})")
+    if len(np.unique(xs)) < 2:
+        raise ValueError("need at least 2 distinct sizes to fit a latency and a bandwidth")
+    if not (np.all(ts > 0) and np.all(np.isfinite(ts)) and np.all(xs > 0)):
+        raise ValueError(f"sizes and times must be finite and > 0 (got sizes {xs.tolist()}, times {ts.tolist()})")
+    scale = np.array([ts.min(), ts.max() / xs.max()])  # work in units where both parameters are ~1
+    design = np.stack([np.ones_like(xs), xs], axis=1) * scale / ts[:, None]
+    start, _ = nnls(design, np.ones_like(ts))
+    start = np.maximum(start, 1e-6)
+
+    def log_residuals(p: np.ndarray) -> np.ndarray:
+        return np.log(p[0] * scale[0] + p[1] * scale[1] * xs) - np.log(ts)
+
+    fit = least_squares(log_residuals, start, bounds=([0.0, 1e-12], [np.inf, np.inf]), loss="cauchy",
+                        f_scale=ROBUST_F_SCALE)
+    a, b = fit.x * scale
+    return float(a), float(b)
+
+
+def fit_p2p(sizes_bytes: Sequence[int], oneway_s: Sequence[float]) -> P2PFit:
+    """Latency and bandwidth from one-way point-to-point times (Hockney's alpha-beta model).
+
+    Raises:
+        ValueError: as :func:`fit_alpha_beta`, or the times do not grow with size (the bandwidth
+            term is under 1 % of the largest size's time: no bandwidth can be fitted).
+    """
+    a, b = fit_alpha_beta(sizes_bytes, oneway_s)
+    if b * max(sizes_bytes) < 0.01 * max(oneway_s):
+        raise ValueError("point-to-point times do not grow with message size: no bandwidth can be fitted; "
+                         "use larger sizes")
+    fitted = [a + b * s for s in sizes_bytes]
+    return P2PFit(latency_s=a, bandwidth_gb_per_s=1.0 / b / 1e9,
+                  table=SizeFit(sizes_bytes=list(sizes_bytes), measured_s=list(oneway_s), fitted_s=fitted))
+
+
+def fit_allreduce(sizes_bytes: Sequence[int], times_s: Sequence[float], workers: int, latency_s: float) -> AllReduceFit:
+    """Fixed cost and bandwidth of a ring all-reduce from its times, given the link latency.
+
+    Model (Patarasuk & Yuan 2009; thesis 002 eq. 5.1's communication term):
+    ``t = collective_fixed_s + 2(W-1) latency_s + 2(W-1)/W x bytes / bandwidth``. The intercept and
+    the slope are fitted (:func:`fit_alpha_beta` on ``x = 2(W-1)/W x bytes``); ``latency_s`` (from the
+    point-to-point test) is subtracted from the intercept, the rest is ``collective_fixed_s``.
+
+    Args:
+        sizes_bytes: message sizes (bytes per worker, input side).
+        times_s: seconds of one all-reduce at each size.
+        workers: W >= 2.
+        latency_s: link latency (seconds), >= 0.
+
+    Raises:
+        ValueError: W < 2, negative latency, bad times (see :func:`fit_alpha_beta`), or times that
+            do not grow with size.
+    """
+    if workers < 2:
+        raise ValueError(f"workers = {workers}; an all-reduce fit needs >= 2")
+    if latency_s < 0:
+        raise ValueError(f"latency_s = {latency_s}; must be >= 0")
+    traffic = 2.0 * (workers - 1) / workers
+    a, b = fit_alpha_beta([traffic * s for s in sizes_bytes], times_s)
+    if b * traffic * max(sizes_bytes) < 0.01 * max(times_s):
+        raise ValueError("all-reduce times do not grow with message size: no bandwidth can be fitted; use larger sizes")
+    fitted = [a + b * traffic * s for s in sizes_bytes]
+    return AllReduceFit(workers=workers, intercept_s=a, latency_s=latency_s,
+                        collective_fixed_s=max(0.0, a - 2 * (workers - 1) * latency_s),
+                        bandwidth_gb_per_s=1.0 / b / 1e9,
+                        table=SizeFit(sizes_bytes=list(sizes_bytes), measured_s=list(times_s), fitted_s=fitted))
+
+
+def overlap_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
+    """Fraction of the shorter of compute and communication hidden when both run at once:
+    ``clamp((Tc + Tm - Tb) / min(Tc, Tm), 0, 1)`` (1: fully hidden, 0: serialised or worse)."""
+    shorter = min(compute_s, comm_s)
+    if shorter <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (compute_s + comm_s - both_s) / shorter))
+
+
+# ------------------------------------------------------------------------------------ result
+class CalibrationResult(BaseModel):
+    """What :func:`calibrate` measured and fitted (seconds, bytes, GB/s = 1e9 bytes/s).
+
+    Attributes:
+        cluster: the fitted description: 1 node of ``workers`` devices of kind ``local``; its
+            ``intra_node`` link has the point-to-point latency and the all-reduce bandwidth
+            (what eq. 5.1 needs), ``collective_fixed_s`` the rest of the all-reduce intercept.
+        allreduce / p2p: the fits with their measured and fitted times per size.
+        compute_alone_s / compute_concurrent_s: median seconds of the compute kernel on one worker
+            alone / on all at once (averaged over workers); their ratio is the raw slowdown.
+        overlap_*: seconds of compute alone, an ``overlap_bytes`` all-reduce alone, and both at
+            once; ``comm_overlap_raw`` is the unclamped overlap fraction.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    cluster: ClusterSpec
+    workers: int
+    threads: int
+    cores: list[list[int]]
+    repeats: int
+    allreduce: AllReduceFit
+    p2p: P2PFit
+    compute_kernel: str
+    compute_alone_s: float
+    compute_concurrent_s: float
+    concurrent_compute_slowdown_raw: float
+    overlap_bytes: int
+    overlap_compute_s: float
+    overlap_allreduce_s: float
+    overlap_both_s: float
+    comm_overlap_raw: float
+    hostname: str
+    cpu: str
+    torch_version: str
+    created_at: float
+    elapsed_s: float
+    notes: list[str] = Field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------ workers
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker when the calibrating process dies (no orphans)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _compute_kernel():
+    """A convolution forward of a few milliseconds on one core: 16x32x32x32 input, 32->32 3x3 filters."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 32, 32, 32, generator=gen)
+    conv = torch.nn.Conv2d(32, 32, 3, padding=1)
+
+    def run() -> None:
+        with torch.no_grad():
+            conv(x)
+
+    return run
+
+
+COMPUTE_KERNEL = "conv2d forward, input 16x32x32x32, 32->32 channels 3x3 (0.30 GFLOP)"
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _measure(rank: int, workers: int, plan: dict[str, Any], say: Callable[[str], None]) -> dict[str, Any]:
+    """The four microbenchmarks, run by every worker in lockstep; returns this worker's raw times."""
+    import torch
+    import torch.distributed as dist
+
+    sizes, repeats, warmup = plan["sizes_bytes"], plan["repeats"], plan["warmup"]
+    out: dict[str, Any] = {"allreduce": [], "p2p": []}  # one list of times per size
+
+    for size in sizes:  # 1. all-reduce
+        buf = torch.zeros(size // 4)
+        for _ in range(warmup):
+            dist.all_reduce(buf)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            times.append(_timed(lambda: dist.all_reduce(buf)))
+        out["allreduce"].append(times)
+        say(f"all-reduce {_fmt_bytes(size):>9}: {statistics.median(times) * 1e3:9.3f} ms (worker 0, median of {repeats})")
+
+    for size in sizes:  # 2. ping-pong between workers 0 and 1
+        buf = torch.zeros(size // 4)
+        dist.barrier()
+        times = []
+        for i in range(warmup + repeats):
+            if rank == 0:
+                t0 = time.perf_counter()
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+                if i >= warmup:
+                    times.append((time.perf_counter() - t0) / 2)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+        dist.barrier()
+        if rank == 0:
+            out["p2p"].append(times)
+            say(f"ping-pong  {_fmt_bytes(size):>9}: {statistics.median(times) * 1e3:9.3f} ms one way (median of {repeats})")
+
+    kernel = _compute_kernel()  # 3. compute alone vs all at once
+    for _ in range(warmup + 1):
+        kernel()
+    reps = max(10, repeats)
+    alone, together = [], []
+    for _ in range(reps):  # interleaved, so that a change in the machine's load hits both alike
+        for r in range(workers):
+            dist.barrier()
+            if rank == r:
+                alone.append(_timed(kernel))
+        dist.barrier()
+        together.append(_timed(kernel))
+    out["compute_alone"], out["compute_together"] = alone, together
+    say(f"compute kernel: {statistics.median(alone) * 1e3:.2f} ms alone, {statistics.median(together) * 1e3:.2f} ms "
+        f"with {workers} workers at once (worker 0, median of {reps})")
+
+    buf = torch.zeros(plan["overlap_bytes"] // 4)  # 4. overlap of an async all-reduce with compute
+    for _ in range(warmup):
+        dist.all_reduce(buf)
+    comm = []
+    for _ in range(reps):
+        dist.barrier()
+        comm.append(_timed(lambda: dist.all_reduce(buf)))
+    n = torch.tensor([max(1, round(statistics.median(comm) / statistics.median(together)))])
+    dist.broadcast(n, 0)  # every worker runs the same number of kernels
+    n_kernels = int(n.item())
+
+    def compute() -> None:
+        for _ in range(n_kernels):
+            kernel()
+
+    def both() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    comp, both_t, comm2 = [], [], []
+    for _ in range(reps):  # interleaved, so that a change in load hits all three alike
+        dist.barrier()
+        comp.append(_timed(compute))
+        dist.barrier()
+        both_t.append(_timed(both))
+        dist.barrier()
+        comm2.append(_timed(lambda: dist.all_reduce(buf)))
+    out["overlap"] = {"compute": comp, "comm": comm2, "both": both_t, "kernels": n_kernels}
+    say(f"overlap: compute {statistics.median(comp) * 1e3:.2f} ms, all-reduce {_fmt_bytes(plan['overlap_bytes'])} "
+        f"{statistics.median(comm2) * 1e3:.2f} ms, both {statistics.median(both_t) * 1e3:.2f} ms (worker 0)")
+    return out
+
+
+def _worker_main(argv: list[str] | None = None) -> int:
+    """Entry point of one calibration worker: ``python -m ddlscope.predict.calibrate --rank R --dir D``.
+
+    Reads ``D/plan.json``; rank 0 appends progress lines to ``D/progress.log``; writes its raw times
+    to ``D/result-R.json`` or the reason it failed to ``D/error-R.txt``. Exit codes: 0 done,
+    1 failed, 130 interrupted.
+    """
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m ddlscope.predict.calibrate")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--parent-pid", type=int, required=True)
+    args = ap.parse_args(argv)
+    _die_with_parent()
+    if os.getppid() != args.parent_pid:  # the parent died before PR_SET_PDEATHSIG took effect
+        return 1
+    workdir, rank = args.dir, args.rank
+    try:
+        with open(os.path.join(workdir, "plan.json")) as f:
+            plan = json.load(f)
+        workers, threads = plan["workers"], plan["threads"]
+        os.sched_setaffinity(0, plan["core_sets"][rank])
+        if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(workdir, 'store')}", rank=rank,
+                                world_size=workers, timeout=timedelta(seconds=plan["timeout_s"]))
+
+        def say(msg: str) -> None:
+            if rank == 0:
+                with open(os.path.join(workdir, "progress.log"), "a") as log:
+                    log.write(msg + "\n")
+
+        out = _measure(rank, workers, plan, say)
+        dist.barrier()
+        tmp = os.path.join(workdir, f".result-{rank}.json")
+        with open(tmp, "w") as f:
+            json.dump(out, f)
+        os.replace(tmp, os.path.join(workdir, f"result-{rank}.json"))
+        dist.destroy_process_group()
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except BaseException as e:  # the parent reads it, names this worker, and stops the others
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        with open(os.path.join(workdir, f"error-{rank}.txt"), "w") as f:
+            f.write(f"{type(e).__name__}: {first_line}")
+        return 1
+
+
+def _stop(procs: list) -> None:
+    """Terminate (SIGTERM), then kill (SIGKILL) every worker still running; wait for each."""
+    import subprocess
+
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + 3.0
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            try:
+                p.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _log_tail(path: str, lines: int = 3) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read().strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(text[-lines:])
+
+
+def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Start ``plan["workers"]`` worker processes, relay rank 0's progress, return every worker's raw times.
+
+    Raises:
+        CalibrationError: a worker failed, died without a result, or the whole run exceeded
+            ``plan["timeout_s"]``. Every worker is stopped before this returns or raises.
+    """
+    import json
+    import subprocess
+    import sys
+
+    workers = plan["workers"]
+    procs: list[subprocess.Popen] = []
+    deadline = time.monotonic() + plan["timeout_s"]
+    with tempfile.TemporaryDirectory(prefix="ddlscope-calibrate-") as tmp:
+        with open(os.path.join(tmp, "plan.json"), "w") as f:
+            json.dump(plan, f)
+        # the workers import the same ddlscope as this process, wherever it was imported from
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, OMP_NUM_THREADS=str(plan["threads"]), MKL_NUM_THREADS=str(plan["threads"]),
+                   PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath)
+        progress_path, seen = os.path.join(tmp, "progress.log"), 0
+
+        def relay() -> None:
+            nonlocal seen
+            try:
+                with open(progress_path) as f:
+                    f.seek(seen)
+                    chunk = f.read()
+            except FileNotFoundError:
+                return
+            complete = chunk[:chunk.rfind("\n") + 1]
+            seen += len(complete.encode())
+            for line in complete.splitlines():
+                progress(line)
+
+        previous_sigterm = _sigterm_as_interrupt()
+        try:
+            for rank in range(workers):
+                log = open(os.path.join(tmp, f"worker-{rank}.log"), "wb")
+                try:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "ddlscope.predict.calibrate", "--rank", str(rank), "--dir", tmp,
+                         "--parent-pid", str(os.getpid())], stdout=log, stderr=subprocess.STDOUT, env=env))
+                finally:
+                    log.close()
+            while True:
+                relay()
+                for rank, p in enumerate(procs):
+                    err_path = os.path.join(tmp, f"error-{rank}.txt")
+                    if os.path.exists(err_path) and p.poll() is not None:
+                        with open(err_path) as f:
+                            raise CalibrationError(f"calibration worker {rank} failed: {f.read().strip()}")
+                    if p.poll() not in (None, 0):
+                        tail = _log_tail(os.path.join(tmp, f"worker-{rank}.log"))
+                        raise CalibrationError(f"calibration worker {rank} exited with code {p.returncode} without a "
+                                               f"result" + (f": {tail}" if tail else " (killed?)"))
+                if all(p.poll() == 0 for p in procs):
+                    break
+                if time.monotonic() > deadline:
+                    running = [r for r, p in enumerate(procs) if p.poll() is None]
+                    raise CalibrationError(f"calibration did not finish within {plan['timeout_s']:g} s; workers still "
+                                           f"running: {running}")
+                time.sleep(0.1)
+            relay()
+            results = []
+            for rank in range(workers):
+                path = os.path.join(tmp, f"result-{rank}.json")
+                if not os.path.exists(path):
+                    raise CalibrationError(f"calibration worker {rank} exited without writing its result")
+                with open(path) as f:
+                    results.append(json.load(f))
+            return results
+        finally:
+            _stop(procs)
+            if previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def _sigterm_as_interrupt():
+    """In the main thread, make SIGTERM raise KeyboardInterrupt (so workers are stopped and the
+    temporary folder removed, as on Ctrl-C); return the previous handler, or None if not installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+# ------------------------------------------------------------------------------------ calibrate
+def _fmt_bytes(n: int) -> str:
+    return f"{n / MIB:g} MiB" if n >= MIB else f"{n / KIB:g} KiB"
+
+
+def _sig(value: float, digits: int = 4) -> float:
+    """``value`` rounded to ``digits`` significant digits."""
+    return float(f"{value:.{digits - 1}e}") if value else 0.0
+
+
+def _slowest(per_worker: list[list[float]]) -> list[float]:
+    """Per repeat, the slowest worker's time (a collective ends when its last worker does)."""
+    return [max(ts) for ts in zip(*per_worker)]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None = None,
+              repeats: int = DEFAULT_REPEATS, warmup: int = 2, timeout_s: float = 300.0,
+              progress: Callable[[str], None] | None = None, name: str | None = None) -> CalibrationResult:
+    """Measure this machine's workers and fit a :class:`ClusterSpec` (see the module docstring).
+
+    Args:
+        workers: local worker processes (W >= 2), each pinned to ``threads`` cores of its own.
+        threads: intra-op threads and cores per worker.
+        sizes_bytes: message sizes (bytes; rounded up to whole float32 elements); default
+            :data:`DEFAULT_SIZES_BYTES` (4 KiB..64 MiB). At least 2 distinct sizes.
+        repeats: timed repetitions per size (the median is used); ``warmup`` untimed ones first.
+        timeout_s: the whole calibration, and any single collective, fails after this long.
+        progress: called with one line of text per finished measurement.
+        name: the cluster's name (default ``local-<W>x<threads>core``).
+
+    Returns:
+        The fitted description and the raw measurements.
+
+    Raises:
+        UserError: workers < 2, threads < 1, more cores asked for than this process may use,
+            fewer than 2 distinct sizes, a size or repeats < 1.
+        CalibrationError: a worker failed, died or timed out (all workers are stopped first).
+    """
+    from ddlscope.config import available_cores
+
+    if workers < 2:
+        raise UserError(f"--workers {workers}: calibrate needs at least 2 workers (all-reduce and ping-pong need a "
+                        f"partner); allowed: 2..{len(available_cores()) // max(1, threads)}")
+    if threads < 1:
+        raise UserError(f"--threads {threads}; allowed: >= 1")
+    cores = available_cores()
+    if workers * threads > len(cores):
+        raise UserError(f"--workers {workers} x --threads {threads} needs {workers * threads} cores, but this process "
+                        f"may use {len(cores)} ({cores}); allowed: workers x threads <= {len(cores)}")
+    if repeats < 1 or warmup < 0:
+        raise UserError(f"repeats = {repeats}, warmup = {warmup}; allowed: repeats >= 1, warmup >= 0")
+    sizes = sorted({max(4, -(-int(s) // 4) * 4) for s in (sizes_bytes or DEFAULT_SIZES_BYTES)})
+    if any(int(s) < 1 for s in (sizes_bytes or [])) or len(sizes) < 2:
+        raise UserError(f"sizes_bytes = {sizes_bytes}; allowed: at least 2 distinct sizes, each >= 1 byte")
+    core_sets = [cores[i * threads:(i + 1) * threads] for i in range(workers)]
+    plan = dict(workers=workers, threads=threads, core_sets=core_sets, sizes_bytes=sizes, repeats=repeats,
+                warmup=warmup, overlap_bytes=OVERLAP_BYTES, timeout_s=timeout_s)
+    say = progress or (lambda msg: None)
+    load_before = os.getloadavg()[0]
+    say(f"calibrating {workers} workers x {threads} thread(s) on cores {core_sets} (gloo over loopback)")
+    started = time.monotonic()
+    raw = _run_workers(plan, say)
+    elapsed = time.monotonic() - started
+
+    ar_slowest = [_slowest([w["allreduce"][i] for w in raw]) for i in range(len(sizes))]
+    ar_times = [statistics.median(ts) for ts in ar_slowest]
+    p2p_times = [statistics.median(ts) for ts in raw[0]["p2p"]]
+    try:
+        p2p = fit_p2p(sizes, p2p_times)
+        allreduce = fit_allreduce(sizes, ar_times, workers, p2p.latency_s)
+    except ValueError as e:
+        raise CalibrationError(f"cannot fit the measurements: {e}") from None
+    allreduce.table.min_s = [min(ts) for ts in ar_slowest]
+    p2p.table.min_s = [min(ts) for ts in raw[0]["p2p"]]
+    alone = statistics.fmean(statistics.median(w["compute_alone"]) for w in raw)
+    together = statistics.fmean(statistics.median(w["compute_together"]) for w in raw)
+    slowdown = statistics.fmean(statistics.median(w["compute_together"]) / statistics.median(w["compute_alone"])
+                                for w in raw)
+    tc = statistics.median(_slowest([w["overlap"]["compute"] for w in raw]))
+    tm = statistics.median(_slowest([w["overlap"]["comm"] for w in raw]))
+    tb = statistics.median(_slowest([w["overlap"]["both"] for w in raw]))
+    overlap_raw = (tc + tm - tb) / min(tc, tm) if min(tc, tm) > 0 else 1.0
+    notes = [
+        "intra_node.latency_s is the ping-pong intercept (p2p_fixed_s = 0: not separable from the latency); "
+        "intra_node.bandwidth_gb_per_s is the all-reduce fit's (it includes gloo's reduction and copies); "
+        f"the ping-pong bandwidth was {p2p.bandwidth_gb_per_s:.3g} GB/s",
+    ]
+    if allreduce.intercept_s < 2 * (workers - 1) * p2p.latency_s:
+        notes.append(f"the all-reduce intercept ({allreduce.intercept_s * 1e6:.1f} us) is below 2(W-1) x latency "
+                     f"({2 * (workers - 1) * p2p.latency_s * 1e6:.1f} us): collective_fixed_s clamped to 0")
+    if load_before >= 0.5:
+        notes.append(f"the machine was busy before calibration started (1-minute load average {load_before:.2f} on "
+                     f"{len(cores)} cores): the figures include other processes' interference")
+    if slowdown < 1:
+        notes.append(f"compute ran faster with all workers busy (ratio {slowdown:.3f}, noise): slowdown set to 1")
+    cluster = ClusterSpec(  # 4 significant digits: far more than the measurements' precision
+        name=name or f"local-{workers}x{threads}core", nodes=1, devices_per_node=workers,
+        device=DeviceSpec(kind="local"),
+        intra_node=LinkSpec(bandwidth_gb_per_s=_sig(allreduce.bandwidth_gb_per_s), latency_s=_sig(p2p.latency_s)),
+        collective_fixed_s=_sig(allreduce.collective_fixed_s), p2p_fixed_s=0.0,
+        concurrent_compute_slowdown=_sig(max(1.0, slowdown)), comm_overlap=_sig(overlap_fraction(tc, tm, tb)),
+    )
+    import torch
+
+    return CalibrationResult(
+        cluster=cluster, workers=workers, threads=threads, cores=core_sets, repeats=repeats, allreduce=allreduce,
+        p2p=p2p, compute_kernel=COMPUTE_KERNEL, compute_alone_s=alone, compute_concurrent_s=together,
+        concurrent_compute_slowdown_raw=slowdown, overlap_bytes=OVERLAP_BYTES, overlap_compute_s=tc,
+        overlap_allreduce_s=tm, overlap_both_s=tb, comm_overlap_raw=overlap_raw, hostname=platform.node(),
+        cpu=_cpu_name(), torch_version=torch.__version__, created_at=time.time(), elapsed_s=elapsed, notes=notes,
+    )
+
+
+def header_comment(result: CalibrationResult) -> str:
+    """The comment written at the top of a calibrated cluster file: how, where and when it was measured."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(result.created_at))
+    ar, p2p = result.allreduce, result.p2p
+    return (f"Measured by `ddlscope calibrate --workers {result.workers} --threads {result.threads}` on {when}\n"
+            f"host {result.hostname} ({result.cpu}), torch {result.torch_version}, gloo over loopback, cores {result.cores}\n"
+            f"sizes {_fmt_bytes(ar.table.sizes_bytes[0])}..{_fmt_bytes(ar.table.sizes_bytes[-1])}, median of "
+            f"{result.repeats}; all-reduce fit max |residual| {ar.table.max_abs_residual:.0%}, ping-pong "
+            f"{p2p.table.max_abs_residual:.0%}\n"
+            f"ping-pong: latency {p2p.latency_s * 1e6:.1f} us, bandwidth {p2p.bandwidth_gb_per_s:.3g} GB/s; "
+            f"all-reduce: intercept {ar.intercept_s * 1e6:.1f} us, bandwidth {ar.bandwidth_gb_per_s:.3g} GB/s\n"
+            + "\n".join(result.notes))
+
+
+def print_calibration(result: CalibrationResult) -> None:
+    """Print the measurements, the fits with their residuals, and the fitted description (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    ar, p2p = result.allreduce, result.p2p
+    table = Table(title=f"ddlscope calibrate: {result.workers} workers x {result.threads} thread(s), "
+                        f"median of {result.repeats}")
+    for col in ("size", "all-reduce ms", "fit ms", "residual", "one-way p2p ms", "fit ms", "residual"):
+        table.add_column(col, justify="right")
+    for i, size in enumerate(ar.table.sizes_bytes):
+        table.add_row(_fmt_bytes(size), f"{ar.table.measured_s[i] * 1e3:.3f}", f"{ar.table.fitted_s[i] * 1e3:.3f}",
+                      f"{ar.table.residuals[i]:+.0%}", f"{p2p.table.measured_s[i] * 1e3:.3f}",
+                      f"{p2p.table.fitted_s[i] * 1e3:.3f}", f"{p2p.table.residuals[i]:+.0%}")
+    console = Console(width=160)
+    console.print(table)
+    c = result.cluster
+    rows = [
+        ("ping-pong fit", f"latency {p2p.latency_s * 1e6:.1f} us, bandwidth {p2p.bandwidth_gb_per_s:.3g} GB/s"),
+        ("all-reduce fit", f"intercept {ar.intercept_s * 1e6:.1f} us = collective_fixed_s {ar.collective_fixed_s * 1e6:.1f} us"
+                           f" + 2(W-1) x latency; bandwidth {ar.bandwidth_gb_per_s:.3g} GB/s"),
+        ("compute", f"{result.compute_alone_s * 1e3:.2f} ms alone, {result.compute_concurrent_s * 1e3:.2f} ms all at once: "
+                    f"concurrent_compute_slowdown {c.concurrent_compute_slowdown:.3f} (raw {result.concurrent_compute_slowdown_raw:.3f})"),
+        ("overlap", f"compute {result.overlap_compute_s * 1e3:.2f} ms, all-reduce {_fmt_bytes(result.overlap_bytes)} "
+                    f"{result.overlap_allreduce_s * 1e3:.2f} ms, both {result.overlap_both_s * 1e3:.2f} ms: comm_overlap "
+                    f"{c.comm_overlap:.2f} (raw {result.comm_overlap_raw:.2f})"),
+    ]
+    for label, text in rows:
+        console.print(f"[bold]{label}[/bold]: {text}")
+    for note in result.notes:
+        console.print(f"note: {note}")
+    console.print(f"took {result.elapsed_s:.1f} s")
+
+
+if __name__ == "__main__":
+    raise SystemExit(_worker_main())

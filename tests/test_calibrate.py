@@ -1,0 +1,139 @@
+"""``ddlscope calibrate``: the fits (pure functions, synthetic data) and the command end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import psutil
+import pytest
+
+from ddlscope.errors import UserError
+from ddlscope.predict.calibrate import (DEFAULT_SIZES_BYTES, CalibrationError, calibrate, fit_allreduce,
+                                        fit_alpha_beta, fit_p2p, overlap_fraction)
+from ddlscope.predict.cluster import load_cluster
+
+
+def _noisy(values, rel_sd: float, seed: int = 0) -> list[float]:
+    rng = np.random.default_rng(seed)
+    return [float(v * (1 + rng.normal(0, rel_sd))) for v in values]
+
+
+def test_p2p_fit_recovers_latency_and_bandwidth():
+    latency, bw = 30e-6, 2.0e9
+    times = _noisy([latency + s / bw for s in DEFAULT_SIZES_BYTES], 0.02)
+    fit = fit_p2p(DEFAULT_SIZES_BYTES, times)
+    assert fit.latency_s == pytest.approx(latency, rel=0.1)
+    assert fit.bandwidth_gb_per_s == pytest.approx(2.0, rel=0.05)
+    assert fit.table.max_abs_residual < 0.1
+
+
+def test_allreduce_fit_recovers_fixed_cost_and_bandwidth():
+    workers, latency, fixed, bw = 4, 10e-6, 50e-6, 1.5e9
+    times = [fixed + 2 * (workers - 1) * latency + 2 * (workers - 1) / workers * s / bw for s in DEFAULT_SIZES_BYTES]
+    fit = fit_allreduce(DEFAULT_SIZES_BYTES, _noisy(times, 0.02, seed=1), workers, latency)
+    assert fit.intercept_s == pytest.approx(fixed + 6 * latency, rel=0.1)
+    assert fit.collective_fixed_s == pytest.approx(fixed, rel=0.15)
+    assert fit.bandwidth_gb_per_s == pytest.approx(1.5, rel=0.05)
+
+
+def test_fit_is_exact_without_noise_and_robust_to_disturbed_sizes():
+    sizes = DEFAULT_SIZES_BYTES
+    exact = [40e-6 + s / 1e9 for s in sizes]
+    a, b = fit_alpha_beta(sizes, exact)
+    assert a == pytest.approx(40e-6, rel=1e-3) and b == pytest.approx(1e-9, rel=1e-3)
+    disturbed = list(exact)
+    disturbed[0] += 2e-3  # a 2 ms scheduler delay on the two smallest messages (seen on a loaded machine)
+    disturbed[2] += 2e-3
+    fit = fit_p2p(sizes, disturbed)
+    assert fit.latency_s == pytest.approx(40e-6, rel=0.2)
+    assert fit.bandwidth_gb_per_s == pytest.approx(1.0, rel=0.1)
+
+
+def test_latency_larger_than_intercept_clamps_fixed_cost_to_zero():
+    sizes = DEFAULT_SIZES_BYTES
+    fit = fit_allreduce(sizes, [20e-6 + s / 1e9 for s in sizes], workers=2, latency_s=50e-6)
+    assert fit.collective_fixed_s == 0.0
+    assert fit.intercept_s == pytest.approx(20e-6, rel=0.01)
+
+
+@pytest.mark.parametrize("sizes, times, match", [
+    ([4096, 4096], [1e-4, 2e-4], "2 distinct sizes"),
+    ([4096, 8192], [1e-4, 0.0], "> 0"),
+    ([4096, 8192, 16384], [1e-4, 2e-4], "equal length"),
+    ([4096, 65536, 1 << 20], [1e-3, 1e-3, 1e-3], "do not grow"),
+])
+def test_fit_rejects_bad_data(sizes, times, match):
+    with pytest.raises(ValueError, match=match):
+        fit_p2p(sizes, times)
+
+
+def test_overlap_fraction():
+    assert overlap_fraction(10, 10, 10) == 1.0  # fully hidden
+    assert overlap_fraction(10, 10, 20) == 0.0  # serialised
+    assert overlap_fraction(10, 5, 12.5) == pytest.approx(0.5)
+    assert overlap_fraction(10, 10, 25) == 0.0  # worse than serial: clamped
+    assert overlap_fraction(10, 10, 8) == 1.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(workers=1), "at least 2 workers"),
+    (dict(workers=2, threads=64), "needs 128 cores"),
+    (dict(workers=10_000), "workers x threads <="),
+    (dict(workers=2, threads=0), "--threads 0"),
+    (dict(workers=2, sizes_bytes=[4096]), "at least 2 distinct sizes"),
+    (dict(workers=2, repeats=0), "repeats = 0"),
+])
+def test_bad_arguments_are_user_errors(kwargs, match):
+    with pytest.raises(UserError, match=match):
+        calibrate(**kwargs)
+
+
+def _children() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+@pytest.mark.slow
+def test_timeout_stops_every_worker():
+    before = {p.pid for p in _children()}
+    with pytest.raises(CalibrationError, match="did not finish within 0.5 s"):
+        calibrate(workers=2, sizes_bytes=[4096, 65536], repeats=1, timeout_s=0.5)
+    assert {p.pid for p in _children()} - before == set()
+
+
+@pytest.mark.slow
+def test_worker_failure_is_named_and_others_stopped(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-interface0")  # gloo cannot create its device
+    before = {p.pid for p in _children()}
+    with pytest.raises(CalibrationError, match=r"calibration worker \d failed: .*no-such-interface0"):
+        calibrate(workers=2, sizes_bytes=[4096, 65536], repeats=1, timeout_s=60)
+    assert {p.pid for p in _children()} - before == set()
+
+
+@pytest.mark.slow
+def test_calibrate_cli_quick_writes_a_loadable_cluster(tmp_path):
+    out = tmp_path / "cluster.toml"
+    proc = subprocess.run([sys.executable, "-m", "ddlscope", "calibrate", "--quick", "--workers", "2", "--out", str(out),
+                           "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "all-reduce" in proc.stderr and "ping-pong" in proc.stderr  # progress lines
+    result = json.loads(proc.stdout)
+    spec = load_cluster(out)
+    assert spec.devices_per_node == 2 and spec.nodes == 1 and spec.device.kind == "local"
+    assert spec.intra_node.bandwidth_gb_per_s > 0 and spec.intra_node.latency_s >= 0
+    assert spec.intra_node.bandwidth_gb_per_s == pytest.approx(result["allreduce"]["bandwidth_gb_per_s"], rel=1e-3)
+    assert spec.intra_node.latency_s == pytest.approx(result["p2p"]["latency_s"], rel=1e-3)
+    assert spec.concurrent_compute_slowdown >= 1 and 0 <= spec.comm_overlap <= 1
+    assert len(result["allreduce"]["table"]["measured_s"]) == 4
+    assert all(t > 0 for t in result["p2p"]["table"]["measured_s"])
+    assert out.read_text().startswith("# Measured by `ddlscope calibrate --workers 2")
+
+
+def test_calibrate_cli_bad_workers(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ddlscope", "calibrate", "--workers", "1", "--out", str(tmp_path / "c.toml")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: --workers 1: calibrate needs at least 2 workers")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "c.toml").exists()
