@@ -183,18 +183,24 @@ def test_collaborative_accumulates_the_target_batch_from_the_peers_throughputs()
     prof = make_profile()
     peers = [PeerSpec(compute_share=1.0, bandwidth_gb_per_s=1e3), PeerSpec(compute_share=3.0, bandwidth_gb_per_s=1e3)]
     cl = make_cluster(peers=peers)
-    s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=256, matchmaking_time_s=0.5)
+    s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=256, matchmaking_time_s=2.0)
     p = predict(prof, cl, s)
     step = prof.step_at(8)
     rate = 8 / (step.forward_s + step.backward_s) + 8 / ((step.forward_s + step.backward_s) / 3)
     assert p.breakdown_s["compute"] == pytest.approx(256 / rate, rel=1e-6)
     assert p.epoch_s == pytest.approx(p.step_s * 3200 / 256)
-    assert p.breakdown_s["averaging"] >= 2 * 0.5  # gradient and state rounds each wait for matchmaking
+    # accumulation (0.6 s) is shorter than matchmaking: both rounds wait for most of the 2 s window
+    wait = 2.0 - (p.inputs["accumulate_s"] - max(p.inputs["peer_step_s"]))
+    assert p.inputs["matchmaking_wait_s"] == pytest.approx(wait) and wait > 0
+    assert p.breakdown_s["averaging"] >= 2 * wait
+    long = predict(prof, cl, Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=256,
+                                     matchmaking_time_s=0.01))
+    assert long.inputs["matchmaking_wait_s"] == 0.0  # matchmaking hidden behind a long accumulation
     lu = predict(prof, cl, Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=256,
-                                   matchmaking_time_s=0.5, use_local_updates=True))
+                                   matchmaking_time_s=2.0, use_local_updates=True))
     assert lu.breakdown_s["averaging"] < p.breakdown_s["averaging"]  # averaging overlaps local steps
     bigger = predict(prof, cl, Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=1024,
-                                       matchmaking_time_s=0.5))
+                                       matchmaking_time_s=2.0))
     assert bigger.epoch_s < p.epoch_s  # fewer averaging rounds per epoch
     assert math.isfinite(bigger.step_s)
 

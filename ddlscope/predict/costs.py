@@ -535,12 +535,16 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     Peers (``cluster.peers``, or the cluster's first ``workers`` devices with compute share 1)
     each train at their own speed: ``step_p = data + compute(b) * contention / share_p``. The swarm
     reaches the target batch size after ``T_acc = TBS / sum_p(b / step_p)`` seconds (DeDLOC's
-    global progress tracking, Ryabinin 2023). Each global epoch then costs a round: the peers
-    wait ``matchmaking_time_s`` to form the group (hivemind's leader waits the whole window
-    unless the group is full), all-reduce the gradients (:func:`butterfly_allreduce_s`), step the
-    optimizer, and every ``average_state_every`` epochs average parameters and optimizer state
-    the same way. With ``use_local_updates`` the peers step locally every batch and only the
-    parameter averaging remains, overlapping their compute (hivemind runs it in the background).
+    global progress tracking, Ryabinin 2023). Each global epoch then costs a round per averager:
+    gradients (unless ``use_local_updates``) and, every ``average_state_every`` epochs,
+    parameters + optimizer state, each a :func:`butterfly_allreduce_s`. hivemind pre-schedules
+    both rounds (``Optimizer._maybe_schedule_gradient_averaging`` / ``_state_averaging``): once
+    the epoch's end is less than ``matchmaking_time_s`` away, matchmaking starts and the group
+    is ready at ``max(estimated end, now + matchmaking_time_s)``. So a round waits
+    ``max(0, matchmaking_time_s - (T_acc - slowest peer step))``: all of it when peers reach the
+    target batch faster than they can match, none when accumulation is long. With
+    ``use_local_updates`` peers step locally every batch and the state averaging runs in the
+    background, so only what exceeds the accumulation time is exposed.
     """
     peers = cluster.peers[: s.workers] if cluster.peers else []
     busy = s.workers if not cluster.peers else 1
@@ -559,23 +563,22 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
                   for share in shares]
     throughput = sum(s.batch_size / t for t in peer_steps)
     t_acc = s.target_batch_size / throughput
+    alone = len(shares) < 2
     grads = float(profile.param_bytes)
     state = grads + float(profile.optimizer_state_bytes)
     fixed = cluster.collective_fixed_s
-    grad_round = 0.0 if s.use_local_updates else butterfly_allreduce_s(grads, bws, lats, fixed)
-    state_round = butterfly_allreduce_s(state, bws, lats, fixed) / s.average_state_every
-    rounds_per_epoch = (1 if s.use_local_updates else 2) if len(shares) > 1 else 0
-    matchmaking = s.matchmaking_time_s * rounds_per_epoch / (s.average_state_every if s.use_local_updates else 1)
+    wait = 0.0 if alone else max(0.0, s.matchmaking_time_s - max(0.0, t_acc - max(peer_steps)))
+    grad_round = 0.0 if s.use_local_updates or alone else wait + butterfly_allreduce_s(grads, bws, lats, fixed)
+    state_round = 0.0 if alone else (wait + butterfly_allreduce_s(state, bws, lats, fixed)) / s.average_state_every
     if s.use_local_updates:  # averaging runs in the background while peers keep computing
-        exposed_avg = max(0.0, matchmaking + state_round - t_acc)
-        parts = {"compute": t_acc, "averaging": exposed_avg, "optimizer": 0.0}
+        parts = {"compute": t_acc, "averaging": max(0.0, state_round - t_acc), "optimizer": 0.0}
     else:
-        parts = {"compute": t_acc, "averaging": matchmaking + grad_round + state_round,
+        parts = {"compute": t_acc, "averaging": grad_round + state_round,
                  "optimizer": step.optimizer_s * slow / min(shares)}
     return _finish(s, parts, s.target_batch_size,
                    inputs={"peers": len(shares), "compute_shares": shares, "peer_step_s": peer_steps,
-                           "swarm_samples_per_s": throughput, "grad_allreduce_s": grad_round,
-                           "state_allreduce_s": state_round, "matchmaking_s": matchmaking,
+                           "swarm_samples_per_s": throughput, "accumulate_s": t_acc, "matchmaking_wait_s": wait,
+                           "grad_round_s": grad_round, "state_round_s": state_round,
                            "contention": slow / scale, "compute_scale": scale})
 
 
