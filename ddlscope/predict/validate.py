@@ -69,8 +69,11 @@ class ValidationGrid(BaseModel):
 
 
 PRESETS: dict[str, dict] = {
+    # collaborative peers accumulate 2 global batches per averaging round: with a round after every
+    # step hivemind 1.1.12 sometimes fails cancelling a pre-scheduled round (InvalidStateError)
     "local": dict(name="validation-local", datasets=["mnist", "cifar10"],
-                  networks=["resnet18", "vgg11", "mobilenet_v2"], workers=2, batch_size=64, microbatches=4),
+                  networks=["resnet18", "vgg11", "mobilenet_v2"], workers=2, batch_size=64, microbatches=4,
+                  target_batch_size=128),
     "tiny": dict(name="validation-tiny", datasets=["mnist"], networks=["tiny_cnn"],
                  strategies=["single", "ddp", "gpipe"], workers=2, batch_size=16, microbatches=2,
                  warmup_batches=1, measured_batches=3, synthetic_train_size=64),
