@@ -12,7 +12,7 @@ import pytest
 
 from ddlscope.errors import UserError
 from ddlscope.predict.calibrate import (DEFAULT_SIZES_BYTES, CalibrationError, calibrate, fit_allreduce,
-                                        fit_alpha_beta, fit_p2p, overlap_fraction)
+                                        fit_alpha_beta, fit_half_ring, fit_p2p, overlap_fraction)
 from ddlscope.predict.cluster import load_cluster
 
 
@@ -37,6 +37,14 @@ def test_allreduce_fit_recovers_fixed_cost_and_bandwidth():
     assert fit.intercept_s == pytest.approx(fixed + 6 * latency, rel=0.1)
     assert fit.collective_fixed_s == pytest.approx(fixed, rel=0.15)
     assert fit.bandwidth_gb_per_s == pytest.approx(1.5, rel=0.05)
+
+
+def test_half_ring_fit_recovers_all_gather_cost():
+    workers, latency, fixed, bw = 2, 10e-6, 300e-6, 0.4e9
+    times = [fixed + (workers - 1) * latency + (workers - 1) / workers * s / bw for s in DEFAULT_SIZES_BYTES]
+    fit = fit_half_ring(DEFAULT_SIZES_BYTES, _noisy(times, 0.02, seed=2), workers, latency)
+    assert fit.fixed_s == pytest.approx(fixed, rel=0.15)
+    assert fit.bandwidth_gb_per_s == pytest.approx(0.4, rel=0.05)
 
 
 def test_fit_is_exact_without_noise_and_robust_to_disturbed_sizes():
@@ -126,6 +134,8 @@ def test_calibrate_cli_quick_writes_a_loadable_cluster(tmp_path):
     assert spec.intra_node.bandwidth_gb_per_s == pytest.approx(result["allreduce"]["bandwidth_gb_per_s"], rel=1e-3)
     assert spec.intra_node.latency_s == pytest.approx(result["p2p"]["latency_s"], rel=1e-3)
     assert spec.concurrent_compute_slowdown >= 1 and 0 <= spec.comm_overlap <= 1
+    assert spec.all_gather.bandwidth_gb_per_s > 0 and spec.reduce_scatter.bandwidth_gb_per_s > 0
+    assert "all-gather" in proc.stderr and "reduce-scatter" in proc.stderr
     assert len(result["allreduce"]["table"]["measured_s"]) == 4
     assert all(t > 0 for t in result["p2p"]["table"]["measured_s"])
     assert out.read_text().startswith("# Measured by `ddlscope calibrate --workers 2")

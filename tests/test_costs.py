@@ -7,7 +7,7 @@ import math
 import pytest
 
 from ddlscope.errors import UserError
-from ddlscope.predict.cluster import ClusterSpec, DeviceSpec, LinkSpec, PeerSpec
+from ddlscope.predict.cluster import ClusterSpec, CollectiveFit, DeviceSpec, LinkSpec, PeerSpec
 from ddlscope.predict.costs import (
     Setting, butterfly_allreduce_s, ddp_buckets, eq_5_1_epoch_s, pipeline_ops, predict, ring_allreduce_s,
     simulate_pipeline,
@@ -107,6 +107,11 @@ def test_fsdp_costs_more_communication_than_ddp_and_shards_the_optimizer():
     assert fsdp.inputs["comm_s"] > ddp.inputs["comm_s"]  # 3 half-all-reduces per unit vs 1 all-reduce
     assert zero2.inputs["comm_s"] < fsdp.inputs["comm_s"]  # no second all-gather in backward
     assert fsdp.breakdown_s["optimizer"] == pytest.approx(ddp.breakdown_s["optimizer"] / 4)
+    # a calibrated all-gather / reduce-scatter slower than half an all-reduce costs fsdp more
+    slow_ag = make_cluster(bw=0.5).model_copy(update={
+        "all_gather": CollectiveFit(fixed_s=1e-3, bandwidth_gb_per_s=0.1),
+        "reduce_scatter": CollectiveFit(fixed_s=1e-3, bandwidth_gb_per_s=0.1)})
+    assert predict(prof, slow_ag, Setting("fsdp", 4, 8, epoch_samples=3200)).inputs["comm_s"] > 3 * fsdp.inputs["comm_s"]
     free = predict(prof, make_cluster(bw=1e9, latency=0.0), Setting("fsdp", 4, 8, epoch_samples=3200))
     assert free.breakdown_s["comm_wait"] == pytest.approx(0.0, abs=1e-9)
 

@@ -48,7 +48,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from ddlscope.errors import UserError
-from ddlscope.predict.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from ddlscope.predict.cluster import ClusterSpec, CollectiveFit, DeviceSpec, LinkSpec
 
 KIB = 1024
 MIB = 1024**2
@@ -211,6 +211,24 @@ def fit_allreduce(sizes_bytes: Sequence[int], times_s: Sequence[float], workers:
                         table=SizeFit(sizes_bytes=list(sizes_bytes), measured_s=list(times_s), fitted_s=fitted))
 
 
+def fit_half_ring(sizes_bytes: Sequence[int], times_s: Sequence[float], workers: int, latency_s: float) -> CollectiveFit:
+    """Fixed cost and bandwidth of a ring all-gather or reduce-scatter from its times.
+
+    Model: ``t = fixed_s + (W-1) latency_s + (W-1)/W x full_bytes / bandwidth`` (half of a ring
+    all-reduce; Patarasuk & Yuan 2009), fitted like :func:`fit_allreduce`.
+
+    Raises:
+        ValueError: W < 2, or times that do not grow with size (see :func:`fit_alpha_beta`).
+    """
+    if workers < 2:
+        raise ValueError(f"workers = {workers}; a collective fit needs >= 2")
+    traffic = (workers - 1) / workers
+    a, b = fit_alpha_beta([traffic * x for x in sizes_bytes], times_s)
+    if b * traffic * max(sizes_bytes) < 0.01 * max(times_s):
+        raise ValueError("collective times do not grow with message size: no bandwidth can be fitted")
+    return CollectiveFit(fixed_s=_sig(max(0.0, a - (workers - 1) * latency_s)), bandwidth_gb_per_s=_sig(1.0 / b / 1e9))
+
+
 def overlap_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
     """Fraction of the shorter of compute and communication hidden when both run at once:
     ``clamp((Tc + Tm - Tb) / min(Tc, Tm), 0, 1)`` (1: fully hidden, 0: serialised or worse)."""
@@ -302,18 +320,29 @@ def _measure(rank: int, workers: int, plan: dict[str, Any], say: Callable[[str],
     import torch.distributed as dist
 
     sizes, repeats, warmup = plan["sizes_bytes"], plan["repeats"], plan["warmup"]
-    out: dict[str, Any] = {"allreduce": [], "p2p": []}  # one list of times per size
+    out: dict[str, Any] = {"allreduce": [], "allgather": [], "reducescatter": [], "p2p": []}  # times per size
 
-    for size in sizes:  # 1. all-reduce
-        buf = torch.zeros(size // 4)
-        for _ in range(warmup):
-            dist.all_reduce(buf)
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            times.append(_timed(lambda: dist.all_reduce(buf)))
-        out["allreduce"].append(times)
-        say(f"all-reduce {_fmt_bytes(size):>9}: {statistics.median(times) * 1e3:9.3f} ms (worker 0, median of {repeats})")
+    def collective(size: int) -> dict[str, Callable[[], Any]]:
+        """The collectives the distribution models use, on a tensor of ``size`` bytes in full."""
+        full, shard = torch.zeros(size // 4), torch.zeros(max(1, size // 4 // workers))
+        gathered = torch.zeros(shard.numel() * workers)
+        return {"allreduce": lambda: dist.all_reduce(full),  # ddp
+                "allgather": lambda: dist.all_gather_into_tensor(gathered, shard),  # fsdp before compute
+                "reducescatter": lambda: dist.reduce_scatter_tensor(shard, gathered)}  # fsdp after backward
+
+    for kind in ("allreduce", "allgather", "reducescatter"):  # 1. collectives
+        for size in sizes:
+            fn = collective(size)[kind]
+            for _ in range(warmup):
+                fn()
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                times.append(_timed(fn))
+            out[kind].append(times)
+            label = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter"}[kind]
+            say(f"{label:>14} {_fmt_bytes(size):>9}: {statistics.median(times) * 1e3:9.3f} ms "
+                f"(worker 0, median of {repeats})")
 
     for size in sizes:  # 2. ping-pong between workers 0 and 1
         buf = torch.zeros(size // 4)
@@ -642,6 +671,9 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
     try:
         p2p = fit_p2p(sizes, p2p_times)
         allreduce = fit_allreduce(sizes, ar_times, workers, p2p.latency_s)
+        half = {kind: fit_half_ring(sizes, [statistics.median(_slowest([w[kind][i] for w in raw]))
+                                            for i in range(len(sizes))], workers, p2p.latency_s)
+                for kind in ("allgather", "reducescatter")}
     except ValueError as e:
         raise CalibrationError(f"cannot fit the measurements: {e}") from None
     allreduce.table.min_s = [min(ts) for ts in ar_slowest]
@@ -673,6 +705,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         intra_node=LinkSpec(bandwidth_gb_per_s=_sig(allreduce.bandwidth_gb_per_s), latency_s=_sig(p2p.latency_s)),
         collective_fixed_s=_sig(allreduce.collective_fixed_s), p2p_fixed_s=0.0,
         concurrent_compute_slowdown=_sig(max(1.0, slowdown)), comm_overlap=_sig(overlap_fraction(tc, tm, tb)),
+        all_gather=half["allgather"], reduce_scatter=half["reducescatter"],
     )
     import torch
 
@@ -716,10 +749,12 @@ def print_calibration(result: CalibrationResult) -> None:
     console = Console(width=160)
     console.print(table)
     c = result.cluster
-    rows = [
+    rows: list[tuple[str, str]] = [
         ("ping-pong fit", f"latency {p2p.latency_s * 1e6:.1f} us, bandwidth {p2p.bandwidth_gb_per_s:.3g} GB/s"),
         ("all-reduce fit", f"intercept {ar.intercept_s * 1e6:.1f} us = collective_fixed_s {ar.collective_fixed_s * 1e6:.1f} us"
                            f" + 2(W-1) x latency; bandwidth {ar.bandwidth_gb_per_s:.3g} GB/s"),
+        *[(f"{name} fit", f"fixed {fit.fixed_s * 1e6:.1f} us + (W-1) x latency; bandwidth {fit.bandwidth_gb_per_s:.3g} GB/s")
+          for name, fit in (("all-gather", c.all_gather), ("reduce-scatter", c.reduce_scatter)) if fit is not None],
         ("compute", f"{result.compute_alone_s * 1e3:.2f} ms alone, {result.compute_concurrent_s * 1e3:.2f} ms all at once: "
                     f"concurrent_compute_slowdown {c.concurrent_compute_slowdown:.3f} (raw {result.concurrent_compute_slowdown_raw:.3f})"),
         ("overlap", f"compute {result.overlap_compute_s * 1e3:.2f} ms, all-reduce {_fmt_bytes(result.overlap_bytes)} "

@@ -77,6 +77,20 @@ class PeerSpec(BaseModel):
     memory_gib: float | None = Field(None, gt=0)
 
 
+class CollectiveFit(BaseModel):
+    """Measured cost of one all-gather or reduce-scatter among the cluster's devices, as a ring:
+    ``t = fixed_s + (W-1) * latency + (W-1)/W * full_bytes / (bandwidth_gb_per_s * 1e9)``.
+
+    Written by ``ddlscope calibrate``; backends implement these collectives differently from
+    all-reduce (gloo's are far slower per byte on CPU), so they get their own fit.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    fixed_s: float = Field(ge=0)
+    bandwidth_gb_per_s: float = Field(gt=0)
+
+
 class ClusterSpec(BaseModel):
     """A cluster: ``nodes`` x ``devices_per_node`` identical devices, or a list of collaborative peers.
 
@@ -92,6 +106,8 @@ class ClusterSpec(BaseModel):
         comm_overlap: fraction (0..1) of a collective's time that can overlap computation
             (1: DMA engines as on GPUs; less on CPU, where communication threads share the cores).
         peers: collaborative peers; when empty, peers are the cluster's devices.
+        all_gather / reduce_scatter: measured fits of these collectives (FSDP's); when absent
+            they are costed as half a ring all-reduce over ``intra_node`` with ``collective_fixed_s``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -107,6 +123,8 @@ class ClusterSpec(BaseModel):
     concurrent_compute_slowdown: float = Field(1.0, ge=1)
     comm_overlap: float = Field(1.0, ge=0, le=1)
     peers: list[PeerSpec] = Field(default_factory=list)
+    all_gather: CollectiveFit | None = None
+    reduce_scatter: CollectiveFit | None = None
 
     @field_validator("inter_node")
     @classmethod

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ddlscope.errors import UserError
-from ddlscope.predict.cluster import ClusterSpec, LinkSpec
+from ddlscope.predict.cluster import ClusterSpec, CollectiveFit, LinkSpec
 from ddlscope.predict.profile import WorkloadProfile
 
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES) is 1 MiB
@@ -110,13 +110,17 @@ def ring_allreduce_s(nbytes: float, workers: int, link: LinkSpec, fixed_s: float
     return fixed_s + 2 * (workers - 1) * (link.latency_s + nbytes / (workers * link.bandwidth_gb_per_s * 1e9))
 
 
-def ring_allgather_s(nbytes: float, workers: int, link: LinkSpec, fixed_s: float) -> float:
+def ring_allgather_s(nbytes: float, workers: int, link: LinkSpec, fixed_s: float,
+                     fit: CollectiveFit | None = None) -> float:
     """Seconds of a ring all-gather (or reduce-scatter) whose *full* tensor is ``nbytes``.
 
-    ``fixed_s + (W-1) * (latency + nbytes / (W * bandwidth))`` — half of a ring all-reduce.
+    ``fixed_s + (W-1) * (latency + nbytes / (W * bandwidth))`` — half of a ring all-reduce; with a
+    calibrated ``fit`` its own fixed cost and bandwidth replace the all-reduce's.
     """
     if workers < 2 or nbytes <= 0:
         return 0.0
+    if fit is not None:
+        fixed_s, link = fit.fixed_s, LinkSpec(bandwidth_gb_per_s=fit.bandwidth_gb_per_s, latency_s=link.latency_s)
     return fixed_s + (workers - 1) * (link.latency_s + nbytes / (workers * link.bandwidth_gb_per_s * 1e9))
 
 
@@ -294,7 +298,8 @@ def eq_5_1_epoch_s(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
 def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scale: float = 1.0) -> Prediction:
     """Fully sharded data parallel (FSDP2, one unit per top-level layer), simulated unit by unit.
 
-    Forward: unit i's parameters are all-gathered (:func:`ring_allgather_s` of its full bytes)
+    Forward: unit i's parameters are all-gathered (:func:`ring_allgather_s` of its full bytes,
+    with the cluster's calibrated all-gather / reduce-scatter fits when it has them)
     before its compute; FSDP prefetches one unit ahead, so the all-gather of unit i+1 is issued
     when unit i starts computing. Backward (reverse order): the parameters are gathered again
     (ZeRO-3, ``reshard_after_forward``) with the same one-ahead prefetch, and each unit's
@@ -307,7 +312,7 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
     fwd, bwd = profile.layer_times_s(s.batch_size)
     link, fixed = cluster.ring_link(w), cluster.collective_fixed_s
     sizes = [layer.param_bytes for layer in profile.layers]
-    ag = [ring_allgather_s(b, w, link, fixed) for b in sizes]
+    ag = [ring_allgather_s(b, w, link, fixed, cluster.all_gather) for b in sizes]
     comm_free, compute_t, comm_total = 0.0, 0.0, 0.0
     gathered_at: dict[int, float] = {}
 
@@ -334,7 +339,7 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
         if s.reshard_after_forward:
             gather(i - 1, start)
         compute_t = start + bwd[i] * slow
-        d = ring_allgather_s(sizes[i], w, link, fixed)
+        d = ring_allgather_s(sizes[i], w, link, fixed, cluster.reduce_scatter)
         comm_free = max(comm_free, compute_t) + d
         comm_total += d
         rs_end = comm_free
