@@ -147,3 +147,15 @@ def test_calibrate_cli_bad_workers(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: --workers 1: calibrate needs at least 2 workers")
     assert "Traceback" not in proc.stderr and not (tmp_path / "c.toml").exists()
+
+
+def test_typical_is_scipys_trimmed_mean():
+    from scipy.stats import trim_mean
+
+    from ddlscope.predict.calibrate import TRIM, _typical
+
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 5, 10, 20, 23):
+        xs = rng.exponential(1.0, n).tolist()
+        assert _typical(xs) == pytest.approx(float(trim_mean(xs, TRIM)))
+    assert _typical([1.0] * 9 + [100.0]) == 1.0  # one wild repeat in ten is cut

@@ -4,8 +4,8 @@ Thesis 002 (ch. 5.1.2) took the latency and bandwidth between GPUs from NVIDIA's
 p2pBandwidthLatencyTest. Here ``workers`` local processes (gloo over loopback, each pinned to its
 own cores with ``threads`` intra-op threads) run four microbenchmarks:
 
-1. **all-reduce** of float32 tensors from 4 KiB to 64 MiB (median of ``repeats``; one repeat's
-   time is the slowest worker's) -> least-squares fit of the ring all-reduce cost (Patarasuk &
+1. **all-reduce** of float32 tensors from 4 KiB to 64 MiB (mean of ``repeats``, see below; one
+   repeat's time is the slowest worker's) -> least-squares fit of the ring all-reduce cost (Patarasuk &
    Yuan 2009; the communication term of thesis 002 eq. 5.1)
    ``t = collective_fixed_s + 2(W-1) latency_s + 2(W-1)/W x bytes / bandwidth``.
 2. **point-to-point ping-pong** between workers 0 and 1 -> ``t_oneway = latency_s + bytes /
@@ -22,8 +22,13 @@ The fit gives the latency from (2) and puts the rest of the all-reduce intercept
 ``collective_fixed_s`` (the two are not separable from all-reduce timings alone). Fits weight
 every size equally in relative terms (robust least squares on log times, :func:`fit_alpha_beta`), so
 that the small sizes that set the intercept are not drowned by the large ones, and a size disturbed
-by other load on the machine does not drag the fit. The per-size figure is the median of the
-repeats (a repeat of a collective lasts as long as its slowest worker).
+by other load on the machine does not drag the fit.
+
+Every figure is a 10 %-trimmed mean of the repeats (:data:`TRIM`; a repeat of a collective lasts as
+long as its slowest worker). Not the median: with gloo over loopback, mid-size messages (64 KiB to
+1 MiB) take one of two times, ~0.5 or ~3.5 ms for 1 MiB, in varying proportions even on an idle
+machine; a prediction sums many calls, so it needs the mean, and the median flips between the two
+modes from run to run. The trimming drops single wild repeats (a preemption).
 
 Every worker is a child process (``python -m ddlscope.predict.calibrate --rank R``) that dies with
 its parent (Linux ``PR_SET_PDEATHSIG``) and is terminated, then killed, when calibration ends,
@@ -54,12 +59,14 @@ KIB = 1024
 MIB = 1024**2
 #: 4 KiB, 16 KiB, ..., 64 MiB (log-spaced by 4x).
 DEFAULT_SIZES_BYTES = [4 * KIB * 4**k for k in range(8)]
-DEFAULT_REPEATS = 15
+DEFAULT_REPEATS = 20
 #: ``--quick``: fewer sizes and repeats (a few seconds of measuring; used by tests).
 QUICK_SIZES_BYTES = [4 * KIB, 64 * KIB, 1 * MIB, 8 * MIB]
 QUICK_REPEATS = 5
 #: all-reduce size of the overlap test (a DDP bucket is 25 MiB by default; smaller keeps it short).
 OVERLAP_BYTES = 4 * MIB
+#: fraction of repeats cut from each end before averaging
+TRIM = 0.1
 
 
 class CalibrationError(RuntimeError):
@@ -247,7 +254,7 @@ class CalibrationResult(BaseModel):
             ``intra_node`` link has the point-to-point latency and the all-reduce bandwidth
             (what eq. 5.1 needs), ``collective_fixed_s`` the rest of the all-reduce intercept.
         allreduce / p2p: the fits with their measured and fitted times per size.
-        compute_alone_s / compute_concurrent_s: median seconds of the compute kernel on one worker
+        compute_alone_s / compute_concurrent_s: mean seconds of the compute kernel on one worker
             alone / on all at once (averaged over workers); their ratio is the raw slowdown.
         overlap_*: seconds of compute alone, an ``overlap_bytes`` all-reduce alone, and both at
             once; ``comm_overlap_raw`` is the unclamped overlap fraction.
@@ -308,6 +315,14 @@ def _compute_kernel():
 COMPUTE_KERNEL = "conv2d forward, input 16x32x32x32, 32->32 channels 3x3 (0.30 GFLOP)"
 
 
+def _typical(times: Sequence[float]) -> float:
+    """The figure used for a set of repeats: their mean after cutting ``int(TRIM * n)`` from each end
+    (what ``scipy.stats.trim_mean`` computes; written out so that workers need not import scipy)."""
+    ordered = sorted(times)
+    cut = int(TRIM * len(ordered))
+    return statistics.fmean(ordered[cut:len(ordered) - cut])
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -341,8 +356,7 @@ def _measure(rank: int, workers: int, plan: dict[str, Any], say: Callable[[str],
                 times.append(_timed(fn))
             out[kind].append(times)
             label = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter"}[kind]
-            say(f"{label:>14} {_fmt_bytes(size):>9}: {statistics.median(times) * 1e3:9.3f} ms "
-                f"(worker 0, median of {repeats})")
+            say(f"{label:>14} {_fmt_bytes(size):>9}: {_typical(times) * 1e3:9.3f} ms (worker 0, mean of {repeats})")
 
     for size in sizes:  # 2. ping-pong between workers 0 and 1
         buf = torch.zeros(size // 4)
@@ -361,7 +375,7 @@ def _measure(rank: int, workers: int, plan: dict[str, Any], say: Callable[[str],
         dist.barrier()
         if rank == 0:
             out["p2p"].append(times)
-            say(f"ping-pong  {_fmt_bytes(size):>9}: {statistics.median(times) * 1e3:9.3f} ms one way (median of {repeats})")
+            say(f"ping-pong  {_fmt_bytes(size):>9}: {_typical(times) * 1e3:9.3f} ms one way (mean of {repeats})")
 
     kernel = _compute_kernel()  # 3. compute alone vs all at once
     for _ in range(warmup + 1):
@@ -376,8 +390,8 @@ def _measure(rank: int, workers: int, plan: dict[str, Any], say: Callable[[str],
         dist.barrier()
         together.append(_timed(kernel))
     out["compute_alone"], out["compute_together"] = alone, together
-    say(f"compute kernel: {statistics.median(alone) * 1e3:.2f} ms alone, {statistics.median(together) * 1e3:.2f} ms "
-        f"with {workers} workers at once (worker 0, median of {reps})")
+    say(f"compute kernel: {_typical(alone) * 1e3:.2f} ms alone, {_typical(together) * 1e3:.2f} ms "
+        f"with {workers} workers at once (worker 0, mean of {reps})")
 
     buf = torch.zeros(plan["overlap_bytes"] // 4)  # 4. overlap of an async all-reduce with compute
     for _ in range(warmup):
@@ -386,7 +400,7 @@ def _measure(rank: int, workers: int, plan: dict[str, Any], say: Callable[[str],
     for _ in range(reps):
         dist.barrier()
         comm.append(_timed(lambda: dist.all_reduce(buf)))
-    n = torch.tensor([max(1, round(statistics.median(comm) / statistics.median(together)))])
+    n = torch.tensor([max(1, round(_typical(comm) / _typical(together)))])
     dist.broadcast(n, 0)  # every worker runs the same number of kernels
     n_kernels = int(n.item())
 
@@ -408,8 +422,8 @@ def _measure(rank: int, workers: int, plan: dict[str, Any], say: Callable[[str],
         dist.barrier()
         comm2.append(_timed(lambda: dist.all_reduce(buf)))
     out["overlap"] = {"compute": comp, "comm": comm2, "both": both_t, "kernels": n_kernels}
-    say(f"overlap: compute {statistics.median(comp) * 1e3:.2f} ms, all-reduce {_fmt_bytes(plan['overlap_bytes'])} "
-        f"{statistics.median(comm2) * 1e3:.2f} ms, both {statistics.median(both_t) * 1e3:.2f} ms (worker 0)")
+    say(f"overlap: compute {_typical(comp) * 1e3:.2f} ms, all-reduce {_fmt_bytes(plan['overlap_bytes'])} "
+        f"{_typical(comm2) * 1e3:.2f} ms, both {_typical(both_t) * 1e3:.2f} ms (worker 0)")
     return out
 
 
@@ -596,6 +610,18 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / MIB:g} MiB" if n >= MIB else f"{n / KIB:g} KiB"
 
 
+#: cores busier than this (percent, just before starting) make calibrate note that others interfered
+BUSY_PERCENT = 20.0
+
+
+def _busy_percent(cores: list[int], interval_s: float = 0.5) -> float:
+    """Mean utilisation (percent) of ``cores`` over ``interval_s`` seconds (psutil)."""
+    import psutil
+
+    per_cpu = psutil.cpu_percent(interval=interval_s, percpu=True)
+    return statistics.fmean(per_cpu[c] for c in cores if c < len(per_cpu)) if per_cpu else 0.0
+
+
 def _sig(value: float, digits: int = 4) -> float:
     """``value`` rounded to ``digits`` significant digits."""
     return float(f"{value:.{digits - 1}e}") if value else 0.0
@@ -626,7 +652,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         threads: intra-op threads and cores per worker.
         sizes_bytes: message sizes (bytes; rounded up to whole float32 elements); default
             :data:`DEFAULT_SIZES_BYTES` (4 KiB..64 MiB). At least 2 distinct sizes.
-        repeats: timed repetitions per size (the median is used); ``warmup`` untimed ones first.
+        repeats: timed repetitions per size (their trimmed mean is used); ``warmup`` untimed ones first.
         timeout_s: the whole calibration, and any single collective, fails after this long.
         progress: called with one line of text per finished measurement.
         name: the cluster's name (default ``local-<W>x<threads>core``).
@@ -659,32 +685,32 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
     plan = dict(workers=workers, threads=threads, core_sets=core_sets, sizes_bytes=sizes, repeats=repeats,
                 warmup=warmup, overlap_bytes=OVERLAP_BYTES, timeout_s=timeout_s)
     say = progress or (lambda msg: None)
-    load_before = os.getloadavg()[0]
+    busy_before = _busy_percent(sum(core_sets, []))
     say(f"calibrating {workers} workers x {threads} thread(s) on cores {core_sets} (gloo over loopback)")
     started = time.monotonic()
     raw = _run_workers(plan, say)
     elapsed = time.monotonic() - started
 
     ar_slowest = [_slowest([w["allreduce"][i] for w in raw]) for i in range(len(sizes))]
-    ar_times = [statistics.median(ts) for ts in ar_slowest]
-    p2p_times = [statistics.median(ts) for ts in raw[0]["p2p"]]
+    ar_times = [_typical(ts) for ts in ar_slowest]
+    p2p_times = [_typical(ts) for ts in raw[0]["p2p"]]
     try:
         p2p = fit_p2p(sizes, p2p_times)
         allreduce = fit_allreduce(sizes, ar_times, workers, p2p.latency_s)
-        half = {kind: fit_half_ring(sizes, [statistics.median(_slowest([w[kind][i] for w in raw]))
+        half = {kind: fit_half_ring(sizes, [_typical(_slowest([w[kind][i] for w in raw]))
                                             for i in range(len(sizes))], workers, p2p.latency_s)
                 for kind in ("allgather", "reducescatter")}
     except ValueError as e:
         raise CalibrationError(f"cannot fit the measurements: {e}") from None
     allreduce.table.min_s = [min(ts) for ts in ar_slowest]
     p2p.table.min_s = [min(ts) for ts in raw[0]["p2p"]]
-    alone = statistics.fmean(statistics.median(w["compute_alone"]) for w in raw)
-    together = statistics.fmean(statistics.median(w["compute_together"]) for w in raw)
-    slowdown = statistics.fmean(statistics.median(w["compute_together"]) / statistics.median(w["compute_alone"])
+    alone = statistics.fmean(_typical(w["compute_alone"]) for w in raw)
+    together = statistics.fmean(_typical(w["compute_together"]) for w in raw)
+    slowdown = statistics.fmean(_typical(w["compute_together"]) / _typical(w["compute_alone"])
                                 for w in raw)
-    tc = statistics.median(_slowest([w["overlap"]["compute"] for w in raw]))
-    tm = statistics.median(_slowest([w["overlap"]["comm"] for w in raw]))
-    tb = statistics.median(_slowest([w["overlap"]["both"] for w in raw]))
+    tc = _typical(_slowest([w["overlap"]["compute"] for w in raw]))
+    tm = _typical(_slowest([w["overlap"]["comm"] for w in raw]))
+    tb = _typical(_slowest([w["overlap"]["both"] for w in raw]))
     overlap_raw = (tc + tm - tb) / min(tc, tm) if min(tc, tm) > 0 else 1.0
     notes = [
         "intra_node.latency_s is the ping-pong intercept (p2p_fixed_s = 0: not separable from the latency); "
@@ -694,9 +720,9 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
     if allreduce.intercept_s < 2 * (workers - 1) * p2p.latency_s:
         notes.append(f"the all-reduce intercept ({allreduce.intercept_s * 1e6:.1f} us) is below 2(W-1) x latency "
                      f"({2 * (workers - 1) * p2p.latency_s * 1e6:.1f} us): collective_fixed_s clamped to 0")
-    if load_before >= 0.5:
-        notes.append(f"the machine was busy before calibration started (1-minute load average {load_before:.2f} on "
-                     f"{len(cores)} cores): the figures include other processes' interference")
+    if busy_before >= BUSY_PERCENT:
+        notes.append(f"other processes kept the workers' cores {busy_before:.0f} % busy just before calibration "
+                     f"started: the figures include their interference")
     if slowdown < 1:
         notes.append(f"compute ran faster with all workers busy (ratio {slowdown:.3f}, noise): slowdown set to 1")
     cluster = ClusterSpec(  # 4 significant digits: far more than the measurements' precision
@@ -724,7 +750,7 @@ def header_comment(result: CalibrationResult) -> str:
     ar, p2p = result.allreduce, result.p2p
     return (f"Measured by `ddlscope calibrate --workers {result.workers} --threads {result.threads}` on {when}\n"
             f"host {result.hostname} ({result.cpu}), torch {result.torch_version}, gloo over loopback, cores {result.cores}\n"
-            f"sizes {_fmt_bytes(ar.table.sizes_bytes[0])}..{_fmt_bytes(ar.table.sizes_bytes[-1])}, median of "
+            f"sizes {_fmt_bytes(ar.table.sizes_bytes[0])}..{_fmt_bytes(ar.table.sizes_bytes[-1])}, trimmed mean of "
             f"{result.repeats}; all-reduce fit max |residual| {ar.table.max_abs_residual:.0%}, ping-pong "
             f"{p2p.table.max_abs_residual:.0%}\n"
             f"ping-pong: latency {p2p.latency_s * 1e6:.1f} us, bandwidth {p2p.bandwidth_gb_per_s:.3g} GB/s; "
@@ -739,7 +765,7 @@ def print_calibration(result: CalibrationResult) -> None:
 
     ar, p2p = result.allreduce, result.p2p
     table = Table(title=f"ddlscope calibrate: {result.workers} workers x {result.threads} thread(s), "
-                        f"median of {result.repeats}")
+                        f"trimmed mean of {result.repeats}")
     for col in ("size", "all-reduce ms", "fit ms", "residual", "one-way p2p ms", "fit ms", "residual"):
         table.add_column(col, justify="right")
     for i, size in enumerate(ar.table.sizes_bytes):

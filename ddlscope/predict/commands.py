@@ -110,7 +110,7 @@ def register(app: typer.Typer) -> None:
         threads: int = typer.Option(1, "--threads", help="cores and intra-op threads per worker"),
         out: Path = typer.Option(Path("cluster.toml"), "--out", help="cluster file to write (TOML)"),
         quick: bool = typer.Option(False, "--quick", help="4 sizes (4 KiB..8 MiB), 5 repeats: a few seconds"),
-        repeats: Optional[int] = typer.Option(None, "--repeats", help="timed repeats per size (default 15, --quick 5)"),
+        repeats: Optional[int] = typer.Option(None, "--repeats", help="timed repeats per size (default 20, --quick 5)"),
         timeout_s: float = typer.Option(300.0, "--timeout-s", help="give up (and stop every worker) after this long"),
         json_out: bool = typer.Option(False, "--json", help="print the measurements and the fit as JSON on stdout"),
     ):
