@@ -731,6 +731,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         intra_node=LinkSpec(bandwidth_gb_per_s=_sig(allreduce.bandwidth_gb_per_s), latency_s=_sig(p2p.latency_s)),
         collective_fixed_s=_sig(allreduce.collective_fixed_s), p2p_fixed_s=0.0,
         concurrent_compute_slowdown=_sig(max(1.0, slowdown)), comm_overlap=_sig(overlap_fraction(tc, tm, tb)),
+        p2p_link=LinkSpec(bandwidth_gb_per_s=_sig(p2p.bandwidth_gb_per_s), latency_s=_sig(p2p.latency_s)),
         all_gather=half["allgather"], reduce_scatter=half["reducescatter"],
     )
     import torch

@@ -106,6 +106,8 @@ class ClusterSpec(BaseModel):
         comm_overlap: fraction (0..1) of a collective's time that can overlap computation
             (1: DMA engines as on GPUs; less on CPU, where communication threads share the cores).
         peers: collaborative peers; when empty, peers are the cluster's devices.
+        p2p_link: point-to-point link between devices of a node as a ping-pong measures it
+            (pipeline transfers); when absent, ``intra_node``.
         all_gather / reduce_scatter: measured fits of these collectives (FSDP's); when absent
             they are costed as half a ring all-reduce over ``intra_node`` with ``collective_fixed_s``.
     """
@@ -123,6 +125,7 @@ class ClusterSpec(BaseModel):
     concurrent_compute_slowdown: float = Field(1.0, ge=1)
     comm_overlap: float = Field(1.0, ge=0, le=1)
     peers: list[PeerSpec] = Field(default_factory=list)
+    p2p_link: LinkSpec | None = None
     all_gather: CollectiveFit | None = None
     reduce_scatter: CollectiveFit | None = None
 

@@ -440,6 +440,14 @@ def stage_bounds(profile: WorkloadProfile, stages: int, microbatch: float) -> li
     return balanced_partition([f + b for f, b in zip(fwd, bwd)], stages)
 
 
+def boundary_link(cluster: ClusterSpec, boundary: int) -> LinkSpec:
+    """The link between pipeline stage ``boundary`` and the next (stages placed node-major): the
+    inter-node link where the boundary crosses nodes, else the point-to-point link of a node."""
+    if (boundary + 1) % cluster.devices_per_node == 0 and cluster.inter_node is not None:
+        return cluster.inter_node
+    return cluster.p2p_link or cluster.intra_node
+
+
 def predict_pipeline(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scale: float = 1.0) -> Prediction:
     """GPipe or 1F1B: the schedule simulated with per-stage micro-batch times and activation transfers.
 
@@ -461,7 +469,7 @@ def predict_pipeline(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting,
     transfer, block = [], []
     for k in range(w - 1):
         nbytes = mb * profile.layers[bounds[k + 1] - 1].output_bytes_per_sample
-        link = cluster.ring_link(w) if (k + 1) % cluster.devices_per_node == 0 else cluster.intra_node
+        link = boundary_link(cluster, k)
         wire = link.transfer_s(nbytes) - link.latency_s
         transfer.append(cluster.p2p_fixed_s + link.latency_s + wire)
         block.append(cluster.p2p_fixed_s + (1.0 - cluster.comm_overlap) * wire)
@@ -495,7 +503,7 @@ def eq_6_epoch_s(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, bou
     t_comp = t_seq * (w + m - 1) / (w * m)
     c = []
     for k in range(w - 1):
-        link = cluster.ring_link(w) if (k + 1) % cluster.devices_per_node == 0 else cluster.intra_node
+        link = boundary_link(cluster, k)
         c.append(link.transfer_s(mb * profile.layers[bounds[k + 1] - 1].output_bytes_per_sample))
     fill = sum(max(c[:i]) for i in range(1, w - 1))
     full = (m - (w - 2)) * max(c)
