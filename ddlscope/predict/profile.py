@@ -9,6 +9,7 @@ measurements rather than assumed to scale linearly.
 from __future__ import annotations
 
 import bisect
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -168,7 +169,7 @@ class WorkloadProfile(BaseModel):
 # Everything below measures; the data models above only describe. torch and the workload
 # modules are imported inside the functions, so that reading a cached profile stays cheap.
 
-STEP_REPEATS = 3
+STEP_REPEATS = 5
 """Measured training steps per batch size (after one warm-up step); their median is kept."""
 LAYER_REPEATS = 3
 """Timed runs of every layer per batch size (after one warm-up run); the minimum is kept."""
@@ -707,7 +708,8 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
     * data loading: samples/s with each number of ``loader_workers`` (:func:`_measure_data_loading`);
     * the device: float32 matmul TFLOP/s, copy bandwidth, capacity, runtime bytes, name.
 
-    ``torch.set_num_threads(threads)`` holds during the measurement and is restored afterwards.
+    ``torch.set_num_threads(threads)`` holds during the measurement, and on CPU the process is
+    pinned to its first ``threads`` cores as a worker is; both are restored afterwards.
 
     Args:
         network: a zoo network (``ddlscope.workloads.models.NETWORKS``).
@@ -746,8 +748,10 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
     sizes = profile_batch_sizes(batch_size)
     dev = torch.device("cuda:0" if device == "cuda" else "cpu")
     cache_root = Path(cache_root) if cache_root is not None else default_db_path().parent / "profiles" / "data"
-    old_threads = torch.get_num_threads()
+    old_threads, old_cores = torch.get_num_threads(), os.sched_getaffinity(0)
     torch.set_num_threads(threads)
+    if dev.type == "cpu":  # like a worker: pinned to its cores, so the scheduler cannot move it mid-measurement
+        os.sched_setaffinity(0, sorted(old_cores)[:threads])
     try:
         say("memory of a worker process and of real training steps")
         runtime_bytes, real_steps = _measure_real_memory(network, family, sizes, threads, dev)
@@ -791,6 +795,7 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
                                     memory_bytes=_memory_capacity_bytes(dev, threads), runtime_bytes=runtime_bytes)
     finally:
         torch.set_num_threads(old_threads)
+        os.sched_setaffinity(0, old_cores)
     layers = [LayerProfile(forward_s=fwd[i], backward_s=bwd[i], **info) for i, info in enumerate(fake["layers"])]
     return WorkloadProfile(
         network=network, dataset=dataset, input_shape=(spec.channels, spec.height, spec.width),

@@ -149,6 +149,7 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
     from ddlscope.workloads.datasets import DATASETS, write_synthetic
 
     root = Path(data_root or Path(db_path).parent / "suite-data")
+    profile_dir = Path(profile_dir or Path(db_path).parent / "profiles")
     for ds in grid.datasets:
         write_synthetic(ds, root, train_size=max(grid.synthetic_train_size, grid.batch_size), test_size=32, seed=0)
     cells: list[ValidationCell] = []
