@@ -627,10 +627,10 @@ def plot_error(cells: list[ValidationCell], path: Path) -> bool:
         if v > hi or v < lo:
             ax.text(x, 0.9 * (hi if v > 0 else lo), f"{v:+.0f}", ha="center", va="center", fontsize=6,
                     rotation=90, bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
-    fig.suptitle("Prediction error per cell: (predicted - measured) / measured "
+    fig.suptitle("Prediction error per cell: (predicted - measured) / measured\n"
                  f"(x: no measurement, dashed: +-{100 * TARGET_MAX_MEDIAN_ABS_ERROR:.0f} % target, "
                  f"y axis clipped at +-{ERROR_PLOT_LIMIT_PCT:.0f} %)", fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
