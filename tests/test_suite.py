@@ -101,3 +101,28 @@ def test_tiny_suite_runs_stores_failures_and_skips_finished_cells(tmp_path):
     assert "## Failed cells" in md and "gpipe-tiny_cnn-mnist-2w" in md and "does not divide" in md
     stored = json.loads((out / "suite.json").read_text())
     assert {c["strategy"] for c in stored} == {"single", "ddp", "fsdp", "gpipe", "1f1b"}
+
+
+def test_seconds_per_epoch_of_synchronous_and_collaborative_runs(tmp_path):
+    """Synchronous workers: mean over steps of the slowest worker's step. Collaborative peers step
+    on their own: the slowest peer's window over the samples all peers processed."""
+    from ddlscope.suite.runner import cell_result
+
+    def stored(store, strategy, per_worker_steps):
+        run_id = store.create_run(strategy, strategy, dict(strategy=strategy, model="resnet18", dataset="mnist",
+                                                            peers=2, batch_size=10))
+        for w, times in enumerate(per_worker_steps):
+            for i, t in enumerate(times):
+                store.add_step(run_id, w, dict(step=i, wall_time=float(i), samples=10, step_s=t, warmup=0,
+                                               optimizer_stepped=1))
+        store.finish_run(run_id, "completed")
+        return cell_result(store, dict(store.run(run_id)))
+
+    with ResultsStore(tmp_path / "r.db") as store:
+        ddp = stored(store, "ddp", [[1.0, 3.0], [2.0, 1.0]])
+        collab = stored(store, "collaborative", [[1.0, 3.0], [2.0, 1.0]])
+    assert ddp.step_s == pytest.approx((2.0 + 3.0) / 2)  # slowest worker per step
+    assert ddp.epoch_s == pytest.approx(2.5 * 60_000 / 20)
+    # peer 0 took 4 s, peer 1 3 s; in 4 s the swarm processed 40 samples: 2 s per 20-sample global batch
+    assert collab.step_s == pytest.approx(2.0)
+    assert collab.epoch_s == pytest.approx(4.0 * 60_000 / 40)

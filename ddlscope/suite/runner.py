@@ -7,7 +7,8 @@ reason and the suite goes on. Rerunning a suite skips the cells that already com
 
 Seconds per epoch (thesis 002 ch. 3.4): the mean over measured batches of the step time of the
 slowest worker, times the batches in one epoch of the *real* dataset
-(``train_size / global batch size``). Speedup = the one-device baseline's seconds per epoch /
+(``train_size / global batch size``). Collaborative peers step asynchronously, so for them it is
+the slowest peer's measured time over the samples all peers processed in it. Speedup = the one-device baseline's seconds per epoch /
 the cell's; scaling efficiency = speedup / workers.
 """
 
@@ -162,8 +163,15 @@ def cell_result(store: ResultsStore, run: dict) -> CellResult:
     by_step: dict[int, list[dict]] = {}
     for s in steps:
         by_step.setdefault(s["step"], []).append(s)
-    res.step_s = statistics.fmean(max(r["step_s"] for r in rows) for rows in by_step.values())
     global_batch = bs if strategy in PIPELINE_STRATEGIES else bs * workers
+    if strategy == "collaborative":
+        # peers step asynchronously: the swarm's measured window lasts as long as its slowest peer's
+        # (thesis 000: a collaborative run's runtime is the maximum over its peers), and in it the
+        # peers together processed all their samples
+        window_s = max(sum(s["step_s"] for s in steps if s["worker_index"] == w) for w in {s["worker_index"] for s in steps})
+        res.step_s = window_s * global_batch / sum(s["samples"] for s in steps)
+    else:  # synchronous: every step lasts as long as its slowest worker's
+        res.step_s = statistics.fmean(max(r["step_s"] for r in rows) for rows in by_step.values())
     spec = DATASETS.get(cfg["dataset"])
     if spec is not None:
         res.epoch_s = res.step_s * spec.train_size / global_batch
