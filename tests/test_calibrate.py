@@ -136,6 +136,7 @@ def test_calibrate_cli_quick_writes_a_loadable_cluster(tmp_path):
     assert spec.concurrent_compute_slowdown >= 1 and 0 <= spec.comm_overlap <= 1
     assert spec.all_gather.bandwidth_gb_per_s > 0 and spec.reduce_scatter.bandwidth_gb_per_s > 0
     assert "all-gather" in proc.stderr and "reduce-scatter" in proc.stderr
+    assert spec.fsdp_unit_fixed_s >= 0 and result["fsdp_sharded_step_s"] > result["fsdp_plain_step_s"] > 0
     assert len(result["allreduce"]["table"]["measured_s"]) == 4
     assert all(t > 0 for t in result["p2p"]["table"]["measured_s"])
     assert out.read_text().startswith("# Measured by `ddlscope calibrate --workers 2")

@@ -112,6 +112,11 @@ def test_fsdp_costs_more_communication_than_ddp_and_shards_the_optimizer():
         "all_gather": CollectiveFit(fixed_s=1e-3, bandwidth_gb_per_s=0.1),
         "reduce_scatter": CollectiveFit(fixed_s=1e-3, bandwidth_gb_per_s=0.1)})
     assert predict(prof, slow_ag, Setting("fsdp", 4, 8, epoch_samples=3200)).inputs["comm_s"] > 3 * fsdp.inputs["comm_s"]
+    # FSDP's own per-unit work (calibrated on tiny units) is paid by every unit with parameters
+    costly = predict(prof, make_cluster(bw=0.5).model_copy(update={"fsdp_unit_fixed_s": 0.005}),
+                     Setting("fsdp", 4, 8, epoch_samples=3200))
+    assert costly.breakdown_s["fsdp_overhead"] == pytest.approx(4 * 0.005)
+    assert costly.step_s == pytest.approx(fsdp.step_s + 0.02)
     free = predict(prof, make_cluster(bw=1e9, latency=0.0), Setting("fsdp", 4, 8, epoch_samples=3200))
     assert free.breakdown_s["comm_wait"] == pytest.approx(0.0, abs=1e-9)
 

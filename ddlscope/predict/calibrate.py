@@ -65,6 +65,8 @@ QUICK_SIZES_BYTES = [4 * KIB, 64 * KIB, 1 * MIB, 8 * MIB]
 QUICK_REPEATS = 5
 #: all-reduce size of the overlap test (a DDP bucket is 25 MiB by default; smaller keeps it short).
 OVERLAP_BYTES = 4 * MIB
+FSDP_UNITS, FSDP_WIDTH = 8, 32
+"""The FSDP microbenchmark: this many linear units of this width (4 KiB of parameters each)."""
 #: fraction of repeats cut from each end before averaging
 TRIM = 0.1
 
@@ -278,6 +280,8 @@ class CalibrationResult(BaseModel):
     overlap_allreduce_s: float
     overlap_both_s: float
     comm_overlap_raw: float
+    fsdp_plain_step_s: float = 0.0
+    fsdp_sharded_step_s: float = 0.0
     hostname: str
     cpu: str
     torch_version: str
@@ -424,7 +428,49 @@ def _measure(rank: int, workers: int, plan: dict[str, Any], say: Callable[[str],
     out["overlap"] = {"compute": comp, "comm": comm2, "both": both_t, "kernels": n_kernels}
     say(f"overlap: compute {_typical(comp) * 1e3:.2f} ms, all-reduce {_fmt_bytes(plan['overlap_bytes'])} "
         f"{_typical(comm2) * 1e3:.2f} ms, both {_typical(both_t) * 1e3:.2f} ms (worker 0)")
+
+    out["fsdp"] = _fsdp_steps(reps, warmup)  # 5. FSDP's own cost per unit, on units too small to compute
+    say(f"fsdp: {FSDP_UNITS} units of {FSDP_WIDTH}x{FSDP_WIDTH}: {_typical(out['fsdp']['plain']) * 1e3:.2f} ms plain, "
+        f"{_typical(out['fsdp']['sharded']) * 1e3:.2f} ms sharded per step (worker 0, mean of {reps})")
     return out
+
+
+def _fsdp_steps(reps: int, warmup: int) -> dict[str, list[float]]:
+    """Training steps of :data:`FSDP_UNITS` tiny linear layers, plain and under FSDP2 (one unit per
+    layer, as ``ddlscope.strategies.fsdp`` shards); seconds per step of each."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(FSDP_WIDTH, FSDP_WIDTH) for _ in range(FSDP_UNITS)])
+
+    def steps(model: torch.nn.Module) -> list[float]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        x = torch.randn(4, FSDP_WIDTH)
+
+        def step() -> None:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(warmup + 1):
+            step()
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            times.append(_timed(step))
+        return times
+
+    plain = steps(build())
+    sharded = build()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in sharded:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    return {"plain": plain, "sharded": steps(sharded)}
 
 
 def _worker_main(argv: list[str] | None = None) -> int:
@@ -725,6 +771,15 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
                      f"started: the figures include their interference")
     if slowdown < 1:
         notes.append(f"compute ran faster with all workers busy (ratio {slowdown:.3f}, noise): slowdown set to 1")
+    from ddlscope.predict.costs import ring_allgather_s
+
+    fsdp_plain = _typical(_slowest([w["fsdp"]["plain"] for w in raw]))
+    fsdp_sharded = _typical(_slowest([w["fsdp"]["sharded"] for w in raw]))
+    unit_bytes = 4 * (FSDP_WIDTH * FSDP_WIDTH + FSDP_WIDTH)
+    link = LinkSpec(bandwidth_gb_per_s=allreduce.bandwidth_gb_per_s, latency_s=p2p.latency_s)
+    unit_collectives_s = (2 * ring_allgather_s(unit_bytes, workers, link, 0.0, half["allgather"])
+                          + ring_allgather_s(unit_bytes, workers, link, 0.0, half["reducescatter"]))
+    fsdp_unit_fixed = max(0.0, (fsdp_sharded - fsdp_plain) / FSDP_UNITS - unit_collectives_s)
     cluster = ClusterSpec(  # 4 significant digits: far more than the measurements' precision
         name=name or f"local-{workers}x{threads}core", nodes=1, devices_per_node=workers,
         device=DeviceSpec(kind="local"),
@@ -732,7 +787,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         collective_fixed_s=_sig(allreduce.collective_fixed_s), p2p_fixed_s=0.0,
         concurrent_compute_slowdown=_sig(max(1.0, slowdown)), comm_overlap=_sig(overlap_fraction(tc, tm, tb)),
         p2p_link=LinkSpec(bandwidth_gb_per_s=_sig(p2p.bandwidth_gb_per_s), latency_s=_sig(p2p.latency_s)),
-        all_gather=half["allgather"], reduce_scatter=half["reducescatter"],
+        all_gather=half["allgather"], reduce_scatter=half["reducescatter"], fsdp_unit_fixed_s=_sig(fsdp_unit_fixed),
     )
     import torch
 
@@ -740,7 +795,8 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         cluster=cluster, workers=workers, threads=threads, cores=core_sets, repeats=repeats, allreduce=allreduce,
         p2p=p2p, compute_kernel=COMPUTE_KERNEL, compute_alone_s=alone, compute_concurrent_s=together,
         concurrent_compute_slowdown_raw=slowdown, overlap_bytes=OVERLAP_BYTES, overlap_compute_s=tc,
-        overlap_allreduce_s=tm, overlap_both_s=tb, comm_overlap_raw=overlap_raw, hostname=platform.node(),
+        overlap_allreduce_s=tm, overlap_both_s=tb, comm_overlap_raw=overlap_raw,
+        fsdp_plain_step_s=fsdp_plain, fsdp_sharded_step_s=fsdp_sharded, hostname=platform.node(),
         cpu=_cpu_name(), torch_version=torch.__version__, created_at=time.time(), elapsed_s=elapsed, notes=notes,
     )
 
@@ -782,6 +838,8 @@ def print_calibration(result: CalibrationResult) -> None:
                            f" + 2(W-1) x latency; bandwidth {ar.bandwidth_gb_per_s:.3g} GB/s"),
         *[(f"{name} fit", f"fixed {fit.fixed_s * 1e6:.1f} us + (W-1) x latency; bandwidth {fit.bandwidth_gb_per_s:.3g} GB/s")
           for name, fit in (("all-gather", c.all_gather), ("reduce-scatter", c.reduce_scatter)) if fit is not None],
+        ("fsdp", f"{FSDP_UNITS} tiny units: {result.fsdp_plain_step_s * 1e3:.2f} ms plain, {result.fsdp_sharded_step_s * 1e3:.2f} ms "
+                 f"sharded per step: fsdp_unit_fixed_s {c.fsdp_unit_fixed_s * 1e3:.2f} ms beyond the fitted collectives"),
         ("compute", f"{result.compute_alone_s * 1e3:.2f} ms alone, {result.compute_concurrent_s * 1e3:.2f} ms all at once: "
                     f"concurrent_compute_slowdown {c.concurrent_compute_slowdown:.3f} (raw {result.concurrent_compute_slowdown_raw:.3f})"),
         ("overlap", f"compute {result.overlap_compute_s * 1e3:.2f} ms, all-reduce {_fmt_bytes(result.overlap_bytes)} "

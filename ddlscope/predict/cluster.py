@@ -110,6 +110,9 @@ class ClusterSpec(BaseModel):
             (pipeline transfers); when absent, ``intra_node``.
         all_gather / reduce_scatter: measured fits of these collectives (FSDP's); when absent
             they are costed as half a ring all-reduce over ``intra_node`` with ``collective_fixed_s``.
+        fsdp_unit_fixed_s: FSDP's own cost per unit per step beyond its collectives (hooks,
+            copies into and out of the flat buffers, DTensor bookkeeping); ``calibrate`` measures
+            it on units too small to compute.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -128,6 +131,7 @@ class ClusterSpec(BaseModel):
     p2p_link: LinkSpec | None = None
     all_gather: CollectiveFit | None = None
     reduce_scatter: CollectiveFit | None = None
+    fsdp_unit_fixed_s: float = Field(0.0, ge=0)
 
     @field_validator("inter_node")
     @classmethod

@@ -305,7 +305,8 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
     (ZeRO-3, ``reshard_after_forward``) with the same one-ahead prefetch, and each unit's
     gradients are reduce-scattered after its backward. All collectives share one stream. The
     optimizer updates 1/W of the parameters. Overlapped communication costs
-    ``(1 - comm_overlap)`` of its time in compute, as for ddp.
+    ``(1 - comm_overlap)`` of its time in compute, as for ddp, and every unit costs the cluster's
+    calibrated ``fsdp_unit_fixed_s`` of FSDP's own work per step.
     """
     w = s.workers
     slow = contention(cluster, _busy_per_node(cluster, w)) * scale
@@ -348,8 +349,10 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
     exposed = max(0.0, rs_end - compute_t)
     overlapped = max(0.0, comm_total - exposed - waits)
     step = profile.step_at(s.batch_size)
+    units = sum(1 for b in sizes if b > 0)  # the strategy shards every layer that has parameters
     parts = {"compute": compute_only, "comm_wait": waits + exposed,
              "comm_interference": (1.0 - cluster.comm_overlap) * overlapped,
+             "fsdp_overhead": units * cluster.fsdp_unit_fixed_s,
              "optimizer": step.optimizer_s * slow / w}
     parts["data_load"] = _exposed_loading_s(profile, s.batch_size, s.loader_workers, sum(parts.values()))
     return _finish(s, parts, s.global_batch_size,
