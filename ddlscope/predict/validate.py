@@ -34,7 +34,9 @@ class ValidationGrid(BaseModel):
 
     Every cell trains the same global ``batch_size`` per optimizer step (see
     :mod:`ddlscope.predict.recommend`); ``workers`` devices of ``threads_per_device`` cores each
-    (default: all cores / workers), ``warmup_batches`` excluded from the timing.
+    (default: all cores / workers), ``warmup_batches`` excluded from the timing, then
+    ``measured_batches`` (collaborative peers: ``collaborative_measured_batches``, so that the
+    measurement spans several averaging rounds).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -48,6 +50,8 @@ class ValidationGrid(BaseModel):
     microbatches: int = Field(4, ge=1)
     warmup_batches: int = Field(2, ge=0)
     measured_batches: int = Field(8, ge=1)
+    collaborative_measured_batches: int = Field(
+        24, ge=1, description="collaborative cells: batches per peer, enough for several averaging rounds")
     loader_workers: int = Field(0, ge=0)
     threads_per_device: int | None = Field(None, ge=1)
     target_batch_size: int | None = Field(None, ge=1, description="collaborative; default: the global batch")
@@ -113,12 +117,13 @@ def run_config_for(grid: ValidationGrid, setting: Setting, network: str, dataset
         UserError: the run config is invalid (stored as a failed cell by :func:`run_validation`).
     """
     dp = 1 if setting.strategy in ("gpipe", "1f1b") else setting.workers
+    measured = grid.collaborative_measured_batches if setting.strategy == "collaborative" else grid.measured_batches
     values = dict(
         name=cell_key(setting, network, dataset), strategy=setting.strategy, model=network, dataset=dataset,
         data_root=str(data_root), batch_size=setting.batch_size, peers=setting.workers,
         vcpus_per_peer=grid.threads, device="cpu", loader_workers=grid.loader_workers, augment=False,
         final_eval=False, warmup_steps=grid.warmup_batches,
-        sample_budget=(grid.warmup_batches + grid.measured_batches) * setting.batch_size * dp,
+        sample_budget=(grid.warmup_batches + measured) * setting.batch_size * dp,
     )
     if setting.microbatches:
         values["distributed"] = dict(microbatches=setting.microbatches)
