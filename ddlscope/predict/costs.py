@@ -29,7 +29,6 @@ from ddlscope.errors import UserError
 from ddlscope.predict.cluster import ClusterSpec, CollectiveFit, LinkSpec
 from ddlscope.predict.profile import WorkloadProfile
 
-HIVEMIND_MIN_REFRESH_PERIOD_S = 0.5  # hivemind.optim.progress_tracker.ProgressTracker(min_refresh_period=0.5)
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES) is 1 MiB
 MODELS = ("single", "ddp", "fsdp", "gpipe", "1f1b", "collaborative")
 
@@ -77,8 +76,7 @@ class Prediction:
     """A cost model's answer for one :class:`Setting`.
 
     Attributes:
-        step_s: seconds per optimizer step (collaborative: per global epoch, the target batch and
-            the peers' overshoot).
+        step_s: seconds per optimizer step (collaborative: per global epoch of the target batch).
         epoch_s: seconds per epoch of ``setting.epoch_samples`` samples.
         breakdown_s: the step's parts (compute, data loading, exposed communication, bubble, ...);
             they add up to ``step_s``.
@@ -553,11 +551,7 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     Peers (``cluster.peers``, or the cluster's first ``workers`` devices with compute share 1)
     each train at their own speed: ``step_p = data + compute(b) * contention / share_p``. The swarm
     reaches the target batch size after ``T_acc = TBS / sum_p(b / step_p)`` seconds (DeDLOC's
-    global progress tracking, Ryabinin 2023). A global epoch holds more than the target: each peer
-    acts on the swarm's progress as fetched every ``min_refresh_period`` (0.5 s in hivemind 1.1.12's
-    ``ProgressTracker``) and only between steps, so it overshoots by about half a step plus half a
-    refresh period of samples (an estimate of that mechanism, not a fit). Each global epoch then
-    costs a round per averager:
+    global progress tracking, Ryabinin 2023). Each global epoch then costs a round per averager:
     gradients (unless ``use_local_updates``) and, every ``average_state_every`` epochs,
     parameters + optimizer state, each a :func:`butterfly_allreduce_s`. hivemind pre-schedules
     both rounds (``Optimizer._maybe_schedule_gradient_averaging`` / ``_state_averaging``): once
@@ -584,11 +578,7 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     peer_steps = [(compute + local_opt) * slow / share + profile.data_load_s(s.batch_size, s.loader_workers)
                   for share in shares]
     throughput = sum(s.batch_size / t for t in peer_steps)
-    # peers learn that the target is reached from progress fetched every min_refresh_period and act
-    # on it at the end of a step, so each overshoots by half a step plus half a refresh period
-    overshoot = sum(s.batch_size * (0.5 + HIVEMIND_MIN_REFRESH_PERIOD_S / 2 / t) for t in peer_steps) if len(peer_steps) > 1 else 0.0
-    samples_per_epoch = s.target_batch_size + overshoot
-    t_acc = samples_per_epoch / throughput
+    t_acc = s.target_batch_size / throughput
     alone = len(shares) < 2
     grads = float(profile.param_bytes)
     state = grads + float(profile.optimizer_state_bytes)
@@ -601,8 +591,8 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     else:
         parts = {"compute": t_acc, "averaging": grad_round + state_round,
                  "optimizer": step.optimizer_s * slow / min(shares)}
-    return _finish(s, parts, samples_per_epoch,
-                   inputs={"peers": len(shares), "samples_per_global_epoch": samples_per_epoch, "compute_shares": shares, "peer_step_s": peer_steps,
+    return _finish(s, parts, s.target_batch_size,
+                   inputs={"peers": len(shares), "compute_shares": shares, "peer_step_s": peer_steps,
                            "swarm_samples_per_s": throughput, "accumulate_s": t_acc, "matchmaking_wait_s": wait,
                            "grad_round_s": grad_round, "state_round_s": state_round,
                            "contention": slow / scale, "compute_scale": scale})
