@@ -31,13 +31,16 @@ def _single_reference():
 
 
 def _run_distributed(strategy: str, out: Path, attempts: int = 2) -> dict:
-    """Run tests/dist_check.py under torchrun; its whole process group is killed on a timeout.
+    """Run tests/dist_check.py under torchrun; torchrun and its workers are killed on a timeout.
 
-    A start-up that hangs (seen once in many runs: one worker stuck before its first collective)
-    is retried once; any other failure fails the test at once.
+    A run that hangs is retried once; any other failure fails the test at once. (Seen twice in
+    many runs, before dist_check.py skipped interpreter teardown: a worker deadlocked destroying
+    its gloo process group at exit.)
     """
     import os
     import signal
+
+    import psutil
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
            "--rdzv-endpoint=127.0.0.1:0", "--max-restarts=0", str(Path(__file__).parent / "dist_check.py"), strategy, str(out)]
@@ -47,8 +50,11 @@ def _run_distributed(strategy: str, out: Path, attempts: int = 2) -> dict:
         try:
             stdout, stderr = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers: nothing left behind
-            proc.communicate()
+            # torchrun starts each worker in a session of its own: kill the whole tree, then reap
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
             if attempt + 1 < attempts:
                 continue
             raise
