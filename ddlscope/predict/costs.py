@@ -187,7 +187,7 @@ def predict(profile: WorkloadProfile, cluster: ClusterSpec, setting: Setting, co
 def _finish(setting: Setting, parts: dict[str, float], samples_per_step: float, **extra) -> Prediction:
     step = sum(parts.values())
     epoch = step * setting.epoch_samples / samples_per_step
-    return Prediction(setting, step, epoch, {k: v for k, v in parts.items()}, **extra)
+    return Prediction(setting, step, epoch, dict(parts), **extra)
 
 
 # ----------------------------------------------------------------------------- single (ch. 4)

@@ -40,6 +40,7 @@ import math
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from ddlscope.errors import UserError
+from ddlscope.predict.costs import stage_bounds as balanced_stage_bounds
 from ddlscope.predict.profile import WorkloadProfile
 
 MEMORY_STRATEGIES = ("single", "ddp", "fsdp", "gpipe", "1f1b", "collaborative")
@@ -218,21 +219,12 @@ def predict_memory(profile: WorkloadProfile, strategy: str, workers: int, batch_
     return _pipeline(profile, strategy, workers, batch_size, microbatches or DEFAULT_MICROBATCHES, stage_bounds)
 
 
-def default_stage_bounds(profile: WorkloadProfile, stages: int, microbatch: float) -> list[int]:
-    """Stage boundaries ``[0, b1, ..., L]`` balanced by the profiled forward + backward seconds per
-    layer at the micro-batch size (what the pipeline strategies do with measured costs)."""
-    from ddlscope.strategies.partition import balanced_partition
-
-    fwd, bwd = profile.layer_times_s(microbatch)
-    return balanced_partition([f + b for f, b in zip(fwd, bwd)], stages)
-
-
 def _pipeline(profile: WorkloadProfile, strategy: str, stages: int, batch_size: int, microbatches: int,
               stage_bounds: list[int] | None) -> list[MemoryEstimate]:
     layers = profile.layers
     n_layers = len(layers)
     m = math.ceil(batch_size / microbatches)
-    bounds = list(stage_bounds) if stage_bounds is not None else default_stage_bounds(profile, stages, m)
+    bounds = list(stage_bounds) if stage_bounds is not None else balanced_stage_bounds(profile, stages, m)
     if (len(bounds) != stages + 1 or bounds[0] != 0 or bounds[-1] != n_layers
             or any(b1 <= b0 for b0, b1 in zip(bounds, bounds[1:]))):
         raise UserError(f"stage_bounds {bounds}: allowed: {stages + 1} strictly increasing layer indices "

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ddlscope.errors import UserError
 from ddlscope.predict.cluster import ClusterSpec
-from ddlscope.predict.costs import MODELS, Prediction, Setting, predict, stage_bounds
+from ddlscope.predict.costs import MODELS, Prediction, Setting, predict
 from ddlscope.predict.profile import WorkloadProfile
 
 
@@ -118,11 +118,8 @@ def memory_of(profile: WorkloadProfile, s: Setting) -> int:
     """Largest per-worker peak memory (bytes) of a setting, from :func:`ddlscope.predict.memory.predict_memory`."""
     from ddlscope.predict.memory import predict_memory
 
-    bounds = stage_bounds(profile, s.workers, s.batch_size / (s.microbatches or 1)) \
-        if s.strategy in ("gpipe", "1f1b") else None
     estimates = predict_memory(profile, s.strategy, s.workers, s.batch_size, microbatches=s.microbatches,
-                               stage_bounds=bounds, bucket_cap_mb=s.bucket_cap_mb,
-                               use_local_updates=s.use_local_updates)
+                               bucket_cap_mb=s.bucket_cap_mb, use_local_updates=s.use_local_updates)
     return max(e.total_bytes for e in estimates)
 
 
