@@ -121,6 +121,20 @@ def test_fsdp_costs_more_communication_than_ddp_and_shards_the_optimizer():
     assert free.breakdown_s["comm_wait"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_fsdp_on_cpu_waits_for_every_collective_and_on_gpus_prefetches():
+    prof = make_profile()
+    s = Setting("fsdp", 4, 8, epoch_samples=3200)
+    cpu = predict(prof, make_cluster(bw=0.5), s)
+    assert not cpu.inputs["prefetch"]
+    # no streams: the step is compute + every all-gather and reduce-scatter + the rest, nothing hidden
+    assert cpu.breakdown_s["comm_wait"] == pytest.approx(cpu.inputs["comm_s"])
+    assert cpu.breakdown_s["comm_interference"] == pytest.approx(0.0, abs=1e-12)
+    gpu_cluster = make_cluster(bw=0.5).model_copy(update={"device": DeviceSpec(kind="a100-40gb")})
+    gpu = predict(prof, gpu_cluster, s)
+    assert gpu.inputs["prefetch"] and gpu.inputs["comm_s"] == pytest.approx(cpu.inputs["comm_s"])
+    assert gpu.breakdown_s["comm_wait"] < cpu.breakdown_s["comm_wait"]  # prefetch hides part of it
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("stages,micro", [(2, 4), (4, 4), (4, 8), (3, 1)])
 def test_pipeline_schedules_are_complete_and_ordered(schedule, stages, micro):

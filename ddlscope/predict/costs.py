@@ -300,13 +300,19 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
 
     Forward: unit i's parameters are all-gathered (:func:`ring_allgather_s` of its full bytes,
     with the cluster's calibrated all-gather / reduce-scatter fits when it has them)
-    before its compute; FSDP prefetches one unit ahead, so the all-gather of unit i+1 is issued
-    when unit i starts computing. Backward (reverse order): the parameters are gathered again
-    (ZeRO-3, ``reshard_after_forward``) with the same one-ahead prefetch, and each unit's
-    gradients are reduce-scattered after its backward. All collectives share one stream. The
-    optimizer updates 1/W of the parameters. Overlapped communication costs
-    ``(1 - comm_overlap)`` of its time in compute, as for ddp, and every unit costs the cluster's
+    before its compute. Backward (reverse order): the parameters are gathered again (ZeRO-3,
+    ``reshard_after_forward``) and each unit's gradients are reduce-scattered after its
+    backward. The optimizer updates 1/W of the parameters, and every unit costs the cluster's
     calibrated ``fsdp_unit_fixed_s`` of FSDP's own work per step.
+
+    On GPUs FSDP2 runs its collectives on their own streams and prefetches one unit ahead: the
+    all-gather of unit i+1 is issued when unit i starts computing, reduce-scatters queue behind
+    it on one communication stream, and overlapped communication costs ``(1 - comm_overlap)`` of
+    its time in compute, as for ddp. On CPU devices (the profiled device is a CPU and the
+    cluster's kind is ``local``) there are no streams: each all-gather is waited for right before
+    its unit computes, and the reduce-scatter's copies and reduction run on the worker's own
+    cores, so every collective adds to the step (measured on this machine: the forward of an
+    FSDP step is the profiled forward plus the all-gathers).
     """
     w = s.workers
     slow = contention(cluster, _busy_per_node(cluster, w)) * scale
@@ -314,6 +320,7 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
     link, fixed = cluster.ring_link(w), cluster.collective_fixed_s
     sizes = [layer.param_bytes for layer in profile.layers]
     ag = [ring_allgather_s(b, w, link, fixed, cluster.all_gather) for b in sizes]
+    prefetch = not (cluster.device.kind == "local" and profile.device.type == "cpu")
     comm_free, compute_t, comm_total = 0.0, 0.0, 0.0
     gathered_at: dict[int, float] = {}
 
@@ -325,25 +332,27 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
         comm_total += ag[i]
         gathered_at[i] = comm_free
 
-    gather(0, 0.0)
     for i in range(len(sizes)):  # forward
+        gather(i, compute_t)
         start = max(compute_t, gathered_at[i])
-        gather(i + 1, start)
+        if prefetch:
+            gather(i + 1, start)
         compute_t = start + fwd[i] * slow
-    forward_end = compute_t
     if s.reshard_after_forward:
         gathered_at = {}
-        gather(len(sizes) - 1, forward_end)
     rs_end = 0.0
     for i in reversed(range(len(sizes))):  # backward
-        start = max(compute_t, gathered_at.get(i, 0.0))
-        if s.reshard_after_forward:
+        gather(i, compute_t)
+        start = max(compute_t, gathered_at[i])
+        if s.reshard_after_forward and prefetch:
             gather(i - 1, start)
         compute_t = start + bwd[i] * slow
         d = ring_allgather_s(sizes[i], w, link, fixed, cluster.reduce_scatter)
         comm_free = max(comm_free, compute_t) + d
         comm_total += d
         rs_end = comm_free
+        if not prefetch:  # the worker's cores reduce it before the next unit's backward
+            compute_t = comm_free
     compute_only = (sum(fwd) + sum(bwd)) * slow
     waits = compute_t - compute_only
     exposed = max(0.0, rs_end - compute_t)
@@ -356,7 +365,7 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
              "optimizer": step.optimizer_s * slow / w}
     parts["data_load"] = _exposed_loading_s(profile, s.batch_size, s.loader_workers, sum(parts.values()))
     return _finish(s, parts, s.global_batch_size,
-                   inputs={"units": len(sizes), "comm_s": comm_total, "contention": slow / scale,
+                   inputs={"units": len(sizes), "comm_s": comm_total, "contention": slow / scale, "prefetch": prefetch,
                            "compute_scale": scale, "link_gb_per_s": link.bandwidth_gb_per_s})
 
 
