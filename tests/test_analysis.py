@@ -23,7 +23,8 @@ def _write_run(store, name, strategy, workers, peers=1):
                                            backward_s=b, optimizer_s=o + a, averaging_s=a, step_s=d + f + b + o + a,
                                            loss=1.0, accuracy=0.5, warmup=int(step == 0), optimizer_stepped=1,
                                            averaging_round=int(a > 0), averaging_group_size=2 if a > 0 else None,
-                                           averaging_succeeded=1 if a > 0 else None))
+                                           averaging_succeeded=1 if a > 0 else None,
+                                           background_cpu_s=w.get("background_cpu_s")))
         for t, acc in w["evals"]:
             store.add_eval(run_id, i, 0, t, acc, 0.5, 100)
         store.add_host_sample(run_id, i, dict(wall_time=w["start"], cpu_percent=50.0, rss_bytes=100, net_sent_bytes=0,
@@ -76,6 +77,19 @@ def test_input_bound_verdict_and_time_to_accuracy_not_reached(store):
     assert s.time_to_accuracy_s(0.5) is None
 
 
+def test_background_cpu_is_averaged_and_named_in_the_verdict(store):
+    rid = _write_run(store, "collab", "collaborative", [
+        dict(start=0.0, runtime=10.0, steps=4, phases=(0.0, 0.3, 0.5, 0.0, 0.2), evals=[], background_cpu_s=0.25),
+        dict(start=0.0, runtime=10.0, steps=4, phases=(0.0, 0.3, 0.5, 0.0, 0.2), evals=[], background_cpu_s=0.35)],
+        peers=2)
+    s = summarize_run(store, rid)
+    assert [w.mean_background_cpu_s for w in s.workers] == pytest.approx([0.25, 0.35])
+    assert "300 CPU-ms per step, 30% of the step" in s.verdict.explanation
+    plain = summarize_run(store, _write_run(store, "base", "single", [
+        dict(start=0.0, runtime=10.0, steps=4, phases=(0.0, 0.3, 0.5, 0.0, 0.0), evals=[])]))
+    assert plain.workers[0].mean_background_cpu_s is None and "Background" not in plain.verdict.explanation
+
+
 def test_report_files(store, tmp_path):
     base = _write_run(store, "base", "single", [
         dict(start=0.0, runtime=10.0, steps=3, phases=(0.01, 0.3, 0.6, 0.09, 0.0), evals=[(10.0, 0.9)])])
@@ -88,3 +102,36 @@ def test_report_files(store, tmp_path):
     assert "| base |" in md and "compute-bound" in md
     data = json.loads((tmp_path / "rep" / "summary.json").read_text())
     assert data["runs"][0]["runtime_s"] == pytest.approx(10.0)
+
+
+def test_background_cpu_counts_other_threads_and_child_processes():
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from ddlscope.measure.host import background_cpu_s
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    before = background_cpu_s()
+    spin(0.2)  # the calling thread's own CPU does not count
+    assert background_cpu_s() - before < 0.1
+    t = threading.Thread(target=spin, args=(0.3,))
+    t.start()
+    t.join()
+    after_thread = background_cpu_s()
+    assert after_thread - before >= 0.25
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.3\n"
+                              "while time.process_time() < end: pass\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while background_cpu_s() - after_thread < 0.25 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert background_cpu_s() - after_thread >= 0.25  # a live child's CPU counts
+    finally:
+        child.kill()
+        child.wait()

@@ -213,10 +213,11 @@ def test_collaborative_accumulates_the_target_batch_from_the_peers_throughputs()
     rate = 8 / (step.forward_s + step.backward_s) + 8 / ((step.forward_s + step.backward_s) / 3)
     assert p.breakdown_s["compute"] == pytest.approx(256 / rate, rel=1e-6)
     assert p.epoch_s == pytest.approx(p.step_s * 3200 / 256)
-    # accumulation (0.6 s) is shorter than matchmaking: both rounds wait for most of the 2 s window
+    # accumulation (0.6 s) is shorter than matchmaking: the gradient round waits for most of the 2 s window
     wait = 2.0 - (p.inputs["accumulate_s"] - max(p.inputs["peer_step_s"]))
     assert p.inputs["matchmaking_wait_s"] == pytest.approx(wait) and wait > 0
-    assert p.breakdown_s["averaging"] >= 2 * wait
+    assert p.breakdown_s["averaging"] == pytest.approx(p.inputs["grad_round_s"] + p.inputs["state_round_s"])
+    assert p.inputs["grad_round_s"] > wait  # the wait is counted once, in the gradient round
     long = predict(prof, cl, Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=256,
                                      matchmaking_time_s=0.01))
     assert long.inputs["matchmaking_wait_s"] == 0.0  # matchmaking hidden behind a long accumulation
@@ -227,6 +228,25 @@ def test_collaborative_accumulates_the_target_batch_from_the_peers_throughputs()
                                        matchmaking_time_s=2.0))
     assert bigger.epoch_s < p.epoch_s  # fewer averaging rounds per epoch
     assert math.isfinite(bigger.step_s)
+
+
+def test_collaborative_state_round_costs_cpu_peers_in_full_and_hides_on_gpus():
+    prof = make_profile()
+    s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=256, matchmaking_time_s=0.01)
+    cpu = predict(prof, make_cluster(bw=0.05), s)
+    assert cpu.inputs["state_round_on_cores"]
+    # parameters only (no optimizer state): the same bytes as the gradient round, added in full
+    assert cpu.inputs["state_round_s"] == pytest.approx(cpu.inputs["grad_round_s"])
+    assert cpu.breakdown_s["averaging"] == pytest.approx(2 * cpu.inputs["grad_round_s"])
+    gpu = predict(prof, make_cluster(bw=0.05).model_copy(update={"device": DeviceSpec(kind="a100-40gb")}), s)
+    assert not gpu.inputs["state_round_on_cores"]
+    # on GPUs the state round overlaps the next epoch's accumulation, which is longer here
+    assert gpu.inputs["accumulate_s"] > gpu.inputs["state_round_s"]
+    assert gpu.breakdown_s["averaging"] == pytest.approx(gpu.inputs["grad_round_s"])
+    every4 = predict(prof, make_cluster(bw=0.05), Setting("collaborative", 2, 8, epoch_samples=3200,
+                                                          target_batch_size=256, matchmaking_time_s=0.01,
+                                                          average_state_every=4))
+    assert every4.inputs["state_round_s"] == pytest.approx(cpu.inputs["state_round_s"] / 4)
 
 
 def test_eq51_reference_equals_its_formula():

@@ -83,6 +83,9 @@ def test_collaborative_run_averages_with_both_peers(env_data, db_path):
         assert full_rounds, f"no averaging round gathered both peers: {rounds}"
         assert all(s["averaging_s"] > 0 for s in full_rounds)
         assert max(s["global_epoch"] or 0 for s in steps) >= 1
+        # hivemind's processes and threads do the averaging: their CPU shows in the round steps
+        assert all(s["background_cpu_s"] is not None and s["background_cpu_s"] >= 0 for s in steps), [s["background_cpu_s"] for s in steps]
+        assert max(s["background_cpu_s"] for s in full_rounds) > 0
         summary = summarize_run(store, run_id)
         assert all(w.net_sent_bytes > 0 for w in summary.workers)  # peers exchanged tensors over TCP
         _assert_no_leftovers(store, run_id)

@@ -55,6 +55,9 @@ class WorkerSummary:
     mean_comm_s: float = 0.0
     mean_comm_bytes: float = 0.0
     peak_memory_bytes: int | None = None
+    #: CPU seconds per step of the worker's background work (collaborative: hivemind's processes
+    #: and threads); None when not measured
+    mean_background_cpu_s: float | None = None
 
 
 @dataclass
@@ -126,6 +129,7 @@ def summarize_worker(index: int, status: str, start: float | None, end: float | 
         mean_comm_s=_mean([s["comm_s"] or 0.0 for s in timed]) or 0.0,
         mean_comm_bytes=_mean([s["comm_bytes"] or 0 for s in timed]) or 0.0,
         peak_memory_bytes=peak_memory_bytes,
+        mean_background_cpu_s=_mean([s["background_cpu_s"] for s in timed if s.get("background_cpu_s") is not None]),
     )
 
 
@@ -164,6 +168,11 @@ def bottleneck(workers: list[WorkerSummary]) -> Verdict | None:
     explanation = f"{label}: of a mean step of {total * 1000:.1f} ms, {parts}."
     if kind != "input" and shares["input"] >= 0.10:
         explanation += f" The data pipeline still stalls training {shares['input']:.0%} of the time."
+    background = [w.mean_background_cpu_s for w in measured if w.mean_background_cpu_s is not None]
+    if background and statistics.fmean(background) >= 0.10 * total:
+        explanation += (f" Background work (hivemind's DHT, p2pd and averagers) used {statistics.fmean(background) * 1000:.0f} "
+                        f"CPU-ms per step, {statistics.fmean(background) / total:.0%} of the step: on busy cores it "
+                        f"slows forward and backward by about as much.")
     runtimes = [w.runtime_s for w in workers if w.runtime_s]
     if len(runtimes) > 1 and max(runtimes) > 1.2 * min(runtimes):
         explanation += f" Peers differ: runtime {min(runtimes):.1f}-{max(runtimes):.1f} s (stragglers)."

@@ -145,14 +145,15 @@ def _markdown(comparisons: list[Comparison], threshold: float | None, plots: lis
             lines.append(f"  - reason: {r.reason}")
     lines += ["", "## Per-worker step-time breakdown (mean ms per step, warm-up excluded)", "",
               "| run | worker | status | steps | " + " | ".join(PHASE_LABELS.values()) +
-              " | samples/s | CPU % | peak RSS MB | sent MB | recv MB | rounds (failed) | mean group |",
-              "|" + "---|" * (13 + len(PHASES) - 5)]
+              " | samples/s | CPU % | background CPU ms | peak RSS MB | sent MB | recv MB | rounds (failed) | mean group |",
+              "|" + "---|" * (14 + len(PHASES) - 5)]
     for c in comparisons:
         for w in c.run.workers:
             phases = " | ".join(f"{w.mean_phase_s[p] * 1000:.1f}" for p in PHASES)
             lines.append(
                 f"| {c.run.name} | {w.worker_index} | {w.status} | {w.steps} | {phases} | "
                 f"{_fmt(w.throughput_samples_per_s, '.1f')} | {_fmt(w.mean_cpu_percent, '.0f')} | "
+                f"{_fmt(w.mean_background_cpu_s * 1000 if w.mean_background_cpu_s is not None else None, '.0f')} | "
                 f"{_fmt(w.peak_rss_bytes / 1e6 if w.peak_rss_bytes else None, '.0f')} | {w.net_sent_bytes / 1e6:.1f} | "
                 f"{w.net_recv_bytes / 1e6:.1f} | {w.averaging_rounds} ({w.averaging_rounds_failed}) | "
                 f"{_fmt(w.mean_group_size, '.1f')} |")

@@ -30,6 +30,28 @@ _SS_PID = re.compile(r"pid=(\d+)")
 _SS_BYTES = re.compile(r"\bbytes_(sent|received):(\d+)")
 
 
+def background_cpu_s() -> float:
+    """CPU seconds (user + system) used so far by this process's work other than the calling
+    thread: its other threads and all of its descendant processes (for a collaborative peer:
+    hivemind's progress tracker and RPC threads, its DHT process, ``p2pd`` and averagers; also
+    DataLoader workers and this module's sampler). Differences between two calls give the
+    background CPU of an interval; on a peer whose cores the training thread keeps busy, that
+    CPU time is taken from training. Descendants that exited between the calls are not counted.
+    The kernel accounts a process's CPU time in clock ticks (usually 10 ms): that is this figure's
+    resolution, and a difference over a short interval may come out a tick below zero.
+    """
+    me = psutil.Process()
+    own = me.cpu_times()
+    total = own.user + own.system - time.thread_time()
+    for child in me.children(recursive=True):
+        try:
+            t = child.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
 class TcpByteCounter:
     """Cumulative TCP bytes sent/received by a set of processes, from ``ss -tinpH``."""
 

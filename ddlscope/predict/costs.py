@@ -560,16 +560,21 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     Peers (``cluster.peers``, or the cluster's first ``workers`` devices with compute share 1)
     each train at their own speed: ``step_p = data + compute(b) * contention / share_p``. The swarm
     reaches the target batch size after ``T_acc = TBS / sum_p(b / step_p)`` seconds (DeDLOC's
-    global progress tracking, Ryabinin 2023). Each global epoch then costs a round per averager:
-    gradients (unless ``use_local_updates``) and, every ``average_state_every`` epochs,
-    parameters + optimizer state, each a :func:`butterfly_allreduce_s`. hivemind pre-schedules
-    both rounds (``Optimizer._maybe_schedule_gradient_averaging`` / ``_state_averaging``): once
-    the epoch's end is less than ``matchmaking_time_s`` away, matchmaking starts and the group
-    is ready at ``max(estimated end, now + matchmaking_time_s)``. So a round waits
-    ``max(0, matchmaking_time_s - (T_acc - slowest peer step))``: all of it when peers reach the
-    target batch faster than they can match, none when accumulation is long. With
-    ``use_local_updates`` peers step locally every batch and the state averaging runs in the
-    background, so only what exceeds the accumulation time is exposed.
+    global progress tracking, Ryabinin 2023). The step that ends a global epoch then waits for
+    the gradient round (unless ``use_local_updates``), a :func:`butterfly_allreduce_s` of the
+    gradients over the peers' links. hivemind pre-schedules it
+    (``Optimizer._maybe_schedule_gradient_averaging``): once the epoch's end is less than
+    ``matchmaking_time_s`` away, matchmaking starts and the group is ready at ``max(estimated
+    end, now + matchmaking_time_s)``, so the round also waits ``max(0, matchmaking_time_s - (T_acc
+    - slowest peer step))``, once per epoch.
+
+    Every ``average_state_every`` epochs the parameters (only: hivemind's default
+    ``average_opt_statistics=()``) are averaged too. hivemind runs that round in the background
+    after the epoch's transition (its log reports it during the next steps). On GPUs it overlaps
+    the next steps' compute; only what exceeds ``T_acc`` is exposed. On CPU devices (the profiled
+    device is a CPU and the cluster's kind is ``local``) its work runs on the cores that train,
+    so it adds to the epoch in full. With ``use_local_updates`` peers step locally every batch and
+    only the state round remains.
     """
     peers = cluster.peers[: s.workers] if cluster.peers else []
     busy = s.workers if not cluster.peers else 1
@@ -589,21 +594,19 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     throughput = sum(s.batch_size / t for t in peer_steps)
     t_acc = s.target_batch_size / throughput
     alone = len(shares) < 2
-    grads = float(profile.param_bytes)
-    state = grads + float(profile.optimizer_state_bytes)
+    on_cpu = cluster.device.kind == "local" and profile.device.type == "cpu"
     fixed = cluster.collective_fixed_s
+    one_round = 0.0 if alone else butterfly_allreduce_s(float(profile.param_bytes), bws, lats, fixed)
     wait = 0.0 if alone else max(0.0, s.matchmaking_time_s - max(0.0, t_acc - max(peer_steps)))
-    grad_round = 0.0 if s.use_local_updates or alone else wait + butterfly_allreduce_s(grads, bws, lats, fixed)
-    state_round = 0.0 if alone else (wait + butterfly_allreduce_s(state, bws, lats, fixed)) / s.average_state_every
-    if s.use_local_updates:  # averaging runs in the background while peers keep computing
-        parts = {"compute": t_acc, "averaging": max(0.0, state_round - t_acc), "optimizer": 0.0}
-    else:
-        parts = {"compute": t_acc, "averaging": grad_round + state_round,
-                 "optimizer": step.optimizer_s * slow / min(shares)}
+    grad_round = 0.0 if s.use_local_updates or alone else wait + one_round
+    state_round = one_round / s.average_state_every
+    state_exposed = state_round if on_cpu else max(0.0, state_round - t_acc)
+    parts = {"compute": t_acc, "averaging": grad_round + state_exposed,
+             "optimizer": 0.0 if s.use_local_updates else step.optimizer_s * slow / min(shares)}
     return _finish(s, parts, s.target_batch_size,
                    inputs={"peers": len(shares), "compute_shares": shares, "peer_step_s": peer_steps,
                            "swarm_samples_per_s": throughput, "accumulate_s": t_acc, "matchmaking_wait_s": wait,
-                           "grad_round_s": grad_round, "state_round_s": state_round,
+                           "grad_round_s": grad_round, "state_round_s": state_round, "state_round_on_cores": on_cpu,
                            "contention": slow / scale, "compute_scale": scale})
 
 

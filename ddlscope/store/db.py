@@ -40,7 +40,7 @@ CREATE TABLE IF NOT EXISTS steps (
     averaging_s REAL, step_s REAL, loss REAL, accuracy REAL, samples_per_s REAL, warmup INTEGER NOT NULL,
     optimizer_stepped INTEGER NOT NULL, global_epoch INTEGER, averaging_round INTEGER NOT NULL DEFAULT 0,
     averaging_group_size INTEGER, averaging_succeeded INTEGER, comm_s REAL, comm_wait_s REAL, bubble_s REAL,
-    comm_bytes INTEGER,
+    comm_bytes INTEGER, background_cpu_s REAL,
     PRIMARY KEY (run_id, worker_index, step)
 );
 CREATE TABLE IF NOT EXISTS evals (
@@ -70,13 +70,13 @@ STEP_COLUMNS = (
     "step", "wall_time", "samples", "data_load_s", "forward_s", "backward_s", "optimizer_s", "averaging_s",
     "step_s", "loss", "accuracy", "samples_per_s", "warmup", "optimizer_stepped", "global_epoch",
     "averaging_round", "averaging_group_size", "averaging_succeeded", "comm_s", "comm_wait_s", "bubble_s",
-    "comm_bytes",
+    "comm_bytes", "background_cpu_s",
 )
 # columns added after the first release: (table, column, type); older databases get them on open
 ADDED_COLUMNS = (
     ("workers", "peak_memory_bytes", "INTEGER"), ("steps", "comm_s", "REAL"), ("steps", "comm_wait_s", "REAL"),
     ("steps", "bubble_s", "REAL"), ("steps", "comm_bytes", "INTEGER"), ("runs", "cell_key", "TEXT"),
-    ("workers", "failed_at", "REAL"),
+    ("workers", "failed_at", "REAL"), ("steps", "background_cpu_s", "REAL"),
 )
 HOST_COLUMNS = (
     "wall_time", "cpu_percent", "rss_bytes", "net_sent_bytes", "net_recv_bytes", "disk_read_bytes",

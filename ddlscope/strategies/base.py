@@ -96,6 +96,8 @@ class StepOutcome:
         group_size: workers that the round gathered (1 = averaged alone), None if no round.
         succeeded: whether the round succeeded, None if no round.
         global_epoch: the swarm's epoch after the step (collaborative), else None.
+        background_cpu_s: CPU seconds of the worker's background work (other threads, child
+            processes: hivemind's) since the previous step's end, None if not measured.
     """
 
     averaging_s: float = 0.0
@@ -103,6 +105,7 @@ class StepOutcome:
     group_size: int | None = None
     succeeded: bool | None = None
     global_epoch: int | None = None
+    background_cpu_s: float | None = None
 
 
 class Strategy:

@@ -12,7 +12,11 @@ What is measured per step, beyond the loop's timings:
 - ``averaging_s``: time inside hivemind's global-epoch update (matchmaking + all-reduce + state
   averaging) minus the local optimizer's own step time;
 - whether a round happened, how many peers it gathered and whether it succeeded. hivemind
-  reports those only in its status log, so a log handler reads them while the step runs.
+  reports those only in its status log, so a log handler reads them while the step runs;
+- ``background_cpu_s``: CPU seconds that hivemind's processes and threads (DHT, ``p2pd``,
+  averagers, progress tracker) used since the previous step ended
+  (:func:`ddlscope.measure.host.background_cpu_s`). On a peer whose cores training keeps busy
+  this is time taken from training: the step's compute runs slower by about as much.
 
 Before training, every peer announces itself in the DHT and waits until all ``num_workers`` peers
 are there (or fails after ``join_timeout_s``), so that no peer trains alone by accident.
@@ -31,6 +35,7 @@ import time
 
 import torch
 
+from ddlscope.measure.host import background_cpu_s
 from ddlscope.strategies.base import StepOutcome, Strategy, WorkerContext
 
 _GRAD_OK = re.compile(r"Averaged gradients with (\d+) peers")
@@ -108,6 +113,7 @@ class CollaborativeStrategy(Strategy):
         self._local_step_s = 0.0
         self._stop_watch = threading.Event()
         self.others_done = threading.Event()
+        self._background_cpu_s: float | None = None
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         import hivemind
@@ -140,6 +146,7 @@ class CollaborativeStrategy(Strategy):
         self._time_global_update()
         self.optimizer = self.hm_opt
         self._wait_for_swarm()
+        self._background_cpu_s = background_cpu_s()
         threading.Thread(target=self._watch_swarm, name="ddlscope-swarm-watch", daemon=True).start()
         return model
 
@@ -214,8 +221,11 @@ class CollaborativeStrategy(Strategy):
         self.hm_opt.step(batch_size=samples)
         happened, group, ok, epoch = parse_round(self._log.take())
         averaging_s = max(0.0, self._update_s - self._local_step_s) if happened else 0.0
+        before, self._background_cpu_s = self._background_cpu_s, background_cpu_s()
         return StepOutcome(averaging_s=averaging_s, averaging_round=happened, group_size=group, succeeded=ok,
-                           global_epoch=self.hm_opt.local_epoch)
+                           global_epoch=self.hm_opt.local_epoch,
+                           # the kernel counts CPU in ticks: a short interval can read a tick below zero
+                           background_cpu_s=None if before is None else max(0.0, self._background_cpu_s - before))
 
     def zero_grad(self) -> None:
         self.hm_opt.zero_grad()

@@ -203,6 +203,7 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy) -> str:
             averaging_round=int(outcome.averaging_round) if outcome else 0,
             averaging_group_size=outcome.group_size if outcome else None,
             averaging_succeeded=None if outcome is None or outcome.succeeded is None else int(outcome.succeeded),
+            background_cpu_s=outcome.background_cpu_s if outcome else None,
         ))
         if outcome is not None and outcome.averaging_round:
             store.add_event(run_id, wi, "averaging_round", step=step, group_size=outcome.group_size,
