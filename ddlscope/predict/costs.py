@@ -575,6 +575,12 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     device is a CPU and the cluster's kind is ``local``) its work runs on the cores that train,
     so it adds to the epoch in full. With ``use_local_updates`` peers step locally every batch and
     only the state round remains.
+
+    Not modelled: hivemind's own processes and threads (DHT, ``p2pd``, averagers, progress
+    tracker) also run on the peers' cores, 1.0-1.6 CPU-seconds per global epoch on one-core
+    CPU peers whatever the model (the steps' ``background_cpu_s``); and peers overshoot the
+    target batch by about half a step or more. On such peers this model predicts too fast (see
+    the README's validation figures).
     """
     peers = cluster.peers[: s.workers] if cluster.peers else []
     busy = s.workers if not cluster.peers else 1
