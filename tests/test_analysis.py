@@ -100,6 +100,10 @@ def test_report_files(store, tmp_path):
         assert (tmp_path / "rep" / png).stat().st_size > 1000
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "| base |" in md and "compute-bound" in md
+    lines = md.splitlines()
+    at = lines.index(next(line for line in lines if line.startswith("| run | worker |")))
+    header, rule, row = lines[at], lines[at + 1], lines[at + 2]
+    assert header.count("|") == rule.count("|") == row.count("|")  # every column has its separator
     data = json.loads((tmp_path / "rep" / "summary.json").read_text())
     assert data["runs"][0]["runtime_s"] == pytest.approx(10.0)
 

@@ -143,10 +143,10 @@ def _markdown(comparisons: list[Comparison], threshold: float | None, plots: lis
         lines.append(f"- **{r.name}** ({r.status}): {r.verdict.explanation if r.verdict else 'no steps measured'}")
         if r.reason:
             lines.append(f"  - reason: {r.reason}")
+    head = ["run", "worker", "status", "steps", *PHASE_LABELS.values(), "samples/s", "CPU %", "background CPU ms",
+            "peak RSS MB", "sent MB", "recv MB", "rounds (failed)", "mean group"]
     lines += ["", "## Per-worker step-time breakdown (mean ms per step, warm-up excluded)", "",
-              "| run | worker | status | steps | " + " | ".join(PHASE_LABELS.values()) +
-              " | samples/s | CPU % | background CPU ms | peak RSS MB | sent MB | recv MB | rounds (failed) | mean group |",
-              "|" + "---|" * (14 + len(PHASES) - 5)]
+              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in comparisons:
         for w in c.run.workers:
             phases = " | ".join(f"{w.mean_phase_s[p] * 1000:.1f}" for p in PHASES)
