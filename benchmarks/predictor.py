@@ -75,7 +75,7 @@ def main() -> None:
     else:
         from ddlscope.predict.calibrate import calibrate
 
-        cluster = calibrate(workers=grid.workers, threads=grid.threads).cluster
+        cluster = calibrate(workers=grid.workers, threads=grid.threads, hivemind="collaborative" in grid.strategies).cluster
     data_root = db.parent / "suite-data"
     fast = speed(grid, cluster, load_cluster(args.other_cluster), tmp / "fresh-profiles", data_root)
     t0 = time.perf_counter()

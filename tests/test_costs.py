@@ -7,7 +7,7 @@ import math
 import pytest
 
 from ddlscope.errors import UserError
-from ddlscope.predict.cluster import ClusterSpec, CollectiveFit, DeviceSpec, LinkSpec, PeerSpec
+from ddlscope.predict.cluster import ClusterSpec, CollectiveFit, DeviceSpec, HivemindFit, LinkSpec, PeerSpec
 from ddlscope.predict.costs import (
     Setting, butterfly_allreduce_s, ddp_buckets, eq_5_1_epoch_s, pipeline_ops, predict, ring_allreduce_s,
     simulate_pipeline,
@@ -247,6 +247,30 @@ def test_collaborative_state_round_costs_cpu_peers_in_full_and_hides_on_gpus():
                                                           target_batch_size=256, matchmaking_time_s=0.01,
                                                           average_state_every=4))
     assert every4.inputs["state_round_s"] == pytest.approx(cpu.inputs["state_round_s"] / 4)
+
+
+def test_collaborative_with_a_hivemind_fit_adds_overshoot_and_the_measured_epoch_overhead():
+    prof = make_profile()
+    s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=0.01)
+    fit = HivemindFit(epoch_overhead_s=1.5, overshoot_steps=1.0, reference_param_bytes=prof.param_bytes)
+    plain = predict(prof, make_cluster(bw=1e3), s)
+    hm = predict(prof, make_cluster(bw=1e3).model_copy(update={"hivemind": fit}), s)
+    step = hm.inputs["peer_step_s"][0]
+    # 64 samples = 4 steps per peer, plus one of overshoot: the epoch holds 2 x 5 x 8 samples
+    assert hm.inputs["accumulate_s"] == pytest.approx(5 * step)
+    assert hm.inputs["samples_per_global_epoch"] == pytest.approx(80)
+    assert hm.breakdown_s["averaging"] == pytest.approx(1.5)  # replaces the two rounds (same bytes as the reference)
+    assert hm.epoch_s == pytest.approx(hm.step_s * 3200 / 80)
+    assert hm.step_s > plain.step_s
+    # a matchmaking wait leaves the cores to hivemind's work: the two overlap
+    long_mm = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=10.0)
+    waited = predict(prof, make_cluster(bw=1e3).model_copy(update={"hivemind": fit}), long_mm)
+    assert waited.inputs["matchmaking_wait_s"] > 1.5
+    assert waited.breakdown_s["averaging"] == pytest.approx(waited.inputs["matchmaking_wait_s"])
+    # twice the reference's bytes over a slow link: the extra bytes' two rounds come on top
+    big = fit.model_copy(update={"reference_param_bytes": prof.param_bytes // 2})
+    slow = predict(prof, make_cluster(bw=0.01).model_copy(update={"hivemind": big}), s)
+    assert slow.breakdown_s["averaging"] > 1.5 + 2 * (prof.param_bytes / 2) / 0.01e9 * 0.99
 
 
 def test_eq51_reference_equals_its_formula():

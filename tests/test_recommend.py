@@ -138,3 +138,21 @@ def test_validate_tiny_stores_predictions_next_to_real_runs(tmp_path):
     again = _cli("validate", "tiny", "--cluster", str(LOCAL), "--db", str(db), "--no-progress")
     assert again.returncode == 0
     assert conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 3
+    # --rerun measures every cell again
+    rerun = _cli("validate", "tiny", "--cluster", str(LOCAL), "--db", str(db), "--no-progress", "--rerun")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert conn.execute("SELECT COUNT(*) FROM runs WHERE status = 'completed'").fetchone()[0] == 6
+
+
+def test_collaborative_validation_runs_exclude_the_first_global_epoch(tmp_path):
+    from ddlscope.predict.costs import Setting
+    from ddlscope.predict.validate import load_grid, run_config_for
+
+    grid = load_grid("local")
+    collab = Setting("collaborative", 2, 32, epoch_samples=60000, target_batch_size=128)
+    cfg = run_config_for(grid, collab, "resnet18", "mnist", tmp_path)
+    # 2 warm-up batches, then 128 / (2 x 32) = 2 steps of the first global epoch, plus its overshoot step
+    assert cfg.warmup_steps == grid.warmup_batches + 3
+    assert cfg.sample_budget == (grid.warmup_batches + 3 + grid.collaborative_measured_batches) * 32 * 2
+    ddp = run_config_for(grid, Setting("ddp", 2, 32, epoch_samples=60000), "resnet18", "mnist", tmp_path)
+    assert ddp.warmup_steps == grid.warmup_batches

@@ -512,6 +512,10 @@ def _worker_main(argv: list[str] | None = None) -> int:
                     log.write(msg + "\n")
 
         out = _measure(rank, workers, plan, say)
+        if plan.get("hivemind"):  # 6. hivemind's own per-epoch cost and overshoot, on a reference network
+            from ddlscope.predict.swarm import EPOCHS, measure_swarm
+
+            out["swarm"] = measure_swarm(rank, workers, EPOCHS, plan["timeout_s"] / 3, say)
         dist.barrier()
         tmp = os.path.join(workdir, f".result-{rank}.json")
         with open(tmp, "w") as f:
@@ -690,7 +694,8 @@ def _cpu_name() -> str:
 
 def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None = None,
               repeats: int = DEFAULT_REPEATS, warmup: int = 2, timeout_s: float = 300.0,
-              progress: Callable[[str], None] | None = None, name: str | None = None) -> CalibrationResult:
+              progress: Callable[[str], None] | None = None, name: str | None = None,
+              hivemind: bool = False) -> CalibrationResult:
     """Measure this machine's workers and fit a :class:`ClusterSpec` (see the module docstring).
 
     Args:
@@ -702,6 +707,9 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         timeout_s: the whole calibration, and any single collective, fails after this long.
         progress: called with one line of text per finished measurement.
         name: the cluster's name (default ``local-<W>x<threads>core``).
+        hivemind: also train a reference network in a short hivemind swarm (about 40 s) and fit
+            what hivemind adds per global epoch (:mod:`ddlscope.predict.swarm`); a swarm that
+            cannot be fitted leaves ``hivemind`` unset, with a note.
 
     Returns:
         The fitted description and the raw measurements.
@@ -729,7 +737,8 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         raise UserError(f"sizes_bytes = {sizes_bytes}; allowed: at least 2 distinct sizes, each >= 1 byte")
     core_sets = [cores[i * threads:(i + 1) * threads] for i in range(workers)]
     plan = dict(workers=workers, threads=threads, core_sets=core_sets, sizes_bytes=sizes, repeats=repeats,
-                warmup=warmup, overlap_bytes=OVERLAP_BYTES, timeout_s=timeout_s)
+                warmup=warmup, overlap_bytes=OVERLAP_BYTES, timeout_s=timeout_s,
+                hivemind=hivemind)
     say = progress or (lambda msg: None)
     busy_before = _busy_percent(sum(core_sets, []))
     say(f"calibrating {workers} workers x {threads} thread(s) on cores {core_sets} (gloo over loopback)")
@@ -780,6 +789,17 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
     unit_collectives_s = (2 * ring_allgather_s(unit_bytes, workers, link, 0.0, half["allgather"])
                           + ring_allgather_s(unit_bytes, workers, link, 0.0, half["reducescatter"]))
     fsdp_unit_fixed = max(0.0, (fsdp_sharded - fsdp_plain) / FSDP_UNITS - unit_collectives_s)
+    swarm = None
+    if hivemind:
+        from ddlscope.predict.swarm import fit_swarm
+
+        try:
+            swarm = fit_swarm([w["swarm"] for w in raw])
+        except ValueError as e:
+            notes.append(f"hivemind swarm not fitted ({e}): collaborative predictions leave hivemind's own work out")
+        else:
+            swarm = swarm.model_copy(update={k: _sig(getattr(swarm, k))
+                                             for k in ("epoch_overhead_s", "overshoot_steps", "epoch_cpu_s")})
     cluster = ClusterSpec(  # 4 significant digits: far more than the measurements' precision
         name=name or f"local-{workers}x{threads}core", nodes=1, devices_per_node=workers,
         device=DeviceSpec(kind="local"),
@@ -788,6 +808,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         concurrent_compute_slowdown=_sig(max(1.0, slowdown)), comm_overlap=_sig(overlap_fraction(tc, tm, tb)),
         p2p_link=LinkSpec(bandwidth_gb_per_s=_sig(p2p.bandwidth_gb_per_s), latency_s=_sig(p2p.latency_s)),
         all_gather=half["allgather"], reduce_scatter=half["reducescatter"], fsdp_unit_fixed_s=_sig(fsdp_unit_fixed),
+        hivemind=swarm,
     )
     import torch
 
@@ -846,6 +867,11 @@ def print_calibration(result: CalibrationResult) -> None:
                     f"{result.overlap_allreduce_s * 1e3:.2f} ms, both {result.overlap_both_s * 1e3:.2f} ms: comm_overlap "
                     f"{c.comm_overlap:.2f} (raw {result.comm_overlap_raw:.2f})"),
     ]
+    if c.hivemind is not None:
+        hm = c.hivemind
+        rows.append(("hivemind", f"{hm.reference}: {hm.epoch_overhead_s:.2f} s per global epoch beyond compute "
+                                 f"({hm.epoch_cpu_s:.2f} CPU-s of hivemind's processes), overshoot "
+                                 f"{hm.overshoot_steps:.2f} steps per peer"))
     for label, text in rows:
         console.print(f"[bold]{label}[/bold]: {text}")
     for note in result.notes:
@@ -854,4 +880,6 @@ def print_calibration(result: CalibrationResult) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(_worker_main())
+    code = _worker_main()
+    # no interpreter teardown: hivemind's and gloo's background threads can hang it; the result is written
+    os._exit(code)

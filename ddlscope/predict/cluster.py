@@ -91,6 +91,27 @@ class CollectiveFit(BaseModel):
     bandwidth_gb_per_s: float = Field(gt=0)
 
 
+class HivemindFit(BaseModel):
+    """What hivemind's own machinery adds on these peers, measured by training a reference network
+    in a short local swarm (``ddlscope calibrate --hivemind``, :mod:`ddlscope.predict.swarm`).
+
+    Attributes:
+        epoch_overhead_s: seconds a peer's global epoch lasts beyond its steps' compute (hivemind's
+            DHT, ``p2pd``, averagers and progress tracker on the peer's cores, and the rounds).
+        overshoot_steps: extra steps per peer per global epoch beyond the target batch.
+        epoch_cpu_s: CPU seconds hivemind's processes and threads used per epoch (for the record).
+        reference: what was trained; reference_param_bytes: its parameter bytes.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    epoch_overhead_s: float = Field(ge=0)
+    overshoot_steps: float = Field(0.0, ge=0)
+    epoch_cpu_s: float = Field(0.0, ge=0)
+    reference: str = ""
+    reference_param_bytes: int = Field(0, ge=0)
+
+
 class ClusterSpec(BaseModel):
     """A cluster: ``nodes`` x ``devices_per_node`` identical devices, or a list of collaborative peers.
 
@@ -113,6 +134,8 @@ class ClusterSpec(BaseModel):
         fsdp_unit_fixed_s: FSDP's own cost per unit per step beyond its collectives (hooks,
             copies into and out of the flat buffers, DTensor bookkeeping); ``calibrate`` measures
             it on units too small to compute.
+        hivemind: what hivemind's own machinery adds per global epoch on these peers, and their
+            overshoot of the target batch (collaborative; measured by ``calibrate --hivemind``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -132,6 +155,7 @@ class ClusterSpec(BaseModel):
     all_gather: CollectiveFit | None = None
     reduce_scatter: CollectiveFit | None = None
     fsdp_unit_fixed_s: float = Field(0.0, ge=0)
+    hivemind: HivemindFit | None = None
 
     @field_validator("inter_node")
     @classmethod

@@ -113,6 +113,8 @@ def register(app: typer.Typer) -> None:
         repeats: Optional[int] = typer.Option(None, "--repeats", help="timed repeats per size (default 20, --quick 5)"),
         timeout_s: float = typer.Option(300.0, "--timeout-s", help="give up (and stop every worker) after this long"),
         json_out: bool = typer.Option(False, "--json", help="print the measurements and the fit as JSON on stdout"),
+        hivemind: bool = typer.Option(False, "--hivemind", help="also train ResNet-18 in a short local hivemind swarm "
+                                      "(about 40 s) to measure what hivemind adds per global epoch (collaborative)"),
     ):
         """Measure all-reduce and point-to-point among local workers; fit latency, bandwidth, fixed costs.
 
@@ -130,7 +132,8 @@ def register(app: typer.Typer) -> None:
         reps = repeats if repeats is not None else (cal.QUICK_REPEATS if quick else cal.DEFAULT_REPEATS)
         try:
             result = cal.calibrate(workers=workers, threads=threads, sizes_bytes=sizes, repeats=reps,
-                                   timeout_s=timeout_s, progress=lambda msg: typer.echo(msg, err=True))
+                                   timeout_s=timeout_s, progress=lambda msg: typer.echo(msg, err=True),
+                                   hivemind=hivemind)
         except cal.CalibrationError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from None
@@ -211,7 +214,7 @@ def register(app: typer.Typer) -> None:
         db_path = Path(db) if db else default_db_path()
         cl = _local_cluster(cluster, db_path, spec.workers, spec.threads)
         try:
-            cells = run_validation(spec, cl, db_path, progress=progress, run_real=not predict_only)
+            cells = run_validation(spec, cl, db_path, progress=progress, rerun=rerun, run_real=not predict_only)
         except KeyboardInterrupt:
             typer.echo("interrupted: finished cells are stored; run the same command again to resume", err=True)
             raise typer.Exit(130)
@@ -234,7 +237,7 @@ def _local_cluster(path: Path | None, db_path: Path, workers: int, threads: int)
     from ddlscope.predict.calibrate import calibrate
 
     typer.echo(f"calibrating this machine ({workers} workers x {threads} threads) ...", err=True)
-    spec = calibrate(workers=workers, threads=threads).cluster
+    spec = calibrate(workers=workers, threads=threads, hivemind=True).cluster
     write_cluster(spec, kept)
     return spec
 

@@ -576,11 +576,16 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     so it adds to the epoch in full. With ``use_local_updates`` peers step locally every batch and
     only the state round remains.
 
-    Not modelled: hivemind's own processes and threads (DHT, ``p2pd``, averagers, progress
-    tracker) also run on the peers' cores, 1.0-1.6 CPU-seconds per global epoch on one-core
-    CPU peers whatever the model (the steps' ``background_cpu_s``); and peers overshoot the
-    target batch by about half a step or more. On such peers this model predicts too fast (see
-    the README's validation figures).
+    hivemind's own processes and threads (DHT, ``p2pd``, averagers, progress tracker) also run
+    on the peers' cores: 1.0-1.6 CPU-seconds per global epoch on one-core CPU peers whatever the
+    model (the steps' ``background_cpu_s``), and peers overshoot the target batch because they
+    see the swarm's progress late. With a ``hivemind`` fit (``calibrate --hivemind``: a reference
+    network trained in a local swarm) a global epoch lasts ``overshoot_steps`` more steps of the
+    slowest peer and holds their samples, and the measured ``epoch_overhead_s`` replaces the two
+    rounds on these devices, plus the rounds' extra time for parameters beyond the reference's
+    and, for listed peers, the wire time over their links. The matchmaking wait leaves the
+    peer's cores to hivemind's work, so the two overlap: ``max(wait, epoch_overhead_s)``. Without a fit both are left out and
+    CPU peers are predicted too fast (see the README's validation figures).
     """
     peers = cluster.peers[: s.workers] if cluster.peers else []
     busy = s.workers if not cluster.peers else 1
@@ -598,7 +603,8 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     peer_steps = [(compute + local_opt) * slow / share + profile.data_load_s(s.batch_size, s.loader_workers)
                   for share in shares]
     throughput = sum(s.batch_size / t for t in peer_steps)
-    t_acc = s.target_batch_size / throughput
+    hm = cluster.hivemind
+    t_acc = s.target_batch_size / throughput + (hm.overshoot_steps * max(peer_steps) if hm else 0.0)
     alone = len(shares) < 2
     on_cpu = cluster.device.kind == "local" and profile.device.type == "cpu"
     fixed = cluster.collective_fixed_s
@@ -607,12 +613,21 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     grad_round = 0.0 if s.use_local_updates or alone else wait + one_round
     state_round = one_round / s.average_state_every
     state_exposed = state_round if on_cpu else max(0.0, state_round - t_acc)
-    parts = {"compute": t_acc, "averaging": grad_round + state_exposed,
+    averaging = grad_round + state_exposed
+    if hm and not alone:  # measured on these devices: replaces the two rounds
+        reference = butterfly_allreduce_s(float(hm.reference_param_bytes), bws, lats, fixed)
+        beyond = 2 * max(0.0, one_round - reference)
+        # while a peer waits for matchmaking its cores are free for hivemind's own work: they overlap
+        averaging = (max(wait, hm.epoch_overhead_s) if not s.use_local_updates else hm.epoch_overhead_s) \
+            + beyond + (one_round if peers else 0.0)
+    parts = {"compute": t_acc, "averaging": averaging,
              "optimizer": 0.0 if s.use_local_updates else step.optimizer_s * slow / min(shares)}
-    return _finish(s, parts, s.target_batch_size,
+    return _finish(s, parts, throughput * t_acc,
                    inputs={"peers": len(shares), "compute_shares": shares, "peer_step_s": peer_steps,
-                           "swarm_samples_per_s": throughput, "accumulate_s": t_acc, "matchmaking_wait_s": wait,
+                           "swarm_samples_per_s": throughput, "accumulate_s": t_acc,
+                           "samples_per_global_epoch": throughput * t_acc, "matchmaking_wait_s": wait,
                            "grad_round_s": grad_round, "state_round_s": state_round, "state_round_on_cores": on_cpu,
+                           "hivemind_epoch_overhead_s": hm.epoch_overhead_s if hm else 0.0,
                            "contention": slow / scale, "compute_scale": scale})
 
 

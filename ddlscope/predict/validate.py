@@ -14,6 +14,7 @@ models on 2 workers of one core each) and ``tiny`` (for tests).
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -36,7 +37,9 @@ class ValidationGrid(BaseModel):
     :mod:`ddlscope.predict.recommend`); ``workers`` devices of ``threads_per_device`` cores each
     (default: all cores / workers), ``warmup_batches`` excluded from the timing, then
     ``measured_batches`` (collaborative peers: ``collaborative_measured_batches``, so that the
-    measurement spans several averaging rounds).
+    measurement spans several averaging rounds). Collaborative peers also exclude the steps of
+    their first global epoch plus one (hivemind's start-up: peer discovery and the first
+    matchmaking, which a long run pays once), as the other models exclude their allocator's warm-up.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -118,12 +121,14 @@ def run_config_for(grid: ValidationGrid, setting: Setting, network: str, dataset
     """
     dp = 1 if setting.strategy in ("gpipe", "1f1b") else setting.workers
     measured = grid.collaborative_measured_batches if setting.strategy == "collaborative" else grid.measured_batches
+    warmup = grid.warmup_batches
+    if setting.strategy == "collaborative":  # and the first global epoch: hivemind's start-up, once per run
+        warmup += math.ceil(setting.target_batch_size / (setting.workers * setting.batch_size)) + 1
     values = dict(
         name=cell_key(setting, network, dataset), strategy=setting.strategy, model=network, dataset=dataset,
         data_root=str(data_root), batch_size=setting.batch_size, peers=setting.workers,
         vcpus_per_peer=grid.threads, device="cpu", loader_workers=grid.loader_workers, augment=False,
-        final_eval=False, warmup_steps=grid.warmup_batches,
-        sample_budget=(grid.warmup_batches + measured) * setting.batch_size * dp,
+        final_eval=False, warmup_steps=warmup, sample_budget=(warmup + measured) * setting.batch_size * dp,
     )
     if setting.microbatches:
         values["distributed"] = dict(microbatches=setting.microbatches)
