@@ -34,7 +34,6 @@ raw figures to a :class:`ddlscope.predict.cluster.HivemindFit`.
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -51,27 +50,6 @@ MATCHMAKING_S = 0.5
 EPOCHS = 6
 #: a round not finished after this long is given up (hivemind's averaging_timeout)
 ROUND_TIMEOUT_S = 15.0
-SHUTDOWN_S = 5.0
-
-
-def _shutdown(opt) -> None:
-    """Cancel pre-scheduled rounds and shut the optimizer down; give up after SHUTDOWN_S."""
-
-    def close() -> None:
-        for control in (opt.scheduled_grads, opt.scheduled_state):
-            if control is not None and not control.done():
-                control.cancel()
-        opt.shutdown()
-
-    closer = threading.Thread(target=close, daemon=True)
-    closer.start()
-    closer.join(timeout=SHUTDOWN_S)
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: Callable[[str], None]) -> dict[str, Any]:
@@ -89,6 +67,8 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
     import torch
     import torch.distributed as dist
 
+    from ddlscope.predict.calibrate import _timed
+    from ddlscope.strategies.collaborative import shutdown_hivemind
     from ddlscope.workloads.models import build_model, input_spec
 
     network, family, batch = REFERENCE
@@ -134,7 +114,7 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
                 steps.append([compute_s, time.perf_counter() - t0, opt.local_epoch, max(0.0, after - before)])
                 before = after
         finally:
-            _shutdown(opt)
+            shutdown_hivemind(opt, None)
         say(f"hivemind swarm: {network} on {family} shapes, {len(steps)} steps, global epoch {opt.local_epoch}")
         return {"compute_alone_s": alone, "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                 "steps": steps}

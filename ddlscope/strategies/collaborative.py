@@ -97,6 +97,28 @@ def _compression(name: str):
     }[name]()
 
 
+def shutdown_hivemind(opt, dht, timeout_s: float = SHUTDOWN_S) -> None:
+    """Cancel ``opt``'s pre-scheduled rounds, shut it and then ``dht`` down (either may be None).
+
+    hivemind's shutdown waits for a pending background averaging round, which can wait up to
+    ``averaging_timeout`` for peers that already left; training is over, so this gives up after
+    ``timeout_s`` and leaves the rest to the daemon thread.
+    """
+
+    def close() -> None:
+        if opt is not None:
+            for control in (opt.scheduled_grads, opt.scheduled_state):
+                if control is not None and not control.done():
+                    control.cancel()
+            opt.shutdown()
+        if dht is not None:
+            dht.shutdown()
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(timeout=timeout_s)
+
+
 class CollaborativeStrategy(Strategy):
     """One Hivemind peer. See the module docstring for what it does and measures."""
 
@@ -239,17 +261,4 @@ class CollaborativeStrategy(Strategy):
                 pass
         for lg in self._loggers:
             lg.removeHandler(self._log)
-        # hivemind's shutdown waits for a pending background averaging round, which can wait up to
-        # averaging_timeout_s for peers that already left; training is over, so give it a few seconds.
-        closer = threading.Thread(target=self._shutdown_hivemind, daemon=True)
-        closer.start()
-        closer.join(timeout=SHUTDOWN_S)
-
-    def _shutdown_hivemind(self) -> None:
-        if self.hm_opt is not None:
-            for control in (self.hm_opt.scheduled_grads, self.hm_opt.scheduled_state):
-                if control is not None and not control.done():
-                    control.cancel()
-            self.hm_opt.shutdown()
-        if self.dht is not None:
-            self.dht.shutdown()
+        shutdown_hivemind(self.hm_opt, self.dht)
