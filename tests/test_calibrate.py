@@ -137,6 +137,11 @@ def test_calibrate_cli_quick_writes_a_loadable_cluster(tmp_path):
     assert spec.all_gather.bandwidth_gb_per_s > 0 and spec.reduce_scatter.bandwidth_gb_per_s > 0
     assert "all-gather" in proc.stderr and "reduce-scatter" in proc.stderr
     assert spec.fsdp_unit_fixed_s >= 0 and result["fsdp_sharded_step_s"] > result["fsdp_plain_step_s"] > 0
+    # FSDP and DDP timed inside training steps of the reference stacks: slower than plain, rates fitted
+    assert result["fsdp_large_sharded_step_s"] > result["fsdp_large_plain_step_s"] > 0
+    assert result["ddp_step_s"] > result["ddp_plain_step_s"] > 0
+    assert spec.fsdp_step_gb_per_s > 0 and spec.ddp_step_gb_per_s > 0
+    assert "under ddp" in proc.stderr and "under fsdp" in proc.stderr
     assert len(result["allreduce"]["table"]["measured_s"]) == 4
     assert all(t > 0 for t in result["p2p"]["table"]["measured_s"])
     assert out.read_text().startswith("# Measured by `ddlscope calibrate --workers 2")

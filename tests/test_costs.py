@@ -12,6 +12,7 @@ from ddlscope.predict.costs import (
     Setting, butterfly_allreduce_s, ddp_buckets, eq_5_1_epoch_s, pipeline_ops, predict, ring_allreduce_s,
     simulate_pipeline,
 )
+from ddlscope.predict.calibrate import fit_in_step_rates
 from ddlscope.predict.profile import DeviceProfile, LayerProfile, StepProfile, WorkloadProfile
 
 MIB = 1024 * 1024
@@ -133,6 +134,43 @@ def test_fsdp_on_cpu_waits_for_every_collective_and_on_gpus_prefetches():
     gpu = predict(prof, gpu_cluster, s)
     assert gpu.inputs["prefetch"] and gpu.inputs["comm_s"] == pytest.approx(cpu.inputs["comm_s"])
     assert gpu.breakdown_s["comm_wait"] < cpu.breakdown_s["comm_wait"]  # prefetch hides part of it
+
+
+def test_in_step_rates_make_cpu_communication_serial_at_the_measured_rate():
+    prof = make_profile()  # 4 layers of 4 MiB
+    rates = {"ddp_step_gb_per_s": 0.1, "fsdp_step_gb_per_s": 0.05}
+    cpu = make_cluster(bw=0.5, fixed=1e-3, overlap=1.0).model_copy(update=rates)
+    ddp_s, fsdp_s = Setting("ddp", 2, 8, epoch_samples=3200), Setting("fsdp", 2, 8, epoch_samples=3200)
+    ddp = predict(prof, cpu, ddp_s)
+    # every bucket on the critical path: fixed cost + 2(W-1)/W x bytes at the in-step rate
+    buckets = ddp.inputs["buckets"]
+    assert ddp.inputs["serial_comm"]
+    assert ddp.breakdown_s["comm_wait"] == pytest.approx(buckets * 1e-3 + 16 * MIB / 0.1e9)
+    assert ddp.breakdown_s["comm_interference"] == 0.0
+    plain = predict(prof, make_cluster(bw=0.5, fixed=1e-3, overlap=1.0), ddp_s)
+    assert not plain.inputs["serial_comm"] and plain.step_s < ddp.step_s  # without the rate: overlapped
+    fsdp = predict(prof, cpu, fsdp_s)
+    # each unit: two all-gathers and a reduce-scatter, (W-1)/W x bytes each, at the in-step rate
+    assert fsdp.inputs["in_step_rate"]
+    assert fsdp.breakdown_s["comm_wait"] == pytest.approx(4 * 3 * 0.5 * 4 * MIB / 0.05e9)
+    zero2 = predict(prof, cpu, Setting("fsdp", 2, 8, epoch_samples=3200, reshard_after_forward=False))
+    assert zero2.breakdown_s["comm_wait"] == pytest.approx(fsdp.breakdown_s["comm_wait"] * 2 / 3)
+    # GPUs overlap communication: the CPU rates do not apply there
+    gpu = cpu.model_copy(update={"device": DeviceSpec(kind="a100-40gb")})
+    assert not predict(prof, gpu, ddp_s).inputs["serial_comm"] and not predict(prof, gpu, fsdp_s).inputs["in_step_rate"]
+
+
+def test_fit_in_step_rates_divides_the_traffic_by_the_extra_step_time():
+    notes: list[str] = []
+    # fsdp: 2 units of 16 MiB (2048x2048 + bias), 0.1 s per unit beyond 4 ms fixed -> 1.5 x bytes / 0.096 s
+    fsdp, ddp = fit_in_step_rates(2, 0.004, 0.001, fsdp_large=(0.05, 0.05 + 2 * 0.1), ddp=(0.1, 0.15), notes=notes)
+    unit = 4 * (2048 * 2048 + 2048)
+    assert fsdp == pytest.approx(1.5 * unit / 0.096 / 1e9)
+    # ddp: 32 MiB of gradients (8 x 1024x1024 + bias) in 3 buckets, 50 ms - 3 ms -> bytes / 0.047 s
+    assert ddp == pytest.approx(8 * 4 * (1024 * 1024 + 1024) / 0.047 / 1e9)
+    assert notes == []
+    none_f, none_d = fit_in_step_rates(2, 0.004, 0.001, fsdp_large=(0.05, 0.05), ddp=(0.1, 0.09), notes=notes)
+    assert none_f is None and none_d is None and len(notes) == 2 and "left unset" in notes[0]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

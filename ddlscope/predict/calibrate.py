@@ -67,6 +67,10 @@ QUICK_REPEATS = 5
 OVERLAP_BYTES = 4 * MIB
 FSDP_UNITS, FSDP_WIDTH = 8, 32
 """The FSDP microbenchmark: this many linear units of this width (4 KiB of parameters each)."""
+FSDP_LARGE_UNITS, FSDP_LARGE_WIDTH, FSDP_LARGE_BATCH = 2, 2048, 32
+"""FSDP in a training step: units of 16 MiB (ResNet-18's largest blocks are 14 and 18 MiB)."""
+DDP_UNITS, DDP_WIDTH, DDP_BATCH = 8, 1024, 256
+"""DDP in a training step: 32 MiB of gradients in 3 buckets, behind ~0.1 s of compute per step."""
 #: fraction of repeats cut from each end before averaging
 TRIM = 0.1
 
@@ -248,6 +252,50 @@ def overlap_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
 
 
 # ------------------------------------------------------------------------------------ result
+def fit_in_step_rates(workers: int, fsdp_unit_fixed_s: float, collective_fixed_s: float,
+                      fsdp_large: tuple[float, float], ddp: tuple[float, float],
+                      notes: list[str] | None = None) -> tuple[float | None, float | None]:
+    """In-step communication rates (GB/s of traffic per worker) of FSDP and DDP training steps.
+
+    A collective inside a training step costs more than the same collective alone: FSDP copies
+    every unit into and out of flat buffers and allocates the unsharded parameters afresh, DDP
+    copies gradients into buckets, and on CPU devices gloo's threads take turns with autograd on
+    the worker's cores. So the reference steps are timed plain and wrapped (seconds per step;
+    :func:`_reference_steps`) and the difference, less the fixed per-unit or per-bucket costs, is
+    divided into the bytes each worker moves:
+
+    * fsdp: ``(wrapped - plain) / FSDP_LARGE_UNITS - fsdp_unit_fixed_s`` seconds per unit for
+      :func:`~ddlscope.predict.costs.fsdp_unit_traffic_bytes` (two all-gathers and a reduce-scatter);
+    * ddp: ``wrapped - plain - buckets x collective_fixed_s`` seconds per step for
+      :func:`~ddlscope.predict.costs.ddp_step_traffic_bytes` of the 32 MiB of gradients.
+
+    Args:
+        fsdp_large / ddp: (plain, wrapped) seconds per step of the reference stacks.
+        notes: where a rate that cannot be fitted (wrapping made no step slower) is explained.
+
+    Returns:
+        ``(fsdp_step_gb_per_s, ddp_step_gb_per_s)``, each None when it cannot be fitted.
+    """
+    from ddlscope.predict.costs import DDP_DEFAULT_BUCKET_CAP_BYTES, ddp_buckets, ddp_step_traffic_bytes, fsdp_unit_traffic_bytes
+
+    layer_bytes = lambda width: 4 * (width * width + width)  # noqa: E731
+    fsdp_extra = (fsdp_large[1] - fsdp_large[0]) / FSDP_LARGE_UNITS - fsdp_unit_fixed_s
+    buckets = ddp_buckets([layer_bytes(DDP_WIDTH)] * DDP_UNITS, DDP_DEFAULT_BUCKET_CAP_BYTES)
+    ddp_extra = ddp[1] - ddp[0] - len(buckets) * collective_fixed_s
+    rates: list[float | None] = []
+    for name, extra, traffic in (
+            ("fsdp", fsdp_extra, fsdp_unit_traffic_bytes(layer_bytes(FSDP_LARGE_WIDTH), workers, reshard=True)),
+            ("ddp", ddp_extra, ddp_step_traffic_bytes(layer_bytes(DDP_WIDTH) * DDP_UNITS, workers))):
+        if extra > 0:
+            rates.append(traffic / extra / 1e9)
+        else:
+            rates.append(None)
+            if notes is not None:
+                notes.append(f"{name} reference steps were no slower than plain ones ({extra * 1e3:+.1f} ms beyond the "
+                             f"fixed costs, noise): {name}_step_gb_per_s left unset")
+    return rates[0], rates[1]
+
+
 class CalibrationResult(BaseModel):
     """What :func:`calibrate` measured and fitted (seconds, bytes, GB/s = 1e9 bytes/s).
 
@@ -260,6 +308,9 @@ class CalibrationResult(BaseModel):
             alone / on all at once (averaged over workers); their ratio is the raw slowdown.
         overlap_*: seconds of compute alone, an ``overlap_bytes`` all-reduce alone, and both at
             once; ``comm_overlap_raw`` is the unclamped overlap fraction.
+        fsdp_* / ddp_*: seconds per training step of the reference linear stacks, plain and under
+            FSDP2 (tiny units: :data:`FSDP_UNITS`; large: :data:`FSDP_LARGE_UNITS`) or DDP
+            (:data:`DDP_UNITS`), from which :func:`fit_in_step_rates` fits the in-step rates.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -282,6 +333,10 @@ class CalibrationResult(BaseModel):
     comm_overlap_raw: float
     fsdp_plain_step_s: float = 0.0
     fsdp_sharded_step_s: float = 0.0
+    fsdp_large_plain_step_s: float = 0.0
+    fsdp_large_sharded_step_s: float = 0.0
+    ddp_plain_step_s: float = 0.0
+    ddp_step_s: float = 0.0
     hostname: str
     cpu: str
     torch_version: str
@@ -429,15 +484,20 @@ def _measure(rank: int, workers: int, plan: dict[str, Any], say: Callable[[str],
     say(f"overlap: compute {_typical(comp) * 1e3:.2f} ms, all-reduce {_fmt_bytes(plan['overlap_bytes'])} "
         f"{_typical(comm2) * 1e3:.2f} ms, both {_typical(both_t) * 1e3:.2f} ms (worker 0)")
 
-    out["fsdp"] = _fsdp_steps(reps, warmup)  # 5. FSDP's own cost per unit, on units too small to compute
-    say(f"fsdp: {FSDP_UNITS} units of {FSDP_WIDTH}x{FSDP_WIDTH}: {_typical(out['fsdp']['plain']) * 1e3:.2f} ms plain, "
-        f"{_typical(out['fsdp']['sharded']) * 1e3:.2f} ms sharded per step (worker 0, mean of {reps})")
+    # 5. FSDP's own cost per unit, on units too small to compute; 6. FSDP and DDP inside training steps
+    for key, wrap, units, width, batch in (("fsdp", "fsdp", FSDP_UNITS, FSDP_WIDTH, 4),
+                                           ("fsdp_large", "fsdp", FSDP_LARGE_UNITS, FSDP_LARGE_WIDTH, FSDP_LARGE_BATCH),
+                                           ("ddp", "ddp", DDP_UNITS, DDP_WIDTH, DDP_BATCH)):
+        out[key] = _reference_steps(wrap, units, width, batch, reps, warmup)
+        say(f"{wrap}: {units} units of {width}x{width}, batch {batch}: {_typical(out[key]['plain']) * 1e3:.2f} ms plain, "
+            f"{_typical(out[key]['wrapped']) * 1e3:.2f} ms under {wrap} per step (worker 0, mean of {reps})")
     return out
 
 
-def _fsdp_steps(reps: int, warmup: int) -> dict[str, list[float]]:
-    """Training steps of :data:`FSDP_UNITS` tiny linear layers, plain and under FSDP2 (one unit per
-    layer, as ``ddlscope.strategies.fsdp`` shards); seconds per step of each."""
+def _reference_steps(wrap: str, units: int, width: int, batch: int, reps: int, warmup: int) -> dict[str, list[float]]:
+    """Training steps of ``units`` linear layers of ``width`` at ``batch``, plain and wrapped the way
+    the ``fsdp`` strategy (FSDP2, one unit per layer) or the ``ddp`` strategy (DDP, default 25 MiB
+    buckets) wraps a network; seconds per step of each (every repeat starts at a barrier)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -445,11 +505,11 @@ def _fsdp_steps(reps: int, warmup: int) -> dict[str, list[float]]:
 
     def build() -> torch.nn.Module:
         torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Linear(FSDP_WIDTH, FSDP_WIDTH) for _ in range(FSDP_UNITS)])
+        return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(units)])
 
     def steps(model: torch.nn.Module) -> list[float]:
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        x = torch.randn(4, FSDP_WIDTH)
+        x = torch.randn(batch, width)
 
         def step() -> None:
             model(x).sum().backward()
@@ -465,12 +525,15 @@ def _fsdp_steps(reps: int, warmup: int) -> dict[str, list[float]]:
         return times
 
     plain = steps(build())
-    sharded = build()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in sharded:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(sharded, mesh=mesh)
-    return {"plain": plain, "sharded": steps(sharded)}
+    wrapped = build()
+    if wrap == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(wrapped)
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in wrapped:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(wrapped, mesh=mesh)
+    return {"plain": plain, "wrapped": steps(wrapped)}
 
 
 def _worker_main(argv: list[str] | None = None) -> int:
@@ -782,13 +845,18 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         notes.append(f"compute ran faster with all workers busy (ratio {slowdown:.3f}, noise): slowdown set to 1")
     from ddlscope.predict.costs import ring_allgather_s
 
-    fsdp_plain = _typical(_slowest([w["fsdp"]["plain"] for w in raw]))
-    fsdp_sharded = _typical(_slowest([w["fsdp"]["sharded"] for w in raw]))
+    def step_s(key: str, kind: str) -> float:
+        return _typical(_slowest([w[key][kind] for w in raw]))
+
     unit_bytes = 4 * (FSDP_WIDTH * FSDP_WIDTH + FSDP_WIDTH)
     link = LinkSpec(bandwidth_gb_per_s=allreduce.bandwidth_gb_per_s, latency_s=p2p.latency_s)
     unit_collectives_s = (2 * ring_allgather_s(unit_bytes, workers, link, 0.0, half["allgather"])
                           + ring_allgather_s(unit_bytes, workers, link, 0.0, half["reducescatter"]))
-    fsdp_unit_fixed = max(0.0, (fsdp_sharded - fsdp_plain) / FSDP_UNITS - unit_collectives_s)
+    fsdp_unit_fixed = max(0.0, (step_s("fsdp", "wrapped") - step_s("fsdp", "plain")) / FSDP_UNITS - unit_collectives_s)
+    fsdp_step_rate, ddp_step_rate = fit_in_step_rates(
+        workers, fsdp_unit_fixed, allreduce.collective_fixed_s,
+        fsdp_large=(step_s("fsdp_large", "plain"), step_s("fsdp_large", "wrapped")),
+        ddp=(step_s("ddp", "plain"), step_s("ddp", "wrapped")), notes=notes)
     swarm = None
     if hivemind:
         from ddlscope.predict.swarm import fit_swarm
@@ -808,6 +876,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         concurrent_compute_slowdown=_sig(max(1.0, slowdown)), comm_overlap=_sig(overlap_fraction(tc, tm, tb)),
         p2p_link=LinkSpec(bandwidth_gb_per_s=_sig(p2p.bandwidth_gb_per_s), latency_s=_sig(p2p.latency_s)),
         all_gather=half["allgather"], reduce_scatter=half["reducescatter"], fsdp_unit_fixed_s=_sig(fsdp_unit_fixed),
+        fsdp_step_gb_per_s=fsdp_step_rate and _sig(fsdp_step_rate), ddp_step_gb_per_s=ddp_step_rate and _sig(ddp_step_rate),
         hivemind=swarm,
     )
     import torch
@@ -817,7 +886,9 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         p2p=p2p, compute_kernel=COMPUTE_KERNEL, compute_alone_s=alone, compute_concurrent_s=together,
         concurrent_compute_slowdown_raw=slowdown, overlap_bytes=OVERLAP_BYTES, overlap_compute_s=tc,
         overlap_allreduce_s=tm, overlap_both_s=tb, comm_overlap_raw=overlap_raw,
-        fsdp_plain_step_s=fsdp_plain, fsdp_sharded_step_s=fsdp_sharded, hostname=platform.node(),
+        fsdp_plain_step_s=step_s("fsdp", "plain"), fsdp_sharded_step_s=step_s("fsdp", "wrapped"),
+        fsdp_large_plain_step_s=step_s("fsdp_large", "plain"), fsdp_large_sharded_step_s=step_s("fsdp_large", "wrapped"),
+        ddp_plain_step_s=step_s("ddp", "plain"), ddp_step_s=step_s("ddp", "wrapped"), hostname=platform.node(),
         cpu=_cpu_name(), torch_version=torch.__version__, created_at=time.time(), elapsed_s=elapsed, notes=notes,
     )
 
@@ -834,6 +905,10 @@ def header_comment(result: CalibrationResult) -> str:
             f"ping-pong: latency {p2p.latency_s * 1e6:.1f} us, bandwidth {p2p.bandwidth_gb_per_s:.3g} GB/s; "
             f"all-reduce: intercept {ar.intercept_s * 1e6:.1f} us, bandwidth {ar.bandwidth_gb_per_s:.3g} GB/s\n"
             + "\n".join(result.notes))
+
+
+def _rate(gb_per_s: float | None) -> str:
+    return "not fitted" if gb_per_s is None else f"{gb_per_s:.3g} GB/s"
 
 
 def print_calibration(result: CalibrationResult) -> None:
@@ -861,6 +936,11 @@ def print_calibration(result: CalibrationResult) -> None:
           for name, fit in (("all-gather", c.all_gather), ("reduce-scatter", c.reduce_scatter)) if fit is not None],
         ("fsdp", f"{FSDP_UNITS} tiny units: {result.fsdp_plain_step_s * 1e3:.2f} ms plain, {result.fsdp_sharded_step_s * 1e3:.2f} ms "
                  f"sharded per step: fsdp_unit_fixed_s {c.fsdp_unit_fixed_s * 1e3:.2f} ms beyond the fitted collectives"),
+        ("fsdp in a step", f"{FSDP_LARGE_UNITS} units of {_fmt_bytes(4 * FSDP_LARGE_WIDTH ** 2)}: "
+                           f"{result.fsdp_large_plain_step_s * 1e3:.1f} ms plain, {result.fsdp_large_sharded_step_s * 1e3:.1f} ms "
+                           f"sharded: fsdp_step_gb_per_s {_rate(c.fsdp_step_gb_per_s)}"),
+        ("ddp in a step", f"{_fmt_bytes(4 * DDP_WIDTH ** 2 * DDP_UNITS)} of gradients: {result.ddp_plain_step_s * 1e3:.1f} ms "
+                          f"plain, {result.ddp_step_s * 1e3:.1f} ms under DDP: ddp_step_gb_per_s {_rate(c.ddp_step_gb_per_s)}"),
         ("compute", f"{result.compute_alone_s * 1e3:.2f} ms alone, {result.compute_concurrent_s * 1e3:.2f} ms all at once: "
                     f"concurrent_compute_slowdown {c.concurrent_compute_slowdown:.3f} (raw {result.concurrent_compute_slowdown_raw:.3f})"),
         ("overlap", f"compute {result.overlap_compute_s * 1e3:.2f} ms, all-reduce {_fmt_bytes(result.overlap_bytes)} "

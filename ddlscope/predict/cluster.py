@@ -134,6 +134,10 @@ class ClusterSpec(BaseModel):
         fsdp_unit_fixed_s: FSDP's own cost per unit per step beyond its collectives (hooks,
             copies into and out of the flat buffers, DTensor bookkeeping); ``calibrate`` measures
             it on units too small to compute.
+        fsdp_step_gb_per_s / ddp_step_gb_per_s: bytes each worker moves per second of step time
+            that FSDP units / DDP buckets add to a training step on these devices, measured by
+            ``calibrate`` inside real steps; used where communication cannot overlap compute
+            (CPU workers of the profiled machine, :func:`ddlscope.predict.costs.serial_comm`).
         hivemind: what hivemind's own machinery adds per global epoch on these peers, and their
             overshoot of the target batch (collaborative; measured by ``calibrate --hivemind``).
     """
@@ -155,6 +159,8 @@ class ClusterSpec(BaseModel):
     all_gather: CollectiveFit | None = None
     reduce_scatter: CollectiveFit | None = None
     fsdp_unit_fixed_s: float = Field(0.0, ge=0)
+    fsdp_step_gb_per_s: float | None = Field(None, gt=0)
+    ddp_step_gb_per_s: float | None = Field(None, gt=0)
     hivemind: HivemindFit | None = None
 
     @field_validator("inter_node")

@@ -30,6 +30,7 @@ from ddlscope.predict.cluster import ClusterSpec, CollectiveFit, LinkSpec
 from ddlscope.predict.profile import WorkloadProfile
 
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES) is 1 MiB
+DDP_DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024  # DistributedDataParallel(bucket_cap_mb=25)
 MODELS = ("single", "ddp", "fsdp", "gpipe", "1f1b", "collaborative")
 
 
@@ -135,6 +136,25 @@ def contention(cluster: ClusterSpec, busy_devices_per_node: int) -> float:
         return 1.0
     share = min(1.0, (busy_devices_per_node - 1) / (d - 1))
     return 1.0 + (cluster.concurrent_compute_slowdown - 1.0) * share
+
+
+def ddp_step_traffic_bytes(gradient_bytes: float, workers: int) -> float:
+    """Bytes each worker sends in a ring all-reduce of ``gradient_bytes``: ``2(W-1)/W x bytes``
+    (Patarasuk & Yuan 2009)."""
+    return 2 * (workers - 1) / workers * gradient_bytes
+
+
+def fsdp_unit_traffic_bytes(unit_bytes: float, workers: int, reshard: bool = True) -> float:
+    """Bytes each worker sends per FSDP unit and step: ``(W-1)/W x bytes`` for each all-gather
+    (two with ``reshard_after_forward``, else one) and for the reduce-scatter."""
+    return (workers - 1) / workers * unit_bytes * (3 if reshard else 2)
+
+
+def serial_comm(profile: WorkloadProfile, cluster: ClusterSpec) -> bool:
+    """True where communication cannot overlap compute: the profiled device is a CPU and the
+    cluster is its own local workers (kind ``local``). There are no streams or DMA engines, so a
+    collective's copies and reductions run on the worker's own cores, in turn with autograd."""
+    return cluster.device.kind == "local" and profile.device.type == "cpu"
 
 
 def _busy_per_node(cluster: ClusterSpec, workers: int) -> int:
@@ -244,6 +264,13 @@ def predict_ddp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scal
     its time in compute (on CPU the collective's threads share the cores). This captures both
     failure modes of eq. 5.1 (thesis 002 ch. 5.2): communication that compute cannot hide (VGG)
     and per-collective fixed costs that dominate small buckets (MobileNetV2).
+
+    Where communication is serial (:func:`serial_comm`: CPU workers of this machine) and the
+    cluster has a calibrated ``ddp_step_gb_per_s``, nothing is hidden: each bucket costs
+    ``collective_fixed_s + ddp_step_traffic_bytes / ddp_step_gb_per_s``, the rate measured inside
+    real DDP steps (bucket copies and gloo's work sharing the core with autograd), and all of
+    it adds to the step (measured on this machine: a DDP step of 32 MiB of gradients behind
+    0.16 s of compute was 40 ms slower than plain, 1.5x the same all-reduce alone).
     """
     w = s.workers
     slow = contention(cluster, _busy_per_node(cluster, w)) * scale
@@ -258,22 +285,27 @@ def predict_ddp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scal
     backward_end = t
     free, comm_total = 0.0, 0.0
     buckets = ddp_buckets([layer.param_bytes for layer in profile.layers], s.bucket_cap_mb * 1024 * 1024)
+    in_step = cluster.ddp_step_gb_per_s if serial_comm(profile, cluster) else None
     for ready_after, nbytes in buckets:
-        d = ring_allreduce_s(nbytes, w, link, cluster.collective_fixed_s)
+        if in_step:  # measured inside DDP steps on these workers: the bucket's share of the step
+            d = cluster.collective_fixed_s + ddp_step_traffic_bytes(nbytes, w) / (in_step * 1e9)
+        else:
+            d = ring_allreduce_s(nbytes, w, link, cluster.collective_fixed_s)
         free = max(free, done_at[ready_after]) + d
         comm_total += d
     exposed = max(0.0, free - backward_end)
     overlapped = comm_total - exposed
     parts = {
         "compute": sum(fwd) * slow + backward_end,
-        "comm_interference": (1.0 - cluster.comm_overlap) * overlapped,
-        "comm_wait": exposed,
+        "comm_interference": 0.0 if in_step else (1.0 - cluster.comm_overlap) * overlapped,
+        "comm_wait": comm_total if in_step else exposed,
         "optimizer": step.optimizer_s * slow,
     }
     parts["data_load"] = _exposed_loading_s(profile, s.batch_size, s.loader_workers, sum(parts.values()))
     ref = eq_5_1_epoch_s(profile, cluster, s, scale)
     return _finish(s, parts, s.global_batch_size, reference_epoch_s={"eq5.1": ref},
                    inputs={"buckets": len(buckets), "comm_s": comm_total, "gradient_bytes": profile.param_bytes,
+                           "serial_comm": bool(in_step),
                            "link_gb_per_s": link.bandwidth_gb_per_s, "link_latency_s": link.latency_s,
                            "contention": slow / scale, "compute_scale": scale})
 
@@ -312,15 +344,26 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
     cluster's kind is ``local``) there are no streams: each all-gather is waited for right before
     its unit computes, and the reduce-scatter's copies and reduction run on the worker's own
     cores, so every collective adds to the step (measured on this machine: the forward of an
-    FSDP step is the profiled forward plus the all-gathers).
+    FSDP step is the profiled forward plus the all-gathers). There, when the cluster has a
+    calibrated ``fsdp_step_gb_per_s``, a unit's collectives cost its
+    :func:`fsdp_unit_traffic_bytes` at that rate, measured inside real FSDP steps of 16 MiB units
+    (FSDP's copies into and out of its flat buffers and fresh allocations included: 1.4x the
+    same collectives alone on this machine).
     """
     w = s.workers
     slow = contention(cluster, _busy_per_node(cluster, w)) * scale
     fwd, bwd = profile.layer_times_s(s.batch_size)
     link, fixed = cluster.ring_link(w), cluster.collective_fixed_s
     sizes = [layer.param_bytes for layer in profile.layers]
-    ag = [ring_allgather_s(b, w, link, fixed, cluster.all_gather) for b in sizes]
-    prefetch = not (cluster.device.kind == "local" and profile.device.type == "cpu")
+    prefetch = not serial_comm(profile, cluster)
+    in_step = None if prefetch else cluster.fsdp_step_gb_per_s
+    if in_step:  # measured inside FSDP steps on these workers; a unit's 3 collectives share its traffic
+        share = [fsdp_unit_traffic_bytes(b, w, s.reshard_after_forward) / (in_step * 1e9) for b in sizes]
+        per_call = 3 if s.reshard_after_forward else 2
+        ag = rs = [t / per_call for t in share]
+    else:
+        ag = [ring_allgather_s(b, w, link, fixed, cluster.all_gather) for b in sizes]
+        rs = [ring_allgather_s(b, w, link, fixed, cluster.reduce_scatter) for b in sizes]
     comm_free, compute_t, comm_total = 0.0, 0.0, 0.0
     gathered_at: dict[int, float] = {}
 
@@ -347,9 +390,8 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
         if s.reshard_after_forward and prefetch:
             gather(i - 1, start)
         compute_t = start + bwd[i] * slow
-        d = ring_allgather_s(sizes[i], w, link, fixed, cluster.reduce_scatter)
-        comm_free = max(comm_free, compute_t) + d
-        comm_total += d
+        comm_free = max(comm_free, compute_t) + rs[i]
+        comm_total += rs[i]
         rs_end = comm_free
         if not prefetch:  # the worker's cores reduce it before the next unit's backward
             compute_t = comm_free
@@ -366,6 +408,7 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
     parts["data_load"] = _exposed_loading_s(profile, s.batch_size, s.loader_workers, sum(parts.values()))
     return _finish(s, parts, s.global_batch_size,
                    inputs={"units": len(sizes), "comm_s": comm_total, "contention": slow / scale, "prefetch": prefetch,
+                           "in_step_rate": bool(in_step),
                            "compute_scale": scale, "link_gb_per_s": link.bandwidth_gb_per_s})
 
 
