@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ddlscope.errors import UserError
 
@@ -67,6 +67,17 @@ class DistributedConfig(BaseModel):
     microbatches: int = Field(4, ge=1, le=4096, description="gpipe/1f1b: micro-batches each batch is split into")
     balance: Literal["measured", "layers"] = Field(
         "measured", description="gpipe/1f1b: split stages by measured per-layer time, or by equal layer counts")
+    stage_bounds: list[int] | None = Field(
+        None, min_length=2, description="gpipe/1f1b: the cut itself, [0, b1, ..., L] (stage s holds top-level layers "
+                                        "b[s]:b[s+1]; one more entry than stages); replaces balance, e.g. the cut "
+                                        "`ddlscope recommend` predicted")
+
+    @field_validator("stage_bounds")
+    @classmethod
+    def _increasing_from_zero(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (v[0] != 0 or any(b >= a for b, a in zip(v, v[1:]))):
+            raise ValueError(f"{v}: allowed: strictly increasing layer indices starting at 0, e.g. [0, 6, 21]")
+        return v
 
 
 class RunConfig(BaseModel):

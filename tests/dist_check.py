@@ -1,6 +1,7 @@
 """Run by the correctness tests under torchrun: train tiny_cnn a few steps with one distribution model.
 
-``python -m torch.distributed.run --nproc-per-node 2 tests/dist_check.py STRATEGY OUT.pt``
+``python -m torch.distributed.run --nproc-per-node 2 tests/dist_check.py STRATEGY OUT.pt [STAGE_BOUNDS]``
+(``STAGE_BOUNDS``: pipelines only, comma-separated, e.g. ``0,1,4``)
 
 Data-parallel models (ddp, fsdp) give each of the 2 workers half of a 16-sample batch; pipelines
 (gpipe, 1f1b) give every stage the whole batch. Rank 0 saves the full trained state dict and the
@@ -31,12 +32,12 @@ def initial_model():
     return build_model("tiny_cnn", "mnist")
 
 
-def main(strategy_name: str, out: str) -> None:
+def main(strategy_name: str, out: str, stage_bounds: list[int] | None = None) -> None:
     torch.set_num_threads(1)
     pipeline = strategy_name in ("gpipe", "1f1b")
     per_worker = BATCH if pipeline else BATCH // 2
     cfg = RunConfig(strategy=strategy_name, model="tiny_cnn", dataset="mnist", peers=2, batch_size=per_worker,
-                    sample_budget=BATCH * STEPS, distributed=dict(microbatches=2))
+                    sample_budget=BATCH * STEPS, distributed=dict(microbatches=2, stage_bounds=stage_bounds))
     model = initial_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     import os
@@ -71,7 +72,7 @@ def main(strategy_name: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], [int(b) for b in sys.argv[3].split(",")] if len(sys.argv) > 3 else None)
     # skip interpreter teardown: destroying a gloo process group there (the DDP reducer holds the
     # last reference) can deadlock, its worker thread waiting for the GIL the joining thread holds
     sys.stdout.flush()

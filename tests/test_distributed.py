@@ -30,7 +30,7 @@ def _single_reference():
     return model.state_dict(), losses
 
 
-def _run_distributed(strategy: str, out: Path, attempts: int = 2) -> dict:
+def _run_distributed(strategy: str, out: Path, attempts: int = 2, *extra: str) -> dict:
     """Run tests/dist_check.py under torchrun; torchrun and its workers are killed on a timeout.
 
     A run that hangs is retried once; any other failure fails the test at once. (Seen twice in
@@ -43,7 +43,7 @@ def _run_distributed(strategy: str, out: Path, attempts: int = 2) -> dict:
     import psutil
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", "--max-restarts=0", str(Path(__file__).parent / "dist_check.py"), strategy, str(out)]
+           "--rdzv-endpoint=127.0.0.1:0", "--max-restarts=0", str(Path(__file__).parent / "dist_check.py"), strategy, str(out), *extra]
     for attempt in range(attempts):
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -77,6 +77,31 @@ def test_matches_single(strategy, tmp_path):
         assert bounds[0] == 0 and bounds[-1] == 4 and len(bounds) == 3
     else:  # rank 0 reports the loss of its half batch
         assert all(loss > 0 for loss in got["losses"])
+
+
+def test_pipeline_runs_the_cut_it_is_given(tmp_path):
+    """``distributed.stage_bounds`` (e.g. the cut ``recommend`` predicted) replaces the measured cut."""
+    ref_state, ref_losses = _single_reference()
+    got = _run_distributed("1f1b", tmp_path / "out.pt", 2, "0,1,4")
+    assert got["details"]["stage_bounds"] == [0, 1, 4] and got["details"]["layer_costs_s"] == []
+    assert got["losses"] == pytest.approx(ref_losses, rel=1e-4)
+    for name, tensor in ref_state.items():
+        torch.testing.assert_close(got["state"][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+def test_stage_bounds_that_do_not_fit_the_network_or_peers_are_refused():
+    from ddlscope.config import RunConfig
+    from ddlscope.errors import UserError
+    from ddlscope.strategies import WorkerContext, strategy_class
+
+    with pytest.raises(ValueError, match=r"\[0, 3, 2\]: allowed: strictly increasing layer indices starting at 0"):
+        RunConfig(strategy="gpipe", model="tiny_cnn", dataset="mnist", peers=2, distributed=dict(stage_bounds=[0, 3, 2]))
+    cfg = RunConfig(strategy="gpipe", model="tiny_cnn", dataset="mnist", peers=2, distributed=dict(stage_bounds=[0, 1, 3]))
+    ctx = WorkerContext(run_id="check", worker_index=0, num_workers=2, cores=[0], initial_peers=[])
+    strategy = strategy_class("gpipe")(cfg, ctx)
+    with pytest.raises(UserError, match=r"stage_bounds \[0, 1, 3\] does not cut 'tiny_cnn' \(4 top-level layers\) into "
+                                        r"peers = 2 stages; allowed: 3 strictly increasing indices from 0 to 4"):
+        strategy.setup(dist_check.initial_model(), None)
 
 
 def test_two_nodes_on_localhost(env_data, tmp_path):

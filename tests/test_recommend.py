@@ -132,6 +132,11 @@ def test_validate_tiny_stores_predictions_next_to_real_runs(tmp_path):
                         "JOIN runs r ON r.run_id = p.run_id").fetchall()
     assert sorted(r[0] for r in rows) == ["ddp", "gpipe", "single"]
     assert all(r[1] > 0 and r[2] == "completed" for r in rows)
+    # the pipeline ran the cut that was predicted for it
+    (detail, cut), = conn.execute(
+        "SELECT p.detail_json, e.detail_json FROM predictions p JOIN events e ON e.run_id = p.run_id "
+        "WHERE p.strategy = 'gpipe' AND e.kind = 'strategy_details' AND e.worker_index = 0").fetchall()
+    assert json.loads(cut)["stage_bounds"] == json.loads(detail)["inputs"]["stage_bounds"]
     report = json.loads((db.parent / "validation" / "validation-tiny" / "validation.json").read_text())
     assert len(report["cells"]) == 1
     # a second validation reuses the completed runs
@@ -156,3 +161,6 @@ def test_collaborative_validation_runs_exclude_the_first_global_epoch(tmp_path):
     assert cfg.sample_budget == (grid.warmup_batches + 3 + grid.collaborative_measured_batches) * 32 * 2
     ddp = run_config_for(grid, Setting("ddp", 2, 32, epoch_samples=60000), "resnet18", "mnist", tmp_path)
     assert ddp.warmup_steps == grid.warmup_batches
+    pipe = run_config_for(grid, Setting("1f1b", 2, 64, epoch_samples=60000, microbatches=4), "resnet18", "mnist",
+                          tmp_path, stage_bounds=[0, 5, 11])
+    assert pipe.distributed.stage_bounds == [0, 5, 11] and pipe.distributed.microbatches == 4

@@ -44,9 +44,13 @@ class Candidate:
 
     @property
     def label(self) -> str:
+        """E.g. ``ddp x2``, or ``gpipe x2, 4 micro-batches, stages [0, 6, 21]`` for a pipeline (the cut
+        that was predicted; run it with ``distributed.stage_bounds``)."""
         s = self.setting
         mb = f", {s.microbatches} micro-batches" if s.microbatches else ""
-        return f"{s.strategy} x{s.workers}{mb}"
+        bounds = self.prediction.inputs.get("stage_bounds") if self.prediction else None
+        cut = f", stages {bounds}" if bounds else ""
+        return f"{s.strategy} x{s.workers}{mb}{cut}"
 
 
 @dataclass

@@ -113,8 +113,11 @@ def cell_key(setting: Setting, network: str, dataset: str) -> str:
     return f"{setting.strategy}-{network}-{dataset}-{setting.workers}w-b{setting.global_batch_size}{mb}"
 
 
-def run_config_for(grid: ValidationGrid, setting: Setting, network: str, dataset: str, data_root: Path) -> RunConfig:
-    """The real run of a predicted setting: same batch, micro-batches, workers and cores per device.
+def run_config_for(grid: ValidationGrid, setting: Setting, network: str, dataset: str, data_root: Path,
+                   stage_bounds: list[int] | None = None) -> RunConfig:
+    """The real run of a predicted setting: same batch, micro-batches, workers and cores per device,
+    and for pipelines the predicted stage cut (``stage_bounds``), so that the run is the configuration
+    that was predicted rather than a cut re-measured at start-up.
 
     Raises:
         UserError: the run config is invalid (stored as a failed cell by :func:`run_validation`).
@@ -131,7 +134,7 @@ def run_config_for(grid: ValidationGrid, setting: Setting, network: str, dataset
         final_eval=False, warmup_steps=warmup, sample_budget=(warmup + measured) * setting.batch_size * dp,
     )
     if setting.microbatches:
-        values["distributed"] = dict(microbatches=setting.microbatches)
+        values["distributed"] = dict(microbatches=setting.microbatches, stage_bounds=stage_bounds)
     if setting.strategy == "collaborative":
         values["collaborative"] = dict(target_batch_size=setting.target_batch_size,
                                        matchmaking_time_s=setting.matchmaking_time_s,
@@ -219,7 +222,9 @@ def _validate_candidate(grid: ValidationGrid, cand: Candidate, net: str, ds: str
         run_id = done[-1]["run_id"]
     else:
         try:
-            run_id = run_local(run_config_for(grid, s, net, ds, root), db_path, group_name=grid.name, progress=False)
+            bounds = p.inputs.get("stage_bounds") if p else None
+            run_id = run_local(run_config_for(grid, s, net, ds, root, bounds), db_path, group_name=grid.name,
+                               progress=False)
         except UserError as err:
             outcome.status, outcome.reason = "failed", str(err)
             return outcome

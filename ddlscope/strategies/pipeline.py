@@ -2,8 +2,9 @@
 
 The network (an ``nn.Sequential``, as every zoo network is) is cut between its top-level
 children into one stage per worker, balanced by the measured forward + backward time of each
-child (:mod:`ddlscope.strategies.partition`), or by layer count with
-``distributed.balance = "layers"``. Each batch is split into ``distributed.microbatches``
+child (:mod:`ddlscope.strategies.partition`), by layer count with
+``distributed.balance = "layers"``, or exactly where ``distributed.stage_bounds`` says (the cut
+``ddlscope recommend`` predicted, say). Each batch is split into ``distributed.microbatches``
 micro-batches that flow through the stages:
 
 - ``gpipe`` (ScheduleGPipe): all forwards, then all backwards (fill-drain); activations of
@@ -128,6 +129,11 @@ class PipelineStrategy(TorchDistributedStrategy):
         if self.ctx.num_workers > n_layers:
             raise UserError(f"peers = {self.ctx.num_workers} pipeline stages, but {self.cfg.model!r} has only {n_layers} "
                             f"top-level layers to split between; allowed: peers <= {n_layers}")
+        cut = self.cfg.distributed.stage_bounds
+        if cut is not None and (len(cut) != self.ctx.num_workers + 1 or cut[-1] != n_layers):
+            raise UserError(f"distributed.stage_bounds {cut} does not cut {self.cfg.model!r} ({n_layers} top-level layers) "
+                            f"into peers = {self.ctx.num_workers} stages; allowed: {self.ctx.num_workers + 1} strictly "
+                            f"increasing indices from 0 to {n_layers}")
         self.init_process_group()
         self.rank, self.stages = dist.get_rank(), dist.get_world_size()
         self.full_model, self.optimizer = model, optimizer
@@ -153,7 +159,9 @@ class PipelineStrategy(TorchDistributedStrategy):
         layers = [m for _, m in named]
         micro = x[: max(1, len(x) // self.cfg.distributed.microbatches)]
         bounds = [None]
-        if self.rank == 0:
+        if self.cfg.distributed.stage_bounds is not None:
+            bounds = [(list(self.cfg.distributed.stage_bounds), [])]
+        elif self.rank == 0:
             if self.cfg.distributed.balance == "measured":
                 self.layer_costs_s = measure_layer_costs_s(layers, micro)
                 bounds = [(balanced_partition(self.layer_costs_s, self.stages), self.layer_costs_s)]
