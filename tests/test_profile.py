@@ -172,18 +172,3 @@ def test_cli_bad_input_is_one_error_line(args, words):
     out = _cli(*args)
     assert out.returncode == 2 and out.stderr.startswith("error:") and "Traceback" not in out.stderr
     assert all(w in out.stderr for w in words)
-
-
-def test_time_steps_runs_its_warm_up_steps_untimed():
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
-    stepped = []
-
-    class Counting(torch.optim.SGD):
-        def step(self, closure=None):
-            stepped.append(1)
-            return super().step(closure)
-
-    x, y = torch.randn(2, 4), torch.tensor([0, 2])
-    f, b, o = prof._time_steps(model, Counting(model.parameters(), lr=0.1), x, y, repeats=5, warmup=3)
-    assert len(stepped) == 8 and f > 0 and b > 0 and o > 0
-    assert prof.STEP_WARMUP >= 2  # the largest batch, measured first, needs more than one (see STEP_WARMUP)

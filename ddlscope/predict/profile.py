@@ -170,13 +170,7 @@ class WorkloadProfile(BaseModel):
 # modules are imported inside the functions, so that reading a cached profile stays cheap.
 
 STEP_REPEATS = 5
-"""Measured training steps per batch size (after the warm-up steps); their median is kept."""
-STEP_WARMUP = 3
-"""Warm-up steps before the first (largest) batch size is timed; one before each smaller size.
-A fresh process's first steps at a batch size are slow (first-touch of the activations' memory),
-and measured from the smallest batch up, every size was new and MobileNetV2's steps at batch 64
-came out 20-28 % slower than the same steps in a training run; measured from the largest
-down, the smaller sizes reuse memory the largest already touched, as a training run's steps do."""
+"""Measured training steps per batch size (after one warm-up step); their median is kept."""
 LAYER_REPEATS = 3
 """Timed runs of every layer per batch size (after one warm-up run); the minimum is kept."""
 SYNTHETIC_TRAIN_SIZE = 512
@@ -403,11 +397,11 @@ def _time_layers(model, x, repeats: int = LAYER_REPEATS) -> tuple[list[float], l
     return fwd_s, bwd_s
 
 
-def _time_steps(model, optimizer, x, y, repeats: int = STEP_REPEATS, warmup: int = 1) -> tuple[float, float, float]:
+def _time_steps(model, optimizer, x, y, repeats: int = STEP_REPEATS) -> tuple[float, float, float]:
     """Median (forward + loss, backward, optimizer step + zero_grad) seconds of training steps.
 
     The step is the training loop's (:mod:`ddlscope.train.loop`): cross-entropy loss, backward,
-    ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``; ``warmup`` untimed steps first.
+    ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``; one warm-up step first.
     """
     import statistics
 
@@ -418,7 +412,7 @@ def _time_steps(model, optimizer, x, y, repeats: int = STEP_REPEATS, warmup: int
     loss_fn = torch.nn.CrossEntropyLoss()
     watch = Stopwatch(x.device)
     laps = []
-    for r in range(warmup + repeats):
+    for r in range(repeats + 1):
         watch.start()
         loss = loss_fn(model(x), y)
         loss.item()
@@ -428,7 +422,7 @@ def _time_steps(model, optimizer, x, y, repeats: int = STEP_REPEATS, warmup: int
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         o = watch.lap()
-        if r >= warmup:
+        if r:
             laps.append((f, b, o))
     return tuple(statistics.median(lap[i] for lap in laps) for i in range(3))  # type: ignore[return-value]
 
@@ -708,10 +702,9 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
       warm-up); parameter bytes; output, saved-for-backward bytes and forward FLOPs per sample
       from fake tensors (:func:`_fake_analysis`);
     * per batch size a whole training step as the training loop runs it (cross-entropy, SGD with
-      momentum 0.9, ``zero_grad(set_to_none=True)``), largest batch first: median of
-      :data:`STEP_REPEATS` steps after warm-up steps (:data:`STEP_WARMUP`); activation peak
-      from fake tensors, and the same quantity measured with real tensors
-      (``measured_activation_peak_bytes``, :func:`_measure_real_memory`);
+      momentum 0.9, ``zero_grad(set_to_none=True)``): median of :data:`STEP_REPEATS` steps after a
+      warm-up; activation peak from fake tensors, and the same quantity measured with real
+      tensors (``measured_activation_peak_bytes``, :func:`_measure_real_memory`);
     * data loading: samples/s with each number of ``loader_workers`` (:func:`_measure_data_loading`);
     * the device: float32 matmul TFLOP/s, copy bandwidth, capacity, runtime bytes, name.
 
@@ -767,21 +760,6 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
         torch.manual_seed(0)
         model = build_model(network, family).to(dev)
         model.train()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        steps = []
-        input_bytes = spec.channels * spec.height * spec.width * 4
-        for k, b in enumerate(reversed(sizes)):  # largest first: see STEP_WARMUP
-            say(f"training steps at batch {b}")
-            x = torch.randn(b, spec.channels, spec.height, spec.width, device=dev)
-            y = torch.randint(0, spec.num_classes, (b,), device=dev)
-            f, bk, o = _time_steps(model, optimizer, x, y, warmup=STEP_WARMUP if k == 0 else 1)
-            measured = None
-            if real_steps is not None and b in real_steps:
-                # the probe's step bytes exclude the input batch (resident before) and include the gradients
-                measured = max(0, real_steps[b] + b * (input_bytes + 8) - fake["param_bytes"])
-            steps.insert(0, StepProfile(batch_size=b, forward_s=f, backward_s=bk, optimizer_s=o, step_s=f + bk + o,
-                                        activation_peak_bytes=fake["activation_peak_bytes"][b],
-                                        measured_activation_peak_bytes=measured))
         fwd: list[list[float]] = [[] for _ in fake["layers"]]
         bwd: list[list[float]] = [[] for _ in fake["layers"]]
         for b in sizes:
@@ -791,6 +769,21 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
             for i, (f, bk) in enumerate(zip(f_s, b_s)):
                 fwd[i].append(f)
                 bwd[i].append(bk)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        steps = []
+        input_bytes = spec.channels * spec.height * spec.width * 4
+        for b in sizes:
+            say(f"training steps at batch {b}")
+            x = torch.randn(b, spec.channels, spec.height, spec.width, device=dev)
+            y = torch.randint(0, spec.num_classes, (b,), device=dev)
+            f, bk, o = _time_steps(model, optimizer, x, y)
+            measured = None
+            if real_steps is not None and b in real_steps:
+                # the probe's step bytes exclude the input batch (resident before) and include the gradients
+                measured = max(0, real_steps[b] + b * (input_bytes + 8) - fake["param_bytes"])
+            steps.append(StepProfile(batch_size=b, forward_s=f, backward_s=bk, optimizer_s=o, step_s=f + bk + o,
+                                     activation_peak_bytes=fake["activation_peak_bytes"][b],
+                                     measured_activation_peak_bytes=measured))
         del model, optimizer
         loading = []
         if loader_workers:
