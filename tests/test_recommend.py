@@ -40,6 +40,10 @@ def test_the_fastest_feasible_model_is_recommended():
     feasible = [c for c in rec.candidates if c.fits]
     assert rec.best.prediction.epoch_s == min(c.prediction.epoch_s for c in feasible)
     assert rec.best.setting.strategy in rec.why
+    # a pipeline's label names the cut that was predicted (to run it: distributed.stage_bounds)
+    pipe = next(c for c in rec.candidates if c.setting.strategy == "gpipe")
+    assert pipe.label == f"gpipe x4, 4 micro-batches, stages {pipe.prediction.inputs['stage_bounds']}"
+    assert next(c for c in rec.candidates if c.setting.strategy == "ddp").label == "ddp x4"
 
 
 def test_a_model_that_does_not_fit_is_never_recommended():
