@@ -252,6 +252,11 @@ def overlap_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
 
 
 # ------------------------------------------------------------------------------------ result
+def _linear_bytes(width: int) -> int:
+    """Parameter bytes of one ``torch.nn.Linear(width, width)`` of the reference stacks (float32)."""
+    return 4 * (width * width + width)
+
+
 def fit_in_step_rates(workers: int, fsdp_unit_fixed_s: float, collective_fixed_s: float,
                       fsdp_large: tuple[float, float], ddp: tuple[float, float],
                       notes: list[str] | None = None) -> tuple[float | None, float | None]:
@@ -278,14 +283,13 @@ def fit_in_step_rates(workers: int, fsdp_unit_fixed_s: float, collective_fixed_s
     """
     from ddlscope.predict.costs import DDP_DEFAULT_BUCKET_CAP_BYTES, ddp_buckets, ddp_step_traffic_bytes, fsdp_unit_traffic_bytes
 
-    layer_bytes = lambda width: 4 * (width * width + width)  # noqa: E731
     fsdp_extra = (fsdp_large[1] - fsdp_large[0]) / FSDP_LARGE_UNITS - fsdp_unit_fixed_s
-    buckets = ddp_buckets([layer_bytes(DDP_WIDTH)] * DDP_UNITS, DDP_DEFAULT_BUCKET_CAP_BYTES)
+    buckets = ddp_buckets([_linear_bytes(DDP_WIDTH)] * DDP_UNITS, DDP_DEFAULT_BUCKET_CAP_BYTES)
     ddp_extra = ddp[1] - ddp[0] - len(buckets) * collective_fixed_s
     rates: list[float | None] = []
     for name, extra, traffic in (
-            ("fsdp", fsdp_extra, fsdp_unit_traffic_bytes(layer_bytes(FSDP_LARGE_WIDTH), workers, reshard=True)),
-            ("ddp", ddp_extra, ddp_step_traffic_bytes(layer_bytes(DDP_WIDTH) * DDP_UNITS, workers))):
+            ("fsdp", fsdp_extra, fsdp_unit_traffic_bytes(_linear_bytes(FSDP_LARGE_WIDTH), workers, reshard=True)),
+            ("ddp", ddp_extra, ddp_step_traffic_bytes(_linear_bytes(DDP_WIDTH) * DDP_UNITS, workers))):
         if extra > 0:
             rates.append(traffic / extra / 1e9)
         else:
@@ -848,7 +852,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
     def step_s(key: str, kind: str) -> float:
         return _typical(_slowest([w[key][kind] for w in raw]))
 
-    unit_bytes = 4 * (FSDP_WIDTH * FSDP_WIDTH + FSDP_WIDTH)
+    unit_bytes = _linear_bytes(FSDP_WIDTH)
     link = LinkSpec(bandwidth_gb_per_s=allreduce.bandwidth_gb_per_s, latency_s=p2p.latency_s)
     unit_collectives_s = (2 * ring_allgather_s(unit_bytes, workers, link, 0.0, half["allgather"])
                           + ring_allgather_s(unit_bytes, workers, link, 0.0, half["reducescatter"]))
