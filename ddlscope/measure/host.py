@@ -42,7 +42,11 @@ def background_cpu_s() -> float:
     """
     me = psutil.Process()
     own = me.cpu_times()
-    total = own.user + own.system - time.thread_time()
+    # the calling thread from the same tick accounting as the process (/proc/self/task/TID/stat):
+    # time.thread_time() is a precise clock, and over minutes of CPU the two drift apart by tens of ms
+    tid = threading.get_native_id()
+    mine = next((t for t in me.threads() if t.id == tid), None)
+    total = own.user + own.system - (mine.user_time + mine.system_time if mine else time.thread_time())
     for child in me.children(recursive=True):
         try:
             t = child.cpu_times()
