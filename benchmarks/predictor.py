@@ -75,7 +75,8 @@ def main() -> None:
     else:
         from ddlscope.predict.calibrate import calibrate
 
-        cluster = calibrate(workers=grid.workers, threads=grid.threads, hivemind="collaborative" in grid.strategies).cluster
+        cluster = calibrate(workers=grid.workers, threads=grid.threads, hivemind="collaborative" in grid.strategies,
+                            matchmaking_time_s=grid.matchmaking_time_s).cluster
     data_root = db.parent / "suite-data"
     fast = speed(grid, cluster, load_cluster(args.other_cluster), tmp / "fresh-profiles", data_root)
     t0 = time.perf_counter()

@@ -171,13 +171,15 @@ def test_typical_is_scipys_trimmed_mean():
 def test_calibrate_hivemind_swarm_fits_what_hivemind_adds(tmp_path):
     out = tmp_path / "cluster.toml"
     proc = subprocess.run([sys.executable, "-m", "ddlscope", "calibrate", "--quick", "--hivemind", "--out", str(out),
-                           "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+                           "--matchmaking-time", "0.8", "--json"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "hivemind swarm: resnet18" in proc.stderr
     hm = load_cluster(out).hivemind
     assert hm is not None, json.loads(proc.stdout)["notes"]
     assert hm.epoch_overhead_s > 0 and hm.epoch_cpu_s > 0  # hivemind's processes did work every epoch
     assert hm.reference_param_bytes > 40e6 and "resnet18" in hm.reference
+    assert hm.matchmaking_time_s == pytest.approx(0.8)  # the swarm ran at the matchmaking time asked for
 
 
 def test_fit_swarm_reads_whole_epochs_after_the_first():
@@ -188,9 +190,10 @@ def test_fit_swarm_reads_whole_epochs_after_the_first():
     steps = [[1.0, 0.0, 0, 0.0], [1.0, 0.0, 0, 0.0], [1.0, 2.0, 1, 1.0]]
     for epoch in (2, 3, 4):
         steps += [[1.2, 0.0, epoch - 1, 0.3], [1.0, 0.0, epoch - 1, 0.1], [1.0, 0.5, epoch, 0.6]]
-    fit = fit_swarm([{"compute_alone_s": 1.0, "param_bytes": 1000, "steps": steps}] * 2)
+    fit = fit_swarm([{"compute_alone_s": 1.0, "param_bytes": 1000, "matchmaking_time_s": 0.7, "steps": steps}] * 2)
     assert fit.epoch_overhead_s == pytest.approx(0.2 + 0.5)  # slower compute + the round, per epoch
     assert fit.epoch_cpu_s == pytest.approx(1.0)
     assert fit.overshoot_steps == pytest.approx(3 - STEPS_PER_EPOCH)
+    assert fit.matchmaking_time_s == pytest.approx(0.7)
     with pytest.raises(ValueError, match="need at least 2"):
         fit_swarm([{"compute_alone_s": 1.0, "param_bytes": 1000, "steps": steps[:6]}])

@@ -290,9 +290,11 @@ def test_collaborative_state_round_costs_cpu_peers_in_full_and_hides_on_gpus():
 def test_collaborative_with_a_hivemind_fit_adds_overshoot_and_the_measured_epoch_overhead():
     prof = make_profile()
     s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=0.01)
-    fit = HivemindFit(epoch_overhead_s=1.5, overshoot_steps=1.0, reference_param_bytes=prof.param_bytes)
+    fit = HivemindFit(epoch_overhead_s=1.5, overshoot_steps=1.0, reference_param_bytes=prof.param_bytes,
+                      matchmaking_time_s=0.01)
     plain = predict(prof, make_cluster(bw=1e3), s)
     hm = predict(prof, make_cluster(bw=1e3).model_copy(update={"hivemind": fit}), s)
+    assert [n for n in plain.notes if "no hivemind fit" in n] and not hm.notes  # fitted at this matchmaking time
     step = hm.inputs["peer_step_s"][0]
     # 64 samples = 4 steps per peer, plus one of overshoot: the epoch holds 2 x 5 x 8 samples
     assert hm.inputs["accumulate_s"] == pytest.approx(5 * step)
@@ -305,6 +307,10 @@ def test_collaborative_with_a_hivemind_fit_adds_overshoot_and_the_measured_epoch
     waited = predict(prof, make_cluster(bw=1e3).model_copy(update={"hivemind": fit}), long_mm)
     assert waited.inputs["matchmaking_wait_s"] > 1.5
     assert waited.breakdown_s["averaging"] == pytest.approx(waited.inputs["matchmaking_wait_s"])
+    # the fit was measured at 0.01 s, this setting uses 10 s: the prediction says so
+    assert len(waited.notes) == 1 and "0.01 s" in waited.notes[0] and "10 s" in waited.notes[0]
+    unrecorded = fit.model_copy(update={"matchmaking_time_s": None})
+    assert "unrecorded" in predict(prof, make_cluster(bw=1e3).model_copy(update={"hivemind": unrecorded}), s).notes[0]
     # twice the reference's bytes over a slow link: the extra bytes' two rounds come on top
     big = fit.model_copy(update={"reference_param_bytes": prof.param_bytes // 2})
     slow = predict(prof, make_cluster(bw=0.01).model_copy(update={"hivemind": big}), s)

@@ -102,6 +102,8 @@ def test_recommend_cli_json(profile_cache):
     assert {c["strategy"] for c in out["candidates"]} == {"single", "ddp", "fsdp", "gpipe", "1f1b", "collaborative"}
     ddp = next(c for c in out["candidates"] if c["strategy"] == "ddp")
     assert ddp["reference_epoch_s"]["eq5.1"] > 0 and ddp["memory_bytes"] > 0
+    # this cluster file has no hivemind calibration: the collaborative prediction's note says what that means
+    assert [n for n in out["notes"] if "no hivemind fit" in n and "too fast" in n]
 
 
 def test_recommend_cli_table_and_scaled_device(profile_cache):

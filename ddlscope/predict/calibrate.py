@@ -582,7 +582,7 @@ def _worker_main(argv: list[str] | None = None) -> int:
         if plan.get("hivemind"):  # 6. hivemind's own per-epoch cost and overshoot, on a reference network
             from ddlscope.predict.swarm import EPOCHS, measure_swarm
 
-            out["swarm"] = measure_swarm(rank, workers, EPOCHS, plan["timeout_s"] / 3, say)
+            out["swarm"] = measure_swarm(rank, workers, EPOCHS, plan["timeout_s"] / 3, say, plan["matchmaking_time_s"])
         dist.barrier()
         tmp = os.path.join(workdir, f".result-{rank}.json")
         with open(tmp, "w") as f:
@@ -762,7 +762,7 @@ def _cpu_name() -> str:
 def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None = None,
               repeats: int = DEFAULT_REPEATS, warmup: int = 2, timeout_s: float = 300.0,
               progress: Callable[[str], None] | None = None, name: str | None = None,
-              hivemind: bool = False) -> CalibrationResult:
+              hivemind: bool = False, matchmaking_time_s: float | None = None) -> CalibrationResult:
     """Measure this machine's workers and fit a :class:`ClusterSpec` (see the module docstring).
 
     Args:
@@ -777,13 +777,15 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         hivemind: also train a reference network in a short hivemind swarm (about 40 s) and fit
             what hivemind adds per global epoch (:mod:`ddlscope.predict.swarm`); a swarm that
             cannot be fitted leaves ``hivemind`` unset, with a note.
+        matchmaking_time_s: the swarm's hivemind matchmaking time (seconds, > 0; default
+            :data:`ddlscope.predict.swarm.MATCHMAKING_S`); use the one the predictions will use.
 
     Returns:
         The fitted description and the raw measurements.
 
     Raises:
         UserError: workers < 2, threads < 1, more cores asked for than this process may use,
-            fewer than 2 distinct sizes, a size or repeats < 1.
+            fewer than 2 distinct sizes, a size or repeats < 1, matchmaking_time_s <= 0.
         CalibrationError: a worker failed, died or timed out (all workers are stopped first).
     """
     from ddlscope.config import available_cores
@@ -802,10 +804,15 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
     sizes = sorted({max(4, -(-int(s) // 4) * 4) for s in (sizes_bytes or DEFAULT_SIZES_BYTES)})
     if any(int(s) < 1 for s in (sizes_bytes or [])) or len(sizes) < 2:
         raise UserError(f"sizes_bytes = {sizes_bytes}; allowed: at least 2 distinct sizes, each >= 1 byte")
+    from ddlscope.predict.swarm import MATCHMAKING_S
+
+    matchmaking_time_s = MATCHMAKING_S if matchmaking_time_s is None else matchmaking_time_s
+    if not matchmaking_time_s > 0:
+        raise UserError(f"matchmaking time {matchmaking_time_s:g} s; allowed: > 0 seconds")
     core_sets = [cores[i * threads:(i + 1) * threads] for i in range(workers)]
     plan = dict(workers=workers, threads=threads, core_sets=core_sets, sizes_bytes=sizes, repeats=repeats,
                 warmup=warmup, overlap_bytes=OVERLAP_BYTES, timeout_s=timeout_s,
-                hivemind=hivemind)
+                hivemind=hivemind, matchmaking_time_s=matchmaking_time_s)
     say = progress or (lambda msg: None)
     busy_before = _busy_percent(sum(core_sets, []))
     say(f"calibrating {workers} workers x {threads} thread(s) on cores {core_sets} (gloo over loopback)")
@@ -955,7 +962,7 @@ def print_calibration(result: CalibrationResult) -> None:
         hm = c.hivemind
         rows.append(("hivemind", f"{hm.reference}: {hm.epoch_overhead_s:.2f} s per global epoch beyond compute "
                                  f"({hm.epoch_cpu_s:.2f} CPU-s of hivemind's processes), overshoot "
-                                 f"{hm.overshoot_steps:.2f} steps per peer"))
+                                 f"{hm.overshoot_steps:.2f} steps per peer, at matchmaking {hm.matchmaking_time_s:g} s"))
     for label, text in rows:
         console.print(f"[bold]{label}[/bold]: {text}")
     for note in result.notes:

@@ -101,6 +101,9 @@ class HivemindFit(BaseModel):
         overshoot_steps: extra steps per peer per global epoch beyond the target batch.
         epoch_cpu_s: CPU seconds hivemind's processes and threads used per epoch (for the record).
         reference: what was trained; reference_param_bytes: its parameter bytes.
+        matchmaking_time_s: the swarm's hivemind ``matchmaking_time`` (seconds). Overhead and
+            overshoot depend on it (:mod:`ddlscope.predict.swarm`); a prediction at another
+            matchmaking time says so in its inputs. ``None``: a file from before it was recorded.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -110,6 +113,7 @@ class HivemindFit(BaseModel):
     epoch_cpu_s: float = Field(0.0, ge=0)
     reference: str = ""
     reference_param_bytes: int = Field(0, ge=0)
+    matchmaking_time_s: float | None = Field(None, gt=0)
 
 
 class ClusterSpec(BaseModel):

@@ -114,7 +114,10 @@ def register(app: typer.Typer) -> None:
         timeout_s: float = typer.Option(300.0, "--timeout-s", help="give up (and stop every worker) after this long"),
         json_out: bool = typer.Option(False, "--json", help="print the measurements and the fit as JSON on stdout"),
         hivemind: bool = typer.Option(False, "--hivemind", help="also train ResNet-18 in a short local hivemind swarm "
-                                      "(about 40 s) to measure what hivemind adds per global epoch (collaborative)"),
+                                      "(about a minute) to measure what hivemind adds per global epoch (collaborative)"),
+        matchmaking_time_s: float = typer.Option(1.0, "--matchmaking-time", min=0.01,
+                                                 help="--hivemind: the swarm's matchmaking time in seconds; use the "
+                                                 "one you will predict for (overhead and overshoot depend on it)"),
     ):
         """Measure all-reduce and point-to-point among local workers; fit latency, bandwidth, fixed costs.
 
@@ -133,7 +136,7 @@ def register(app: typer.Typer) -> None:
         try:
             result = cal.calibrate(workers=workers, threads=threads, sizes_bytes=sizes, repeats=reps,
                                    timeout_s=timeout_s, progress=lambda msg: typer.echo(msg, err=True),
-                                   hivemind=hivemind)
+                                   hivemind=hivemind, matchmaking_time_s=matchmaking_time_s)
         except cal.CalibrationError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from None
@@ -158,7 +161,9 @@ def register(app: typer.Typer) -> None:
         strategies: str = typer.Option(",".join(MODELS), "--strategies", help="distribution models to consider, comma-separated"),
         microbatches: Optional[int] = typer.Option(None, "--microbatches", min=1, help="gpipe/1f1b (default 2 x workers)"),
         target_batch_size: Optional[int] = typer.Option(None, "--target-batch-size", min=1, help="collaborative (default: the global batch)"),
-        matchmaking_time_s: float = typer.Option(2.0, "--matchmaking-time", min=0.01, help="collaborative: seconds"),
+        matchmaking_time_s: Optional[float] = typer.Option(
+            None, "--matchmaking-time", min=0.01,
+            help="collaborative: seconds (default: the cluster's hivemind calibration's, else 2)"),
         local_updates: bool = typer.Option(False, "--local-updates", help="collaborative: use_local_updates"),
         loader_workers: int = typer.Option(0, "--loader-workers", min=0),
         threads: int = typer.Option(1, "--threads", min=1, help="cores of the profiled device (CPU)"),
@@ -178,6 +183,8 @@ def register(app: typer.Typer) -> None:
         n = workers or (len(spec.peers) if spec.peers and spec.workers == 1 else spec.workers)
         if n < 2:
             raise UserError(f"the cluster {spec.name!r} has one device; describe at least 2 devices or peers, or pass --workers")
+        if matchmaking_time_s is None:
+            matchmaking_time_s = (spec.hivemind and spec.hivemind.matchmaking_time_s) or 2.0
         profile = load_or_profile(model, dataset, batch_size, threads=threads, loader_workers=(loader_workers,),
                                   cache_dir=cache_dir, progress=not as_json)
         scale = compute_scale(profile, batch_size, spec.device.kind)
@@ -212,7 +219,7 @@ def register(app: typer.Typer) -> None:
 
         spec = load_grid(grid)
         db_path = Path(db) if db else default_db_path()
-        cl = _local_cluster(cluster, db_path, spec.workers, spec.threads)
+        cl = _local_cluster(cluster, db_path, spec.workers, spec.threads, spec.matchmaking_time_s)
         try:
             cells = run_validation(spec, cl, db_path, progress=progress, rerun=rerun, run_real=not predict_only)
         except KeyboardInterrupt:
@@ -225,19 +232,20 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"report: {path}")
 
 
-def _local_cluster(path: Path | None, db_path: Path, workers: int, threads: int):
-    """The cluster file given, or this machine calibrated once and kept next to the database."""
+def _local_cluster(path: Path | None, db_path: Path, workers: int, threads: int, matchmaking_time_s: float):
+    """The cluster file given, or this machine calibrated once (hivemind at ``matchmaking_time_s``) and kept
+    next to the database."""
     from ddlscope.predict.cluster import load_cluster, write_cluster
 
     if path is not None:
         return load_cluster(path)
-    kept = db_path.parent / f"cluster-calibrated-{workers}x{threads}.toml"
+    kept = db_path.parent / f"cluster-calibrated-{workers}x{threads}-mm{matchmaking_time_s:g}s.toml"
     if kept.exists():
         return load_cluster(kept)
     from ddlscope.predict.calibrate import calibrate
 
     typer.echo(f"calibrating this machine ({workers} workers x {threads} threads) ...", err=True)
-    spec = calibrate(workers=workers, threads=threads, hivemind=True).cluster
+    spec = calibrate(workers=workers, threads=threads, hivemind=True, matchmaking_time_s=matchmaking_time_s).cluster
     write_cluster(spec, kept)
     return spec
 

@@ -23,6 +23,7 @@ single/ddp/fsdp/collaborative; the whole batch (split into micro-batches) for gp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ddlscope.errors import UserError
@@ -84,6 +85,7 @@ class Prediction:
         dominant_cost: the largest part of ``breakdown_s``.
         reference_epoch_s: the thesis's closed form for the same setting, by name (e.g. ``eq5.1``).
         inputs: every number the model used, so a wrong prediction can be traced.
+        notes: what makes this prediction less certain than the model's validation suggests.
     """
 
     setting: Setting
@@ -92,6 +94,7 @@ class Prediction:
     breakdown_s: dict[str, float]
     reference_epoch_s: dict[str, float] = field(default_factory=dict)
     inputs: dict[str, float | int | str | list] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def dominant_cost(self) -> str:
@@ -627,8 +630,10 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     slowest peer and holds their samples, and the measured ``epoch_overhead_s`` replaces the two
     rounds on these devices, plus the rounds' extra time for parameters beyond the reference's
     and, for listed peers, the wire time over their links. The matchmaking wait leaves the
-    peer's cores to hivemind's work, so the two overlap: ``max(wait, epoch_overhead_s)``. Without a fit both are left out and
-    CPU peers are predicted too fast (see the README's validation figures).
+    peer's cores to hivemind's work, so the two overlap: ``max(wait, epoch_overhead_s)``. Both
+    figures depend on the matchmaking time (:mod:`ddlscope.predict.swarm`); a setting at another
+    matchmaking time than the fit's gets a note. Without a fit both are left out and CPU peers are
+    predicted too fast (see the README's validation figures), which a note says too.
     """
     peers = cluster.peers[: s.workers] if cluster.peers else []
     busy = s.workers if not cluster.peers else 1
@@ -663,6 +668,16 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
         # while a peer waits for matchmaking its cores are free for hivemind's own work: they overlap
         averaging = (max(wait, hm.epoch_overhead_s) if not s.use_local_updates else hm.epoch_overhead_s) \
             + beyond + (one_round if peers else 0.0)
+    notes = []
+    if hm is None and not alone:
+        notes.append("collaborative: no hivemind fit in the cluster file (calibrate --hivemind), so hivemind's own "
+                     "work and overshoot are left out; on CPU peers this predicts too fast")
+    elif hm is not None and not alone and (hm.matchmaking_time_s is None or
+                                           not math.isclose(hm.matchmaking_time_s, s.matchmaking_time_s, rel_tol=0.05)):
+        at = "an unrecorded matchmaking time" if hm.matchmaking_time_s is None else f"matchmaking {hm.matchmaking_time_s:g} s"
+        notes.append(f"collaborative: hivemind's overhead and overshoot were calibrated at {at}, this setting uses "
+                     f"{s.matchmaking_time_s:g} s; both depend on it (calibrate --hivemind --matchmaking-time "
+                     f"{s.matchmaking_time_s:g} measures them there)")
     parts = {"compute": t_acc, "averaging": averaging,
              "optimizer": 0.0 if s.use_local_updates else step.optimizer_s * slow / min(shares)}
     return _finish(s, parts, throughput * t_acc,
@@ -671,7 +686,8 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
                            "samples_per_global_epoch": throughput * t_acc, "matchmaking_wait_s": wait,
                            "grad_round_s": grad_round, "state_round_s": state_round, "state_round_on_cores": on_cpu,
                            "hivemind_epoch_overhead_s": hm.epoch_overhead_s if hm else 0.0,
-                           "contention": slow / scale, "compute_scale": scale})
+                           "hivemind_fit_matchmaking_time_s": (hm.matchmaking_time_s or 0.0) if hm else 0.0,
+                           "contention": slow / scale, "compute_scale": scale}, notes=notes)
 
 
 def predict_all(profile: WorkloadProfile, cluster: ClusterSpec, settings: list[Setting],

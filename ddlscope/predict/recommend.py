@@ -133,7 +133,8 @@ def recommend(profile: WorkloadProfile, cluster: ClusterSpec, settings: list[Set
 
     A setting predicted not to fit is never recommended. When nothing fits, ``best`` is None and
     ``why`` names the candidate with the smallest shortfall (bytes per worker beyond capacity).
-    Invalid settings (e.g. more stages than layers) are listed with their reason.
+    Invalid settings (e.g. more stages than layers) are listed with their reason. The predictions'
+    notes (what makes them less certain) become the recommendation's, each once.
     """
     capacity = cluster.device_memory_bytes(profile.device.memory_bytes)
     cands: list[Candidate] = []
@@ -159,7 +160,8 @@ def recommend(profile: WorkloadProfile, cluster: ClusterSpec, settings: list[Set
                    f"({_gib(nearest.shortfall_bytes)} short); try a smaller batch or more pipeline stages")
         else:
             why = "nothing can run: " + "; ".join(f"{c.label}: {c.invalid_reason}" for c in cands)
-    return Recommendation(cands, best, why, compute_scale, compute_scale_band)
+    notes = list(dict.fromkeys(n for c in cands if c.prediction for n in c.prediction.notes))
+    return Recommendation(cands, best, why, compute_scale, compute_scale_band, notes)
 
 
 def _gib(nbytes: int | None) -> str:

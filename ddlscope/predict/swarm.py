@@ -25,8 +25,14 @@ first (which includes start-up):
 - ``epoch_cpu_s``: median CPU seconds of hivemind's processes and threads per epoch
   (:func:`ddlscope.measure.host.background_cpu_s`), for the record.
 
-Matchmaking time (:data:`MATCHMAKING_S`) is shorter than the accumulation less one step, so by
-the cost model's own rule no round waits for matchmaking. This module holds both sides:
+Both figures depend on ``matchmaking_time_s``: hivemind pre-schedules the gradient round once the
+epoch's estimated end is that close, and the earlier it starts matchmaking the more of its work
+overlaps the last steps. In swarms of the reference network on one-core peers, matchmaking 0.5 s
+gave 0.75-0.92 overshoot steps and 1.6-1.8 s of overhead per epoch, matchmaking 1.0 s gave
+0.33-0.5 steps and 1.8-2.4 s. So the swarm runs at the matchmaking time the predictions will
+use (:data:`MATCHMAKING_S` by default, the validation grid's) and the fit records it. At 1 s
+matchmaking starts about one step before the epoch's end, so by the cost model's own rule no
+round waits for it. This module holds both sides:
 :func:`measure_swarm` runs inside a calibration worker, :func:`fit_swarm` reduces the workers'
 raw figures to a :class:`ddlscope.predict.cluster.HivemindFit`.
 """
@@ -45,22 +51,25 @@ from ddlscope.predict.cluster import HivemindFit
 REFERENCE = ("resnet18", "mnist", 32)
 #: each peer's share of the target batch, in steps (target batch = STEPS_PER_EPOCH x peers x batch)
 STEPS_PER_EPOCH = 2
-MATCHMAKING_S = 0.5
-#: global epochs timed after the first
-EPOCHS = 6
+#: seconds; the default matchmaking time of the swarm (the validation grid's)
+MATCHMAKING_S = 1.0
+#: global epochs timed after the first (overshoot is a whole number of steps per epoch: its mean needs many)
+EPOCHS = 12
 #: a round not finished after this long is given up (hivemind's averaging_timeout)
 ROUND_TIMEOUT_S = 15.0
 
 
-def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: Callable[[str], None]) -> dict[str, Any]:
+def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: Callable[[str], None],
+                  matchmaking_time_s: float = MATCHMAKING_S) -> dict[str, Any]:
     """Train :data:`REFERENCE` with ``hivemind.Optimizer`` in this worker, all workers together.
 
     Needs the calibration's gloo process group (for the DHT address and a barrier). Stops after
-    ``epochs + 1`` global epochs or ``deadline_s`` seconds of training.
+    ``epochs + 1`` global epochs or ``deadline_s`` seconds of training. ``matchmaking_time_s``:
+    hivemind's ``matchmaking_time`` (seconds).
 
     Returns:
         ``compute_alone_s`` (median step compute before the optimizer existed, seconds),
-        ``param_bytes``, and ``steps``: per step ``[compute s, hivemind step s, local epoch after,
+        ``param_bytes``, ``matchmaking_time_s``, and ``steps``: per step ``[compute s, hivemind step s, local epoch after,
         background CPU s]``.
     """
     import hivemind
@@ -98,7 +107,7 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
         opt = hivemind.Optimizer(
             dht=dht, run_id="ddlscope-calibrate-swarm", batch_size_per_step=batch,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-            target_batch_size=STEPS_PER_EPOCH * workers * batch, matchmaking_time=MATCHMAKING_S,
+            target_batch_size=STEPS_PER_EPOCH * workers * batch, matchmaking_time=matchmaking_time_s,
             averaging_timeout=ROUND_TIMEOUT_S, verbose=False)
         dist.barrier()
         steps: list[list[float]] = []
@@ -117,7 +126,7 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
             shutdown_hivemind(opt, None)
         say(f"hivemind swarm: {network} on {family} shapes, {len(steps)} steps, global epoch {opt.local_epoch}")
         return {"compute_alone_s": alone, "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-                "steps": steps}
+                "matchmaking_time_s": matchmaking_time_s, "steps": steps}
     finally:
         dht.shutdown()
 
@@ -144,4 +153,5 @@ def fit_swarm(raw: list[dict[str, Any]]) -> HivemindFit:
                        overshoot_steps=max(0.0, statistics.fmean(extra_steps)),
                        epoch_cpu_s=statistics.median(cpu), reference=f"{REFERENCE[0]} on {REFERENCE[1]} shapes, "
                        f"{STEPS_PER_EPOCH} steps of {REFERENCE[2]} per peer per epoch",
-                       reference_param_bytes=int(raw[0]["param_bytes"]))
+                       reference_param_bytes=int(raw[0]["param_bytes"]),
+                       matchmaking_time_s=float(raw[0]["matchmaking_time_s"]))
