@@ -180,20 +180,35 @@ def test_calibrate_hivemind_swarm_fits_what_hivemind_adds(tmp_path):
     assert hm.epoch_overhead_s > 0 and hm.epoch_cpu_s > 0  # hivemind's processes did work every epoch
     assert hm.reference_param_bytes > 40e6 and "resnet18" in hm.reference
     assert hm.matchmaking_time_s == pytest.approx(0.8)  # the swarm ran at the matchmaking time asked for
+    assert "32/8" in hm.reference and hm.overhead_steps >= 0  # one swarm per reference batch size
 
 
-def test_fit_swarm_reads_whole_epochs_after_the_first():
-    from ddlscope.predict.swarm import STEPS_PER_EPOCH, fit_swarm
+def test_fit_swarm_reads_whole_epochs_after_the_first_and_fits_overhead_against_the_step():
+    from ddlscope.predict.swarm import STEPS_PER_EPOCH, fit_swarm, swarm_epochs
 
-    # [compute s, hivemind step s, epoch after, background CPU s]; epoch 1 ends at step 2 (start-up),
-    # then 3 steps per epoch, the last step of each with a 0.5 s round; compute alone 1.0 s
-    steps = [[1.0, 0.0, 0, 0.0], [1.0, 0.0, 0, 0.0], [1.0, 2.0, 1, 1.0]]
-    for epoch in (2, 3, 4):
-        steps += [[1.2, 0.0, epoch - 1, 0.3], [1.0, 0.0, epoch - 1, 0.1], [1.0, 0.5, epoch, 0.6]]
-    fit = fit_swarm([{"compute_alone_s": 1.0, "param_bytes": 1000, "matchmaking_time_s": 0.7, "steps": steps}] * 2)
-    assert fit.epoch_overhead_s == pytest.approx(0.2 + 0.5)  # slower compute + the round, per epoch
+    def swarm(batch, alone, round_s):
+        # [compute s, hivemind step s, epoch after, background CPU s]; epoch 1 ends at step 2 (start-up),
+        # then 3 steps per epoch, the first 20 % slower, the last with a round of round_s seconds
+        steps = [[alone, 0.0, 0, 0.0], [alone, 0.0, 0, 0.0], [alone, 2.0, 1, 1.0]]
+        for epoch in range(2, 12):
+            steps += [[1.2 * alone, 0.0, epoch - 1, 0.3], [alone, 0.0, epoch - 1, 0.1], [alone, round_s, epoch, 0.6]]
+        return {"batch_size": batch, "compute_alone_s": alone, "steps": steps}
+
+    # overhead per epoch = 0.2 x step + round: 1.0 + 0.2 = 1.2 s at a 1 s step, 0.6 + 0.05 = 0.65 s at 0.25 s
+    worker = {"param_bytes": 1000, "matchmaking_time_s": 0.7, "swarms": [swarm(32, 1.0, 1.0), swarm(8, 0.25, 0.6)]}
+    epochs = swarm_epochs([worker] * 2)
+    assert [len(sw["overhead_s"]) for sw in epochs] == [20, 20]  # 10 whole epochs after the first, 2 workers
+    assert epochs[0]["overhead_s"][0] == pytest.approx(1.2) and epochs[1]["overhead_s"][0] == pytest.approx(0.65)
+    fit = fit_swarm([worker] * 2)
+    # the line through (1.0, 1.2) and (0.25, 0.65): slope 0.55/0.75, intercept 1.2 - slope
+    assert fit.overhead_steps == pytest.approx(0.55 / 0.75)
+    assert fit.epoch_overhead_s == pytest.approx(1.2 - 0.55 / 0.75)
     assert fit.epoch_cpu_s == pytest.approx(1.0)
     assert fit.overshoot_steps == pytest.approx(3 - STEPS_PER_EPOCH)
-    assert fit.matchmaking_time_s == pytest.approx(0.7)
-    with pytest.raises(ValueError, match="need at least 2"):
-        fit_swarm([{"compute_alone_s": 1.0, "param_bytes": 1000, "steps": steps[:6]}])
+    assert fit.matchmaking_time_s == pytest.approx(0.7) and "32/8" in fit.reference
+    # more overhead at the shorter step: no slope, the mean overhead
+    flat = fit_swarm([{**worker, "swarms": [swarm(32, 1.0, 0.2), swarm(8, 0.25, 1.5)]}] * 2)
+    assert flat.overhead_steps == 0.0 and flat.epoch_overhead_s == pytest.approx((1.2 - 0.8 + 1.55) / 2)
+    short = {**worker, "swarms": [swarm(32, 1.0, 1.0), {**swarm(8, 0.25, 0.6), "steps": swarm(8, 0.25, 0.6)["steps"][:6]}]}
+    with pytest.raises(ValueError, match="batch 8: worker 0 timed 1 whole global epochs"):
+        fit_swarm([short])

@@ -315,6 +315,8 @@ class CalibrationResult(BaseModel):
         fsdp_* / ddp_*: seconds per training step of the reference linear stacks, plain and under
             FSDP2 (tiny units: :data:`FSDP_UNITS`; large: :data:`FSDP_LARGE_UNITS`) or DDP
             (:data:`DDP_UNITS`), from which :func:`fit_in_step_rates` fits the in-step rates.
+        hivemind_swarms: with ``hivemind``, every timed global epoch of each reference swarm
+            (:func:`ddlscope.predict.swarm.swarm_epochs`), from which the hivemind fit comes.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -341,6 +343,7 @@ class CalibrationResult(BaseModel):
     fsdp_large_sharded_step_s: float = 0.0
     ddp_plain_step_s: float = 0.0
     ddp_step_s: float = 0.0
+    hivemind_swarms: list[dict[str, Any]] = Field(default_factory=list)
     hostname: str
     cpu: str
     torch_version: str
@@ -582,7 +585,7 @@ def _worker_main(argv: list[str] | None = None) -> int:
         if plan.get("hivemind"):  # 6. hivemind's own per-epoch cost and overshoot, on a reference network
             from ddlscope.predict.swarm import EPOCHS, measure_swarm
 
-            out["swarm"] = measure_swarm(rank, workers, EPOCHS, plan["timeout_s"] / 3, say, plan["matchmaking_time_s"])
+            out["swarm"] = measure_swarm(rank, workers, EPOCHS, plan["timeout_s"] / 2, say, plan["matchmaking_time_s"])
         dist.barrier()
         tmp = os.path.join(workdir, f".result-{rank}.json")
         with open(tmp, "w") as f:
@@ -868,17 +871,19 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         workers, fsdp_unit_fixed, allreduce.collective_fixed_s,
         fsdp_large=(step_s("fsdp_large", "plain"), step_s("fsdp_large", "wrapped")),
         ddp=(step_s("ddp", "plain"), step_s("ddp", "wrapped")), notes=notes)
-    swarm = None
+    swarm, swarm_raw = None, []
     if hivemind:
-        from ddlscope.predict.swarm import fit_swarm
+        from ddlscope.predict.swarm import fit_swarm, swarm_epochs
 
         try:
             swarm = fit_swarm([w["swarm"] for w in raw])
+            swarm_raw = swarm_epochs([w["swarm"] for w in raw])
         except ValueError as e:
             notes.append(f"hivemind swarm not fitted ({e}): collaborative predictions leave hivemind's own work out")
         else:
             swarm = swarm.model_copy(update={k: _sig(getattr(swarm, k))
-                                             for k in ("epoch_overhead_s", "overshoot_steps", "epoch_cpu_s")})
+                                             for k in ("epoch_overhead_s", "overhead_steps", "overshoot_steps",
+                                                       "epoch_cpu_s")})
     cluster = ClusterSpec(  # 4 significant digits: far more than the measurements' precision
         name=name or f"local-{workers}x{threads}core", nodes=1, devices_per_node=workers,
         device=DeviceSpec(kind="local"),
@@ -899,7 +904,8 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         overlap_allreduce_s=tm, overlap_both_s=tb, comm_overlap_raw=overlap_raw,
         fsdp_plain_step_s=step_s("fsdp", "plain"), fsdp_sharded_step_s=step_s("fsdp", "wrapped"),
         fsdp_large_plain_step_s=step_s("fsdp_large", "plain"), fsdp_large_sharded_step_s=step_s("fsdp_large", "wrapped"),
-        ddp_plain_step_s=step_s("ddp", "plain"), ddp_step_s=step_s("ddp", "wrapped"), hostname=platform.node(),
+        ddp_plain_step_s=step_s("ddp", "plain"), ddp_step_s=step_s("ddp", "wrapped"), hivemind_swarms=swarm_raw,
+        hostname=platform.node(),
         cpu=_cpu_name(), torch_version=torch.__version__, created_at=time.time(), elapsed_s=elapsed, notes=notes,
     )
 
@@ -960,7 +966,8 @@ def print_calibration(result: CalibrationResult) -> None:
     ]
     if c.hivemind is not None:
         hm = c.hivemind
-        rows.append(("hivemind", f"{hm.reference}: {hm.epoch_overhead_s:.2f} s per global epoch beyond compute "
+        rows.append(("hivemind", f"{hm.reference}: {hm.epoch_overhead_s:.2f} s + {hm.overhead_steps:.2f} steps per "
+                                 f"global epoch beyond compute "
                                  f"({hm.epoch_cpu_s:.2f} CPU-s of hivemind's processes), overshoot "
                                  f"{hm.overshoot_steps:.2f} steps per peer, at matchmaking {hm.matchmaking_time_s:g} s"))
     for label, text in rows:

@@ -96,8 +96,10 @@ class HivemindFit(BaseModel):
     in a short local swarm (``ddlscope calibrate --hivemind``, :mod:`ddlscope.predict.swarm`).
 
     Attributes:
-        epoch_overhead_s: seconds a peer's global epoch lasts beyond its steps' compute (hivemind's
-            DHT, ``p2pd``, averagers and progress tracker on the peer's cores, and the rounds).
+        epoch_overhead_s, overhead_steps: a peer's global epoch lasts ``epoch_overhead_s +
+            overhead_steps x step`` seconds beyond its steps' compute, for peers whose compute step
+            takes ``step`` seconds (hivemind's DHT, ``p2pd``, averagers and progress tracker on the
+            peer's cores, the rounds, and the wait for the other peers' current step).
         overshoot_steps: extra steps per peer per global epoch beyond the target batch.
         epoch_cpu_s: CPU seconds hivemind's processes and threads used per epoch (for the record).
         reference: what was trained; reference_param_bytes: its parameter bytes.
@@ -109,6 +111,7 @@ class HivemindFit(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     epoch_overhead_s: float = Field(ge=0)
+    overhead_steps: float = Field(0.0, ge=0)
     overshoot_steps: float = Field(0.0, ge=0)
     epoch_cpu_s: float = Field(0.0, ge=0)
     reference: str = ""

@@ -627,8 +627,8 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     model (the steps' ``background_cpu_s``), and peers overshoot the target batch because they
     see the swarm's progress late. With a ``hivemind`` fit (``calibrate --hivemind``: a reference
     network trained in a local swarm) a global epoch lasts ``overshoot_steps`` more steps of the
-    slowest peer and holds their samples, and the measured ``epoch_overhead_s`` replaces the two
-    rounds on these devices, plus the rounds' extra time for parameters beyond the reference's
+    slowest peer and holds their samples, and the measured overhead, ``epoch_overhead_s +
+    overhead_steps x`` the slowest peer's step, replaces the two rounds on these devices, plus the rounds' extra time for parameters beyond the reference's
     and, for listed peers, the wire time over their links. The matchmaking wait leaves the
     peer's cores to hivemind's work, so the two overlap: ``max(wait, epoch_overhead_s)``. Both
     figures depend on the matchmaking time (:mod:`ddlscope.predict.swarm`); a setting at another
@@ -666,7 +666,8 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
         reference = butterfly_allreduce_s(float(hm.reference_param_bytes), bws, lats, fixed)
         beyond = 2 * max(0.0, one_round - reference)
         # while a peer waits for matchmaking its cores are free for hivemind's own work: they overlap
-        averaging = (max(wait, hm.epoch_overhead_s) if not s.use_local_updates else hm.epoch_overhead_s) \
+        overhead = hm.epoch_overhead_s + hm.overhead_steps * max(peer_steps)
+        averaging = (max(wait, overhead) if not s.use_local_updates else overhead) \
             + beyond + (one_round if peers else 0.0)
     notes = []
     if hm is None and not alone:
@@ -685,7 +686,7 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
                            "swarm_samples_per_s": throughput, "accumulate_s": t_acc,
                            "samples_per_global_epoch": throughput * t_acc, "matchmaking_wait_s": wait,
                            "grad_round_s": grad_round, "state_round_s": state_round, "state_round_on_cores": on_cpu,
-                           "hivemind_epoch_overhead_s": hm.epoch_overhead_s if hm else 0.0,
+                           "hivemind_epoch_overhead_s": overhead if hm and not alone else 0.0,
                            "hivemind_fit_matchmaking_time_s": (hm.matchmaking_time_s or 0.0) if hm else 0.0,
                            "contention": slow / scale, "compute_scale": scale}, notes=notes)
 

@@ -16,25 +16,33 @@ not to the workload, make real runs slower and gloo microbenchmarks cannot see t
 A synthetic model does not reproduce these (their cost depended on its tensor layout and varied
 by 2x between runs); the real training of a fixed reference network does. So every worker
 trains :data:`REFERENCE` (random inputs) with ``hivemind.Optimizer`` at a target batch of
-:data:`STEPS_PER_EPOCH` steps per peer, and the fit reports, over whole global epochs after the
-first (which includes start-up):
+:data:`STEPS_PER_EPOCH` steps per peer, once per batch size in :data:`BATCH_SIZES`, and the fit
+reads whole global epochs after the first (which includes start-up).
 
-- ``epoch_overhead_s``: median over peers and epochs of the epoch's wall time beyond its steps'
-  compute at the speed measured just before (the per-epoch time hivemind adds);
-- ``overshoot_steps``: mean steps per peer per epoch beyond the target batch;
+The time hivemind adds per epoch grows with the peers' step: in validation runs on one-core peers
+it was 1.3-1.6 s for VGG-11 (0.2-0.3 s steps) and 1.9-2.2 s for ResNet-18 (0.8-1.0 s steps),
+whatever the parameter bytes (9 MB MobileNetV2 sat between them, by its step). Two causes: the
+peer that ends the epoch waits for the others to finish the step they are in, and hivemind's
+polling threads use CPU for as long as the epoch lasts. One reference batch size cannot separate
+that from the fixed part, so the swarm runs at two (about 0.8 and 0.25 s steps here) and the fit
+draws a line through them:
+
+- ``epoch_overhead_s`` + ``overhead_steps`` x the step: the epoch's wall time beyond its steps'
+  compute at the speed measured just before, median over peers and epochs of each swarm;
+- ``overshoot_steps``: mean steps per peer per epoch beyond the target batch, over both swarms;
 - ``epoch_cpu_s``: median CPU seconds of hivemind's processes and threads per epoch
   (:func:`ddlscope.measure.host.background_cpu_s`), for the record.
 
-Both figures depend on ``matchmaking_time_s``: hivemind pre-schedules the gradient round once the
-epoch's estimated end is that close, and the earlier it starts matchmaking the more of its work
-overlaps the last steps. In swarms of the reference network on one-core peers, matchmaking 0.5 s
+These figures depend on ``matchmaking_time_s`` too: hivemind pre-schedules the gradient round
+once the epoch's estimated end is that close, and the earlier it starts matchmaking the more of its
+work overlaps the last steps. In swarms of the reference network at batch 32, matchmaking 0.5 s
 gave 0.75-0.92 overshoot steps and 1.6-1.8 s of overhead per epoch, matchmaking 1.0 s gave
 0.33-0.5 steps and 1.8-2.4 s. So the swarm runs at the matchmaking time the predictions will
-use (:data:`MATCHMAKING_S` by default, the validation grid's) and the fit records it. At 1 s
-matchmaking starts about one step before the epoch's end, so by the cost model's own rule no
-round waits for it. This module holds both sides:
-:func:`measure_swarm` runs inside a calibration worker, :func:`fit_swarm` reduces the workers'
-raw figures to a :class:`ddlscope.predict.cluster.HivemindFit`.
+use (:data:`MATCHMAKING_S` by default, the validation grid's) and the fit records it. The
+overhead is fitted as measured, including any wait for matchmaking; the cost model takes the
+larger of the two (:func:`ddlscope.predict.costs.predict_collaborative`). This module holds both
+sides: :func:`measure_swarm` runs inside a calibration worker, :func:`fit_swarm` reduces the
+workers' raw figures to a :class:`ddlscope.predict.cluster.HivemindFit`.
 """
 
 from __future__ import annotations
@@ -47,50 +55,43 @@ from typing import Any
 from ddlscope.measure.host import background_cpu_s
 from ddlscope.predict.cluster import HivemindFit
 
-#: (network, dataset shape, samples per step): thesis 000's network on MNIST-shaped inputs
-REFERENCE = ("resnet18", "mnist", 32)
+#: (network, dataset shape): thesis 000's network on MNIST-shaped inputs
+REFERENCE = ("resnet18", "mnist")
+#: samples per step of the reference swarms, one swarm each (about 0.8 and 0.25 s steps on one core)
+BATCH_SIZES = (32, 8)
 #: each peer's share of the target batch, in steps (target batch = STEPS_PER_EPOCH x peers x batch)
 STEPS_PER_EPOCH = 2
 #: seconds; the default matchmaking time of the swarm (the validation grid's)
 MATCHMAKING_S = 1.0
-#: global epochs timed after the first (overshoot is a whole number of steps per epoch: its mean needs many)
-EPOCHS = 12
+#: global epochs timed after the first, per swarm (overshoot is a whole number of steps per epoch: its mean needs many)
+EPOCHS = 10
 #: a round not finished after this long is given up (hivemind's averaging_timeout)
 ROUND_TIMEOUT_S = 15.0
 
 
 def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: Callable[[str], None],
                   matchmaking_time_s: float = MATCHMAKING_S) -> dict[str, Any]:
-    """Train :data:`REFERENCE` with ``hivemind.Optimizer`` in this worker, all workers together.
+    """Train :data:`REFERENCE` with ``hivemind.Optimizer`` in this worker, all workers together, once
+    per batch size of :data:`BATCH_SIZES`.
 
-    Needs the calibration's gloo process group (for the DHT address and a barrier). Stops after
-    ``epochs + 1`` global epochs or ``deadline_s`` seconds of training. ``matchmaking_time_s``:
-    hivemind's ``matchmaking_time`` (seconds).
+    Needs the calibration's gloo process group (for the DHT address and barriers). Each swarm stops
+    after ``epochs + 1`` global epochs or ``deadline_s / len(BATCH_SIZES)`` seconds of training.
+    ``matchmaking_time_s``: hivemind's ``matchmaking_time`` (seconds).
 
     Returns:
-        ``compute_alone_s`` (median step compute before the optimizer existed, seconds),
-        ``param_bytes``, ``matchmaking_time_s``, and ``steps``: per step ``[compute s, hivemind step s, local epoch after,
-        background CPU s]``.
+        ``param_bytes``, ``matchmaking_time_s`` and ``swarms``: per batch size ``batch_size``,
+        ``compute_alone_s`` (median step compute before the optimizer existed, seconds) and
+        ``steps``: per step ``[compute s, hivemind step s, local epoch after, background CPU s]``.
     """
     import hivemind
     import torch
     import torch.distributed as dist
 
-    from ddlscope.predict.calibrate import _timed
-    from ddlscope.strategies.collaborative import shutdown_hivemind
-    from ddlscope.workloads.models import build_model, input_spec
+    from ddlscope.workloads.models import build_model
 
-    network, family, batch = REFERENCE
+    network, family = REFERENCE
     torch.manual_seed(rank)
     model = build_model(network, family)
-    spec = input_spec(family)
-    x = torch.randn(batch, spec.channels, spec.height, spec.width)
-    y = torch.randint(0, spec.num_classes, (batch,))
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def compute() -> None:
-        loss_fn(model(x), y).backward()
-
     maddrs: list[Any] = [None]
     if rank == 0:
         dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
@@ -99,59 +100,127 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
     if rank != 0:
         dht = hivemind.DHT(initial_peers=maddrs[0], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     try:
-        for _ in range(3):  # the first steps allocate gradients and warm the allocator
-            compute()
-        model.zero_grad()
-        alone = statistics.median(_timed(compute) for _ in range(5))
-        model.zero_grad()
-        opt = hivemind.Optimizer(
-            dht=dht, run_id="ddlscope-calibrate-swarm", batch_size_per_step=batch,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-            target_batch_size=STEPS_PER_EPOCH * workers * batch, matchmaking_time=matchmaking_time_s,
-            averaging_timeout=ROUND_TIMEOUT_S, verbose=False)
-        dist.barrier()
-        steps: list[list[float]] = []
-        deadline = time.monotonic() + deadline_s
-        before = background_cpu_s()
-        try:
-            while opt.local_epoch < epochs + 1 and time.monotonic() < deadline:
-                compute_s = _timed(compute)
-                t0 = time.perf_counter()
-                opt.step(batch_size=batch)
-                opt.zero_grad()
-                after = background_cpu_s()
-                steps.append([compute_s, time.perf_counter() - t0, opt.local_epoch, max(0.0, after - before)])
-                before = after
-        finally:
-            shutdown_hivemind(opt, None)
-        say(f"hivemind swarm: {network} on {family} shapes, {len(steps)} steps, global epoch {opt.local_epoch}")
-        return {"compute_alone_s": alone, "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-                "matchmaking_time_s": matchmaking_time_s, "steps": steps}
+        swarms = [_one_swarm(hivemind, dht, model, batch, workers, epochs, deadline_s / len(BATCH_SIZES),
+                             matchmaking_time_s, say) for batch in BATCH_SIZES]
     finally:
         dht.shutdown()
+    return {"param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "matchmaking_time_s": matchmaking_time_s, "swarms": swarms}
+
+
+def _one_swarm(hivemind, dht, model, batch: int, workers: int, epochs: int, deadline_s: float,
+               matchmaking_time_s: float, say: Callable[[str], None]) -> dict[str, Any]:
+    """One swarm of :func:`measure_swarm` at ``batch`` samples per step (its own hivemind run id)."""
+    import torch
+    import torch.distributed as dist
+
+    from ddlscope.predict.calibrate import _timed
+    from ddlscope.strategies.collaborative import shutdown_hivemind
+    from ddlscope.workloads.models import input_spec
+
+    spec = input_spec(REFERENCE[1])
+    x = torch.randn(batch, spec.channels, spec.height, spec.width)
+    y = torch.randint(0, spec.num_classes, (batch,))
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def compute() -> None:
+        loss_fn(model(x), y).backward()
+
+    for _ in range(3):  # the first steps allocate gradients and warm the allocator
+        compute()
+    model.zero_grad()
+    alone = statistics.median(_timed(compute) for _ in range(5))
+    model.zero_grad()
+    opt = hivemind.Optimizer(
+        dht=dht, run_id=f"ddlscope-calibrate-swarm-b{batch}", batch_size_per_step=batch,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        target_batch_size=STEPS_PER_EPOCH * workers * batch, matchmaking_time=matchmaking_time_s,
+        averaging_timeout=ROUND_TIMEOUT_S, verbose=False)
+    dist.barrier()
+    steps: list[list[float]] = []
+    deadline = time.monotonic() + deadline_s
+    before = background_cpu_s()
+    try:
+        while opt.local_epoch < epochs + 1 and time.monotonic() < deadline:
+            compute_s = _timed(compute)
+            t0 = time.perf_counter()
+            opt.step(batch_size=batch)
+            opt.zero_grad()
+            after = background_cpu_s()
+            steps.append([compute_s, time.perf_counter() - t0, opt.local_epoch, max(0.0, after - before)])
+            before = after
+    finally:
+        shutdown_hivemind(opt, None)
+    dist.barrier()  # no peer of this swarm still averaging when the next one starts
+    say(f"hivemind swarm: {REFERENCE[0]} on {REFERENCE[1]} shapes, batch {batch}, {len(steps)} steps, "
+        f"global epoch {opt.local_epoch}")
+    return {"batch_size": batch, "compute_alone_s": alone, "steps": steps}
+
+
+def swarm_epochs(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every whole global epoch after the first of every worker, per swarm of :func:`measure_swarm`.
+
+    Returns:
+        per swarm: ``batch_size``, ``compute_alone_s`` (median over workers, seconds) and per
+        epoch (all workers) ``overhead_s`` (wall time beyond the steps' compute alone),
+        ``extra_steps`` (steps beyond the target) and ``cpu_s`` (hivemind's CPU seconds).
+
+    Raises:
+        ValueError: a worker timed fewer than 2 whole global epochs after the first in a swarm.
+    """
+    out = []
+    for i in range(len(raw[0]["swarms"])):
+        alone, overheads, extra, cpu = [], [], [], []
+        for rank, w in enumerate(raw):
+            swarm = w["swarms"][i]
+            steps = swarm["steps"]
+            ends = [j for j in range(1, len(steps)) if steps[j][2] > steps[j - 1][2]]
+            if len(ends) < 3:
+                raise ValueError(f"the hivemind swarm at batch {swarm['batch_size']}: worker {rank} timed "
+                                 f"{max(0, len(ends) - 1)} whole global epochs after the first; need at least 2")
+            alone.append(swarm["compute_alone_s"])
+            for start, end in zip(ends, ends[1:]):
+                epoch = steps[start + 1:end + 1]
+                overheads.append(sum(c + t for c, t, *_ in epoch) - len(epoch) * swarm["compute_alone_s"])
+                cpu.append(sum(s[3] for s in epoch))
+                extra.append(len(epoch) - STEPS_PER_EPOCH)
+        out.append({"batch_size": raw[0]["swarms"][i]["batch_size"], "compute_alone_s": statistics.median(alone),
+                    "overhead_s": overheads, "extra_steps": extra, "cpu_s": cpu})
+    return out
 
 
 def fit_swarm(raw: list[dict[str, Any]]) -> HivemindFit:
     """Reduce every worker's :func:`measure_swarm` figures to a :class:`HivemindFit` (see the module docstring).
 
+    Per swarm (:func:`swarm_epochs`): the epochs' typical overhead, a 10 % trimmed mean
+    (:func:`ddlscope.predict.calibrate._typical`: an epoch's time adds up, so the mean, not the
+    median; trimmed, so that one averaging round given up after :data:`ROUND_TIMEOUT_S` does not
+    decide it), against the swarm's compute step. A least-squares line through those points gives
+    ``epoch_overhead_s`` (intercept, seconds) and ``overhead_steps`` (slope); a slope below 0 is
+    taken as 0 (the mean overhead), an intercept below 0 as 0 (a line through the origin). One
+    swarm: slope 0.
+
     Raises:
-        ValueError: a worker timed fewer than 2 whole global epochs after the first.
+        ValueError: a worker timed fewer than 2 whole global epochs after the first in a swarm.
     """
-    overheads, cpu, extra_steps = [], [], []
-    for rank, w in enumerate(raw):
-        steps = w["steps"]
-        ends = [i for i in range(1, len(steps)) if steps[i][2] > steps[i - 1][2]]
-        if len(ends) < 3:
-            raise ValueError(f"the hivemind swarm's worker {rank} timed {max(0, len(ends) - 1)} whole global epochs "
-                             f"after the first; need at least 2")
-        for start, end in zip(ends, ends[1:]):
-            epoch = steps[start + 1:end + 1]
-            overheads.append(sum(c + t for c, t, *_ in epoch) - len(epoch) * w["compute_alone_s"])
-            cpu.append(sum(s[3] for s in epoch))
-            extra_steps.append(len(epoch) - STEPS_PER_EPOCH)
-    return HivemindFit(epoch_overhead_s=max(0.0, statistics.median(overheads)),
-                       overshoot_steps=max(0.0, statistics.fmean(extra_steps)),
-                       epoch_cpu_s=statistics.median(cpu), reference=f"{REFERENCE[0]} on {REFERENCE[1]} shapes, "
-                       f"{STEPS_PER_EPOCH} steps of {REFERENCE[2]} per peer per epoch",
-                       reference_param_bytes=int(raw[0]["param_bytes"]),
+    import numpy as np
+
+    from ddlscope.predict.calibrate import _typical
+
+    swarms = swarm_epochs(raw)
+    step = np.array([sw["compute_alone_s"] for sw in swarms])
+    overhead = np.array([_typical(sw["overhead_s"]) for sw in swarms])
+    slope = float(np.polyfit(step, overhead, 1)[0]) if len(swarms) > 1 and np.ptp(step) > 0 else 0.0
+    if slope <= 0:
+        slope, intercept = 0.0, float(overhead.mean())
+    else:
+        intercept = float(overhead.mean() - slope * step.mean())
+        if intercept < 0:
+            slope, intercept = float((step * overhead).sum() / (step * step).sum()), 0.0
+    batches = "/".join(str(sw["batch_size"]) for sw in swarms)
+    return HivemindFit(epoch_overhead_s=max(0.0, intercept), overhead_steps=slope,
+                       overshoot_steps=max(0.0, statistics.fmean(x for sw in swarms for x in sw["extra_steps"])),
+                       epoch_cpu_s=statistics.median(x for sw in swarms for x in sw["cpu_s"]),
+                       reference=f"{REFERENCE[0]} on {REFERENCE[1]} shapes, {STEPS_PER_EPOCH} steps of {batches} "
+                       f"per peer per epoch", reference_param_bytes=int(raw[0]["param_bytes"]),
                        matchmaking_time_s=float(raw[0]["matchmaking_time_s"]))
