@@ -54,7 +54,8 @@ class ValidationGrid(BaseModel):
     warmup_batches: int = Field(2, ge=0)
     measured_batches: int = Field(8, ge=1)
     collaborative_measured_batches: int = Field(
-        24, ge=1, description="collaborative cells: batches per peer, enough for several averaging rounds")
+        48, ge=1, description="collaborative cells: batches per peer, enough for many averaging rounds (a "
+        "peer's steps per global epoch are a whole number that varies from epoch to epoch)")
     loader_workers: int = Field(0, ge=0)
     threads_per_device: int | None = Field(None, ge=1)
     target_batch_size: int | None = Field(None, ge=1, description="collaborative; default: the global batch")
