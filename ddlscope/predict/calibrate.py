@@ -777,7 +777,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         timeout_s: the whole calibration, and any single collective, fails after this long.
         progress: called with one line of text per finished measurement.
         name: the cluster's name (default ``local-<W>x<threads>core``).
-        hivemind: also train a reference network in a short hivemind swarm (about 40 s) and fit
+        hivemind: also train a reference network in two short hivemind swarms (about 80 s) and fit
             what hivemind adds per global epoch (:mod:`ddlscope.predict.swarm`); a swarm that
             cannot be fitted leaves ``hivemind`` unset, with a note.
         matchmaking_time_s: the swarm's hivemind matchmaking time (seconds, > 0; default

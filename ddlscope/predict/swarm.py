@@ -21,7 +21,7 @@ reads whole global epochs after the first (which includes start-up).
 
 The time hivemind adds per epoch grows with the peers' step: in validation runs on one-core peers
 it was 1.3-1.6 s for VGG-11 (0.2-0.3 s steps) and 1.9-2.2 s for ResNet-18 (0.8-1.0 s steps),
-whatever the parameter bytes (9 MB MobileNetV2 sat between them, by its step). Two causes: the
+and 9 MB MobileNetV2 mostly sat between them by its step, not by its bytes. Two causes: the
 peer that ends the epoch waits for the others to finish the step they are in, and hivemind's
 polling threads use CPU for as long as the epoch lasts. One reference batch size cannot separate
 that from the fixed part, so the swarm runs at two (about 0.8 and 0.25 s steps here) and the fit
