@@ -71,6 +71,10 @@ FSDP_LARGE_UNITS, FSDP_LARGE_WIDTH, FSDP_LARGE_BATCH = 2, 2048, 32
 """FSDP in a training step: units of 16 MiB (ResNet-18's largest blocks are 14 and 18 MiB)."""
 DDP_UNITS, DDP_WIDTH, DDP_BATCH = 8, 1024, 256
 """DDP in a training step: 32 MiB of gradients in 3 buckets, behind ~0.1 s of compute per step."""
+#: the reference training steps are repeated this many times ``repeats``: their rates come from a
+#: difference of two step times, and with 20 repeats three calibrations' FSDP rate spread by
+#: +-7 %, with 60 by +-3 %
+IN_STEP_REPEATS_FACTOR = 3
 #: fraction of repeats cut from each end before averaging
 TRIM = 0.1
 
@@ -495,16 +499,19 @@ def _measure(rank: int, workers: int, plan: dict[str, Any], say: Callable[[str],
     for key, wrap, units, width, batch in (("fsdp", "fsdp", FSDP_UNITS, FSDP_WIDTH, 4),
                                            ("fsdp_large", "fsdp", FSDP_LARGE_UNITS, FSDP_LARGE_WIDTH, FSDP_LARGE_BATCH),
                                            ("ddp", "ddp", DDP_UNITS, DDP_WIDTH, DDP_BATCH)):
-        out[key] = _reference_steps(wrap, units, width, batch, reps, warmup)
+        out[key] = _reference_steps(wrap, units, width, batch, IN_STEP_REPEATS_FACTOR * reps, warmup)
         say(f"{wrap}: {units} units of {width}x{width}, batch {batch}: {_typical(out[key]['plain']) * 1e3:.2f} ms plain, "
-            f"{_typical(out[key]['wrapped']) * 1e3:.2f} ms under {wrap} per step (worker 0, mean of {reps})")
+            f"{_typical(out[key]['wrapped']) * 1e3:.2f} ms under {wrap} per step (worker 0, mean of "
+            f"{IN_STEP_REPEATS_FACTOR * reps})")
     return out
 
 
 def _reference_steps(wrap: str, units: int, width: int, batch: int, reps: int, warmup: int) -> dict[str, list[float]]:
     """Training steps of ``units`` linear layers of ``width`` at ``batch``, plain and wrapped the way
     the ``fsdp`` strategy (FSDP2, one unit per layer) or the ``ddp`` strategy (DDP, default 25 MiB
-    buckets) wraps a network; seconds per step of each (every repeat starts at a barrier)."""
+    buckets) wraps a network; seconds per step of each (every repeat starts at a barrier). The two
+    are timed in turn, repeat by repeat, so that a change in load hits both alike: the rates come
+    from their difference."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -514,7 +521,7 @@ def _reference_steps(wrap: str, units: int, width: int, batch: int, reps: int, w
         torch.manual_seed(0)
         return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(units)])
 
-    def steps(model: torch.nn.Module) -> list[float]:
+    def stepper(model: torch.nn.Module) -> Callable[[], None]:
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         x = torch.randn(batch, width)
 
@@ -525,13 +532,9 @@ def _reference_steps(wrap: str, units: int, width: int, batch: int, reps: int, w
 
         for _ in range(warmup + 1):
             step()
-        times = []
-        for _ in range(reps):
-            dist.barrier()
-            times.append(_timed(step))
-        return times
+        return step
 
-    plain = steps(build())
+    plain_step = stepper(build())
     wrapped = build()
     if wrap == "ddp":
         wrapped = torch.nn.parallel.DistributedDataParallel(wrapped)
@@ -540,7 +543,13 @@ def _reference_steps(wrap: str, units: int, width: int, batch: int, reps: int, w
         for layer in wrapped:
             fully_shard(layer, mesh=mesh)
         fully_shard(wrapped, mesh=mesh)
-    return {"plain": plain, "wrapped": steps(wrapped)}
+    wrapped_step = stepper(wrapped)
+    times: dict[str, list[float]] = {"plain": [], "wrapped": []}
+    for _ in range(reps):
+        for kind, step in (("plain", plain_step), ("wrapped", wrapped_step)):
+            dist.barrier()
+            times[kind].append(_timed(step))
+    return times
 
 
 def _worker_main(argv: list[str] | None = None) -> int:
