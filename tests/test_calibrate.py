@@ -199,7 +199,7 @@ def test_fit_swarm_reads_whole_epochs_after_the_first_and_fits_overhead_against_
     epochs = swarm_epochs([worker] * 2)
     assert [len(sw["overhead_s"]) for sw in epochs] == [20, 20]  # 10 whole epochs after the first, 2 workers
     assert epochs[0]["overhead_s"][0] == pytest.approx(1.2) and epochs[1]["overhead_s"][0] == pytest.approx(0.65)
-    fit = fit_swarm([worker] * 2)
+    fit = fit_swarm(epochs, 1000, 0.7)
     # the line through (1.0, 1.2) and (0.25, 0.65): slope 0.55/0.75, intercept 1.2 - slope
     assert fit.overhead_steps == pytest.approx(0.55 / 0.75)
     assert fit.epoch_overhead_s == pytest.approx(1.2 - 0.55 / 0.75)
@@ -207,8 +207,8 @@ def test_fit_swarm_reads_whole_epochs_after_the_first_and_fits_overhead_against_
     assert fit.overshoot_steps == pytest.approx(3 - STEPS_PER_EPOCH)
     assert fit.matchmaking_time_s == pytest.approx(0.7) and "32/8" in fit.reference
     # more overhead at the shorter step: no slope, the mean overhead
-    flat = fit_swarm([{**worker, "swarms": [swarm(32, 1.0, 0.2), swarm(8, 0.25, 1.5)]}] * 2)
+    flat = fit_swarm(swarm_epochs([{**worker, "swarms": [swarm(32, 1.0, 0.2), swarm(8, 0.25, 1.5)]}] * 2), 1000, 0.7)
     assert flat.overhead_steps == 0.0 and flat.epoch_overhead_s == pytest.approx((1.2 - 0.8 + 1.55) / 2)
     short = {**worker, "swarms": [swarm(32, 1.0, 1.0), {**swarm(8, 0.25, 0.6), "steps": swarm(8, 0.25, 0.6)["steps"][:6]}]}
     with pytest.raises(ValueError, match="batch 8: worker 0 timed 1 whole global epochs"):
-        fit_swarm([short])
+        swarm_epochs([short])

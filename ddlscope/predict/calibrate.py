@@ -885,8 +885,8 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         from ddlscope.predict.swarm import fit_swarm, swarm_epochs
 
         try:
-            swarm = fit_swarm([w["swarm"] for w in raw])
             swarm_raw = swarm_epochs([w["swarm"] for w in raw])
+            swarm = fit_swarm(swarm_raw, raw[0]["swarm"]["param_bytes"], matchmaking_time_s)
         except ValueError as e:
             notes.append(f"hivemind swarm not fitted ({e}): collaborative predictions leave hivemind's own work out")
         else:

@@ -105,7 +105,7 @@ class HivemindFit(BaseModel):
         reference: what was trained; reference_param_bytes: its parameter bytes.
         matchmaking_time_s: the swarm's hivemind ``matchmaking_time`` (seconds). Overhead and
             overshoot depend on it (:mod:`ddlscope.predict.swarm`); a prediction at another
-            matchmaking time says so in its inputs. ``None``: a file from before it was recorded.
+            matchmaking time says so in its notes. ``None``: a file from before it was recorded.
     """
 
     model_config = ConfigDict(extra="forbid")

@@ -628,9 +628,10 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     see the swarm's progress late. With a ``hivemind`` fit (``calibrate --hivemind``: a reference
     network trained in a local swarm) a global epoch lasts ``overshoot_steps`` more steps of the
     slowest peer and holds their samples, and the measured overhead, ``epoch_overhead_s +
-    overhead_steps x`` the slowest peer's step, replaces the two rounds on these devices, plus the rounds' extra time for parameters beyond the reference's
-    and, for listed peers, the wire time over their links. The matchmaking wait leaves the
-    peer's cores to hivemind's work, so the two overlap: ``max(wait, epoch_overhead_s)``. Both
+    overhead_steps x`` the slowest peer's step, replaces the two rounds on these devices, plus
+    the rounds' extra time for parameters beyond the reference's and, for listed peers, the wire
+    time over their links. The matchmaking wait leaves the peer's cores to hivemind's work, so
+    the two overlap: ``max(wait, overhead)``. Both
     figures depend on the matchmaking time (:mod:`ddlscope.predict.swarm`); a setting at another
     matchmaking time than the fit's gets a note. Without a fit both are left out and CPU peers are
     predicted too fast (see the README's validation figures), which a note says too.
@@ -662,6 +663,7 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     state_round = one_round / s.average_state_every
     state_exposed = state_round if on_cpu else max(0.0, state_round - t_acc)
     averaging = grad_round + state_exposed
+    overhead = 0.0
     if hm and not alone:  # measured on these devices: replaces the two rounds
         reference = butterfly_allreduce_s(float(hm.reference_param_bytes), bws, lats, fixed)
         beyond = 2 * max(0.0, one_round - reference)
@@ -686,7 +688,7 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
                            "swarm_samples_per_s": throughput, "accumulate_s": t_acc,
                            "samples_per_global_epoch": throughput * t_acc, "matchmaking_wait_s": wait,
                            "grad_round_s": grad_round, "state_round_s": state_round, "state_round_on_cores": on_cpu,
-                           "hivemind_epoch_overhead_s": overhead if hm and not alone else 0.0,
+                           "hivemind_epoch_overhead_s": overhead,
                            "hivemind_fit_matchmaking_time_s": (hm.matchmaking_time_s or 0.0) if hm else 0.0,
                            "contention": slow / scale, "compute_scale": scale}, notes=notes)
 

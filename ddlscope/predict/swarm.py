@@ -28,7 +28,7 @@ that from the fixed part, so the swarm runs at two (about 0.8 and 0.25 s steps h
 draws a line through them:
 
 - ``epoch_overhead_s`` + ``overhead_steps`` x the step: the epoch's wall time beyond its steps'
-  compute at the speed measured just before, median over peers and epochs of each swarm;
+  compute at the speed measured just before, a trimmed mean over peers and epochs of each swarm;
 - ``overshoot_steps``: mean steps per peer per epoch beyond the target batch, over both swarms;
 - ``epoch_cpu_s``: median CPU seconds of hivemind's processes and threads per epoch
   (:func:`ddlscope.measure.host.background_cpu_s`), for the record.
@@ -41,8 +41,8 @@ gave 0.75-0.92 overshoot steps and 1.6-1.8 s of overhead per epoch, matchmaking 
 use (:data:`MATCHMAKING_S` by default, the validation grid's) and the fit records it. The
 overhead is fitted as measured, including any wait for matchmaking; the cost model takes the
 larger of the two (:func:`ddlscope.predict.costs.predict_collaborative`). This module holds both
-sides: :func:`measure_swarm` runs inside a calibration worker, :func:`fit_swarm` reduces the
-workers' raw figures to a :class:`ddlscope.predict.cluster.HivemindFit`.
+sides: :func:`measure_swarm` runs inside a calibration worker, :func:`swarm_epochs` collects the
+workers' epochs and :func:`fit_swarm` reduces them to a :class:`ddlscope.predict.cluster.HivemindFit`.
 """
 
 from __future__ import annotations
@@ -189,25 +189,22 @@ def swarm_epochs(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def fit_swarm(raw: list[dict[str, Any]]) -> HivemindFit:
-    """Reduce every worker's :func:`measure_swarm` figures to a :class:`HivemindFit` (see the module docstring).
+def fit_swarm(swarms: list[dict[str, Any]], param_bytes: int, matchmaking_time_s: float) -> HivemindFit:
+    """Reduce the swarms' epochs (:func:`swarm_epochs`) to a :class:`HivemindFit` (see the module docstring).
 
-    Per swarm (:func:`swarm_epochs`): the epochs' typical overhead, a 10 % trimmed mean
+    ``param_bytes`` and ``matchmaking_time_s``: the reference network's and the swarms', as
+    :func:`measure_swarm` returns them. Per swarm: the epochs' typical overhead, a 10 % trimmed mean
     (:func:`ddlscope.predict.calibrate._typical`: an epoch's time adds up, so the mean, not the
     median; trimmed, so that one averaging round given up after :data:`ROUND_TIMEOUT_S` does not
     decide it), against the swarm's compute step. A least-squares line through those points gives
     ``epoch_overhead_s`` (intercept, seconds) and ``overhead_steps`` (slope); a slope below 0 is
     taken as 0 (the mean overhead), an intercept below 0 as 0 (a line through the origin). One
     swarm: slope 0.
-
-    Raises:
-        ValueError: a worker timed fewer than 2 whole global epochs after the first in a swarm.
     """
     import numpy as np
 
     from ddlscope.predict.calibrate import _typical
 
-    swarms = swarm_epochs(raw)
     step = np.array([sw["compute_alone_s"] for sw in swarms])
     overhead = np.array([_typical(sw["overhead_s"]) for sw in swarms])
     slope = float(np.polyfit(step, overhead, 1)[0]) if len(swarms) > 1 and np.ptp(step) > 0 else 0.0
@@ -222,5 +219,5 @@ def fit_swarm(raw: list[dict[str, Any]]) -> HivemindFit:
                        overshoot_steps=max(0.0, statistics.fmean(x for sw in swarms for x in sw["extra_steps"])),
                        epoch_cpu_s=statistics.median(x for sw in swarms for x in sw["cpu_s"]),
                        reference=f"{REFERENCE[0]} on {REFERENCE[1]} shapes, {STEPS_PER_EPOCH} steps of {batches} "
-                       f"per peer per epoch", reference_param_bytes=int(raw[0]["param_bytes"]),
-                       matchmaking_time_s=float(raw[0]["matchmaking_time_s"]))
+                       f"per peer per epoch", reference_param_bytes=int(param_bytes),
+                       matchmaking_time_s=float(matchmaking_time_s))
