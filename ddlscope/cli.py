@@ -1,6 +1,6 @@
 """The ``ddlscope`` command line.
 
-Commands: ``quickstart`` (the main job), ``run``, ``suite``, ``sweep``, ``sweep-report``,
+Commands: ``quickstart`` (the main job), ``models``, ``run``, ``suite``, ``sweep``, ``sweep-report``,
 ``matchmaking``, ``datapipe``, ``peer``, ``bootstrap``, ``report``, ``runs``, ``data``, and the
 predictor's ``profile``, ``calibrate``, ``recommend`` and ``validate`` (``predict/commands.py``). User errors
 print one line ``error: ...`` and exit with status 2.
@@ -404,6 +404,32 @@ def _existing_db(db: Optional[Path]) -> Path:
     if not db_path.exists():
         raise UserError(f"no results database at {db_path}; run 'ddlscope sweep' or pass --db")
     return db_path
+
+
+@app.command()
+def models(as_json: bool = typer.Option(False, "--json", help="print the registry as JSON")):
+    """List the registered distribution models: launcher, what a run measures, what the predictor predicts."""
+    import json
+
+    from ddlscope import distribution
+
+    rows = [{"name": m.name, "summary": m.summary, "launcher": m.launcher, "workers": _workers_text(m),
+             "config_table": m.config_table, "measures": m.measures, "predicts": m.predicts,
+             "cost_model": m.cost_model is not None, "memory_model": m.memory_model is not None}
+            for m in distribution.all_models()]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        table = f", [{r['config_table']}]" if r["config_table"] else ""
+        typer.echo(f"{r['name']:<14} {r['summary']}\n{'':<14} launcher {r['launcher']}, workers {r['workers']}{table}; "
+                   f"measures: {r['measures']}; predicts: {r['predicts']}")
+
+
+def _workers_text(m) -> str:
+    if m.max_workers == m.min_workers:
+        return str(m.min_workers)
+    return f">= {m.min_workers}" if m.max_workers is None else f"{m.min_workers}..{m.max_workers}"
 
 
 @app.command()

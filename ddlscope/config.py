@@ -4,8 +4,8 @@ A run is a workload (model + dataset + preprocessing + loss + optimizer hyperpar
 under one distribution model by one or more workers/peers. Every field is checked here, before
 anything starts, so that bad input gives one message naming the field and what is allowed.
 
-Configs come from TOML files (``[run]`` table plus optional ``[collaborative]`` and ``[distributed]``
-tables), from CLI flags, or from Python. Field names carry their units (``_s`` seconds, ``_bytes``).
+Configs come from TOML files (``[run]`` table plus optional ``[distributed]`` and the distribution
+models' own tables such as ``[collaborative]``), from CLI flags, or from Python. Field names carry their units (``_s`` seconds, ``_bytes``).
 """
 
 from __future__ import annotations
@@ -15,14 +15,10 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from ddlscope import distribution
 from ddlscope.errors import UserError
-
-STRATEGIES = ("single", "ddp", "fsdp", "gpipe", "1f1b", "collaborative")
-TORCH_STRATEGIES = ("ddp", "fsdp", "gpipe", "1f1b")  # launched with torchrun, torch.distributed process group
-PIPELINE_STRATEGIES = ("gpipe", "1f1b")  # every stage sees the same batch: no data parallelism
-COMPRESSIONS = ("none", "float16", "scaled-float16", "uniform8bit")
 
 
 def available_cores() -> list[int]:
@@ -30,28 +26,9 @@ def available_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-class CollaborativeConfig(BaseModel):
-    """Settings of ``hivemind.Optimizer`` for the ``collaborative`` distribution model.
-
-    Defaults follow thesis 000 (matchmaking_time 10 s, averaging_timeout 300 s, no gradient
-    compression) except where a field says otherwise.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    target_batch_size: int = Field(256, ge=1, description="samples all peers accumulate per global epoch (TBS)")
-    use_local_updates: bool = Field(False, description="step the local optimizer every batch and average parameters (LU)")
-    matchmaking_time_s: float = Field(10.0, gt=0, description="seconds peers wait to form an averaging group")
-    averaging_timeout_s: float = Field(300.0, gt=0, description="give up an averaging round after this many seconds")
-    gradient_compression: Literal["none", "float16", "scaled-float16", "uniform8bit"] = "none"
-    average_state_every: int = Field(1, ge=1, description="average parameters and optimizer state every N global epochs")
-    listen_host: str = Field("127.0.0.1", description="address peers listen on; loopback unless you ask")
-    join_timeout_s: float = Field(60.0, gt=0, description="a peer that cannot join the swarm in this time fails")
-    initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of a running swarm or bootstrap peer to join")
-
-
 class DistributedConfig(BaseModel):
-    """Settings of the torch.distributed distribution models (``ddp``, ``fsdp``, ``gpipe``, ``1f1b``).
+    """Settings of the distribution models launched with torchrun (``[distributed]``: the registry's
+    ``torchrun`` launcher, e.g. ``ddp``, ``fsdp``, ``gpipe``, ``1f1b``).
 
     ``backend`` "auto" picks gloo on CPU and nccl on GPU. ``rendezvous_port`` 0 lets the local
     launcher pick a free port for torchrun's c10d rendezvous.
@@ -80,8 +57,8 @@ class DistributedConfig(BaseModel):
         return v
 
 
-class RunConfig(BaseModel):
-    """Everything one run needs. Validated on construction; see :func:`load_config`.
+class RunConfigBase(BaseModel):
+    """Everything one run needs but the distribution models' own tables (see :data:`RunConfig`).
 
     Raises:
         pydantic.ValidationError: on bad values (wrapped into :class:`UserError` by
@@ -91,7 +68,7 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str | None = Field(None, description="human label; defaults to strategy-model-dataset")
-    strategy: Literal["single", "ddp", "fsdp", "gpipe", "1f1b", "collaborative"] = "single"
+    strategy: str = Field("single", description="distribution model: a name in the registry (`ddlscope models`)")
     model: str = Field("resnet18", description="zoo network name or 'package.module:factory'")
     dataset: str = Field("digits", description="dataset name or path to a local copy")
     data_root: Path | None = Field(None, description="folder holding datasets; default $DDLSCOPE_DATA or ~/.cache/ddlscope/data")
@@ -118,13 +95,32 @@ class RunConfig(BaseModel):
     warmup_steps: int = Field(2, ge=0, description="first steps are recorded but flagged and excluded from rates")
     host_sample_interval_s: float = Field(1.0, gt=0, le=60)
 
-    collaborative: CollaborativeConfig = Field(default_factory=CollaborativeConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    # the distribution models' own tables ([collaborative], ...) are added from the registry: see RunConfig
+
+    @field_validator("strategy")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        if v not in distribution.names():
+            raise ValueError(f"unknown distribution model {v!r}; allowed: {', '.join(distribution.names())}")
+        return v
+
+    @property
+    def distribution_model(self) -> distribution.DistributionModel:
+        """The registry's descriptor of :attr:`strategy`."""
+        return distribution.get(self.strategy)
+
+    def model_options(self) -> dict[str, Any]:
+        """The values of the distribution model's own config table (empty when it has none)."""
+        table = self.distribution_model.config_table
+        return getattr(self, table).model_dump() if table else {}
 
     @model_validator(mode="after")
-    def _check_cross_fields(self) -> "RunConfig":
-        if self.strategy == "single" and self.peers != 1:
-            raise ValueError(f"peers = {self.peers} but strategy 'single' trains on exactly 1 worker; use peers = 1")
+    def _check_cross_fields(self) -> "RunConfigBase":
+        model = self.distribution_model
+        bad_workers = model.check_workers(self.peers)
+        if bad_workers:
+            raise ValueError(f"peers = {self.peers}: {bad_workers}")
         if self.sample_budget is None and self.target_accuracy is None and self.time_limit_s is None:
             raise ValueError("no stop condition: set at least one of sample_budget, target_accuracy, time_limit_s")
         per_step = self.data_parallel_size * self.batch_size
@@ -133,41 +129,27 @@ class RunConfig(BaseModel):
                 f"sample_budget = {self.sample_budget} is smaller than one step of all workers "
                 f"({per_step} samples); allowed: >= {per_step}"
             )
-        if self.strategy in PIPELINE_STRATEGIES:
-            self._check_pipeline()
+        if model.check_config is not None:
+            model.check_config(self)
         if self.target_accuracy is not None and self.eval_every_steps is None:
             self.eval_every_steps = 10
-        if self.strategy == "collaborative":
-            per_step = self.batch_size * self.gradient_accumulation_steps
-            if self.collaborative.target_batch_size < per_step:
-                raise ValueError(
-                    f"collaborative.target_batch_size = {self.collaborative.target_batch_size} is below one optimizer "
-                    f"step of a peer (batch_size x gradient_accumulation_steps = {per_step}); allowed: >= {per_step}"
-                )
         return self
-
-    def _check_pipeline(self) -> None:
-        mb = self.distributed.microbatches
-        if self.peers < 2:
-            raise ValueError(f"peers = {self.peers} but {self.strategy} splits the model into one stage per worker; allowed: peers >= 2")
-        if self.batch_size % mb:
-            divisors = [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]
-            raise ValueError(f"distributed.microbatches = {mb} does not divide batch_size = {self.batch_size}; "
-                             f"allowed: a divisor of the batch size ({', '.join(map(str, divisors[:12]))}"
-                             f"{', ...' if len(divisors) > 12 else ''})")
-        if self.strategy == "1f1b" and mb < self.peers:
-            raise ValueError(f"distributed.microbatches = {mb} is fewer than the {self.peers} stages; 1f1b keeps "
-                             f"every stage busy only with at least one micro-batch per stage; allowed: microbatches >= peers")
 
     # ------------------------------------------------------------------ derived values
     @property
     def data_parallel_size(self) -> int:
         """Workers that each train on their own batch: ``peers``, or 1 for pipelines (all stages share a batch)."""
-        return 1 if self.strategy in PIPELINE_STRATEGIES else self.peers
+        return self.distribution_model.data_parallel_size(self.peers)
 
     def data_rank(self, worker_index: int) -> int:
         """Which data stream a worker reads (its shuffle seed offset): its index, or 0 for pipeline stages."""
-        return 0 if self.strategy in PIPELINE_STRATEGIES else worker_index
+        return self.distribution_model.data_rank(worker_index)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step over all workers (the registry's rule for the model)."""
+        return self.distribution_model.global_batch_size(
+            self.batch_size * self.gradient_accumulation_steps, self.peers, self.model_options())
 
     @property
     def run_label(self) -> str:
@@ -209,6 +191,25 @@ class RunConfig(BaseModel):
         if self.sample_budget is None:
             return None
         return self.sample_budget // (self.data_parallel_size * self.batch_size)
+
+
+def _build_run_config() -> type[RunConfigBase]:
+    tables = {name: (cls, Field(default_factory=cls)) for name, cls in distribution.config_tables().items()}
+    return create_model("RunConfig", __base__=RunConfigBase, __module__=__name__,
+                        __doc__="""Everything one run needs. Validated on construction; see :func:`load_config`.
+
+    The fields of :class:`RunConfigBase` plus one table per distribution model that has one
+    (``collaborative``, ``diloco``, ...: :func:`ddlscope.distribution.config_tables`).
+
+    Raises:
+        pydantic.ValidationError: on bad values (wrapped into :class:`UserError` by
+            :func:`validate_config`, which is what the CLI uses).
+    """, **tables)
+
+
+RunConfig = _build_run_config()
+CONFIG_TABLES: tuple[str, ...] = ("run", "distributed", *distribution.config_tables())
+"""The tables a run-config file may have."""
 
 
 def _format_validation_error(err: ValidationError) -> str:
@@ -268,17 +269,18 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
 
 
 def load_config(path: Path, overrides: dict[str, Any] | None = None, nnodes: int = 1) -> RunConfig:
-    """Read a TOML run config (``[run]``, optional ``[collaborative]`` and ``[distributed]`` tables) and validate it.
+    """Read a TOML run config (``[run]``, optional ``[distributed]`` and model tables) and validate it.
 
     Raises:
         UserError: missing file, TOML syntax error, or invalid values.
     """
     data = read_toml(path, "config file")
     values = dict(data.get("run", {}))
-    unknown = set(data) - {"run", "collaborative", "distributed"}
+    unknown = set(data) - set(CONFIG_TABLES)
     if unknown:
-        raise UserError(f"config file {path}: unknown table(s) {sorted(unknown)}; allowed: [run], [collaborative], [distributed]")
-    for table in ("collaborative", "distributed"):
+        raise UserError(f"config file {path}: unknown table(s) {sorted(unknown)}; allowed: "
+                        f"{', '.join(f'[{t}]' for t in CONFIG_TABLES)}")
+    for table in CONFIG_TABLES[1:]:
         if table in data:
             values[table] = data[table]
     values.update(overrides or {})

@@ -27,7 +27,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ddlscope.config import PIPELINE_STRATEGIES
+from ddlscope import distribution
 from ddlscope.store.db import ResultsStore
 
 PHASES = ("data_load_s", "forward_s", "backward_s", "comm_wait_s", "bubble_s", "optimizer_local_s", "averaging_s")
@@ -199,7 +199,7 @@ def summarize_run(store: ResultsStore, run_id: str) -> RunSummary:
     runtimes = [w.runtime_s for w in workers if w.runtime_s is not None]
     accs = [w.final_accuracy for w in workers if w.final_accuracy is not None]
     throughputs = [w.throughput_samples_per_s for w in workers if w.throughput_samples_per_s]
-    pipeline = run["strategy"] in PIPELINE_STRATEGIES  # stages share the batches: count them once
+    pipeline = not distribution.get(run["strategy"]).data_parallel  # stages share the batches: count them once
     curve = sorted((e["train_time_s"], e["accuracy"]) for e in evals)
     losses = _loss_curve(steps)
     return RunSummary(

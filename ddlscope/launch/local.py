@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddlscope.config import TORCH_STRATEGIES, RunConfig
+from ddlscope.config import RunConfig
 from ddlscope.errors import UserError
 from ddlscope.launch.torchrun import preflight, torchrun_command
 from ddlscope.store.db import ResultsStore
@@ -118,7 +118,7 @@ class LocalLauncher:
         """
         if self.nnodes == 1:
             return self.local_workers or self.cfg.peers
-        if self.cfg.strategy not in TORCH_STRATEGIES or self.cfg.peers % self.nnodes:
+        if self.cfg.distribution_model.launcher != "torchrun" or self.cfg.peers % self.nnodes:
             raise UserError(f"--nnodes {self.nnodes}: needs a torch.distributed model (ddp, fsdp, gpipe, 1f1b) and "
                             f"peers = {self.cfg.peers} divisible by the number of nodes")
         return self.cfg.peers // self.nnodes
@@ -142,7 +142,7 @@ class LocalLauncher:
     def _start_and_watch(self, store: ResultsStore, run_id: str, core_sets: list[list[int]], log_dir: Path
                          ) -> tuple[str, str | None]:
         cfg = self.cfg
-        if cfg.strategy in TORCH_STRATEGIES:
+        if cfg.distribution_model.launcher == "torchrun":
             self._spawn_torchrun(run_id, core_sets, log_dir)
             return self._watch(store, run_id)
         n_local = self.local_workers or cfg.peers
@@ -174,7 +174,7 @@ class LocalLauncher:
     # ------------------------------------------------------------------ watch
     def _watch(self, store: ResultsStore, run_id: str) -> tuple[str, str | None]:
         total = self.cfg.max_steps_per_peer()
-        n_bars = self.cfg.peers if self.cfg.strategy in TORCH_STRATEGIES else len(self.workers)
+        n_bars = self.cfg.peers if self.cfg.distribution_model.launcher == "torchrun" else len(self.workers)
         bar = _ProgressBars(n_bars, total, self.cfg.run_label) if self.progress and self.nnodes == 1 else None
         try:
             while True:

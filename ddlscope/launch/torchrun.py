@@ -16,7 +16,7 @@ import errno
 import socket
 import sys
 
-from ddlscope.config import PIPELINE_STRATEGIES, RunConfig
+from ddlscope.config import RunConfig
 from ddlscope.errors import UserError
 
 
@@ -45,7 +45,7 @@ def check_pipeline_split(cfg: RunConfig) -> None:
     Raises:
         UserError: the network cannot be split into ``peers`` stages.
     """
-    if cfg.strategy not in PIPELINE_STRATEGIES:
+    if cfg.distribution_model.data_parallel:  # only models whose workers share a batch split the network
         return
     import torch
 
@@ -71,9 +71,7 @@ def preflight(cfg: RunConfig, check_port: bool = True) -> int | None:
     Raises:
         UserError: port in use, or a network that cannot be split into that many stages.
     """
-    from ddlscope.config import TORCH_STRATEGIES
-
-    if cfg.strategy not in TORCH_STRATEGIES:
+    if cfg.distribution_model.launcher != "torchrun":
         return None
     check_pipeline_split(cfg)
     return rendezvous_port(cfg) if check_port else None

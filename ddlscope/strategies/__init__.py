@@ -1,4 +1,6 @@
-"""Distribution models, one module each, all behind :class:`~ddlscope.strategies.base.Strategy`."""
+"""What a worker does under each distribution model, one module each, all behind
+:class:`~ddlscope.strategies.base.Strategy`. Which class serves which model is the registry's
+(:mod:`ddlscope.distribution`)."""
 
 from __future__ import annotations
 
@@ -9,25 +11,11 @@ def strategy_class(name: str) -> type[Strategy]:
     """The :class:`Strategy` subclass for a distribution model name (imported lazily).
 
     Raises:
-        ValueError: unknown name (config validation catches this earlier for users).
+        UserError: unknown name (config validation catches this earlier for users).
     """
-    import importlib
+    from ddlscope import distribution
 
-    if name not in _CLASSES:
-        raise ValueError(f"unknown distribution model {name!r}; allowed: {', '.join(_CLASSES)}")
-    module, cls = _CLASSES[name]
-    return getattr(importlib.import_module(f"ddlscope.strategies.{module}"), cls)
-
-
-# name -> (module, class); imported on demand (hivemind and torch.distributed are heavy)
-_CLASSES = {
-    "single": ("single", "SingleStrategy"),
-    "ddp": ("ddp", "DDPStrategy"),
-    "fsdp": ("fsdp", "FSDPStrategy"),
-    "gpipe": ("pipeline", "GPipeStrategy"),
-    "1f1b": ("pipeline", "OneFOneBStrategy"),
-    "collaborative": ("collaborative", "CollaborativeStrategy"),
-}
+    return distribution.get(name).strategy_class()
 
 
 __all__ = ["StepOutcome", "Strategy", "WorkerContext", "strategy_class"]

@@ -18,7 +18,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ddlscope.config import PIPELINE_STRATEGIES
+from ddlscope import distribution
 from ddlscope.errors import UserError
 from ddlscope.store.db import ResultsStore
 from ddlscope.suite.spec import Cell, SuiteSpec, cell_config, expand
@@ -155,7 +155,7 @@ def cell_result(store: ResultsStore, run: dict) -> CellResult:
     cfg = store.run_config(run["run_id"])
     strategy, workers, bs = cfg["strategy"], int(cfg.get("peers", 1)), int(cfg["batch_size"])
     res = CellResult(run["run_id"], cfg["dataset"], cfg["model"], strategy, workers, bs,
-                     (cfg.get("distributed") or {}).get("microbatches") if strategy in PIPELINE_STRATEGIES else None,
+                     (cfg.get("distributed") or {}).get("microbatches") if not distribution.get(strategy).data_parallel else None,
                      run["status"], run["reason"])
     steps = [s for s in store.rows("steps", run["run_id"]) if not s["warmup"]]
     if run["status"] != "completed" or not steps:
@@ -163,7 +163,7 @@ def cell_result(store: ResultsStore, run: dict) -> CellResult:
     by_step: dict[int, list[dict]] = {}
     for s in steps:
         by_step.setdefault(s["step"], []).append(s)
-    global_batch = bs if strategy in PIPELINE_STRATEGIES else bs * workers
+    global_batch = distribution.get(strategy).data_parallel_size(workers) * bs
     if strategy == "collaborative":
         # peers step asynchronously: the swarm's measured window lasts as long as its slowest peer's
         # (thesis 000: a collaborative run's runtime is the maximum over its peers), and in it the

@@ -24,7 +24,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ddlscope.config import PIPELINE_STRATEGIES, RunConfig, _format_validation_error, available_cores
+from ddlscope import distribution
+from ddlscope.config import RunConfig, _format_validation_error, available_cores
 from ddlscope.errors import UserError
 
 SUITE_DATASETS = ("mnist", "cifar10", "imagenet", "highres")
@@ -130,7 +131,7 @@ class Cell:
     @property
     def global_batch_size(self) -> int:
         """Samples per optimizer step over all workers (pipelines: the batch, shared by the stages)."""
-        return self.batch_size if self.strategy in PIPELINE_STRATEGIES else self.batch_size * self.workers
+        return distribution.get(self.strategy).global_batch_size(self.batch_size, self.workers)
 
 
 def cell_batch(spec: SuiteSpec, dataset: str, strategy: str, workers: int) -> tuple[int, int | None]:

@@ -42,13 +42,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddlscope.config import CollaborativeConfig, RunConfig, available_cores, read_toml, validate_config
+from ddlscope import distribution
+from ddlscope.config import RunConfig, available_cores, read_toml, validate_config
 from ddlscope.errors import UserError
 
 DEFAULT_MAX_CELLS = 200
 REPEAT_KEY = "repeat"
 SPECIAL_AXES = ("repeats", "total_vcpus")
-_NOT_AXES = ("name", "collaborative")  # a run's label is set per cell; collaborative is a table of axes
+_NOT_AXES = ("name", *distribution.config_tables())  # a run's label is set per cell; model tables are tables of axes
 _SHORT = {"batch_size": "bs", "learning_rate": "lr", "collaborative.target_batch_size": "tbs",
           "collaborative.use_local_updates": "lu", "gradient_accumulation_steps": "gas",
           "collaborative.matchmaking_time_s": "mm", "peers": "p", "vcpus_per_peer": "v", REPEAT_KEY: "r",
@@ -56,9 +57,10 @@ _SHORT = {"batch_size": "bs", "learning_rate": "lr", "collaborative.target_batch
 
 
 def allowed_axes() -> list[str]:
-    """Names an ``[axes]`` table accepts: RunConfig fields, ``collaborative.<field>``, repeats, total_vcpus."""
+    """Names an ``[axes]`` table accepts: RunConfig fields, ``<model table>.<field>`` (e.g.
+    ``collaborative.target_batch_size``), repeats, total_vcpus."""
     fields = [f for f in RunConfig.model_fields if f not in _NOT_AXES]
-    fields += [f"collaborative.{f}" for f in CollaborativeConfig.model_fields]
+    fields += [f"{table}.{f}" for table, cls in distribution.config_tables().items() for f in cls.model_fields]
     return fields + list(SPECIAL_AXES)
 
 

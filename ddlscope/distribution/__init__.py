@@ -1,0 +1,200 @@
+"""The distribution-model registry: the one list of distribution models, and everything about each.
+
+A distribution model (``single``, ``ddp``, ``fsdp``, ``gpipe``, ``1f1b``, ``collaborative``,
+``diloco``, ...) has one home: a module in this package that registers a
+:class:`DistributionModel` descriptor — its name, the strategy class a worker runs, how its
+workers are launched, its data-parallel size and global batch, its pre-flight checks, its config
+table, and its cost and memory models — plus its strategy in :mod:`ddlscope.strategies`. Every
+list, rule and check elsewhere asks the registry; no module outside a model's own files names a
+model in an ``if``. Adding a model is one module here, one strategy module and its tests: the
+modules of this package are discovered on first use.
+
+The modules here are torch-free (pydantic and the pure modelling code only), so the registry can
+be read by the config validation, the CLI and the predictor without importing torch.
+
+Example::
+
+    from ddlscope import distribution
+    model = distribution.get("ddp")
+    model.launcher            # "torchrun"
+    model.data_parallel_size(4)   # 4
+    [m.name for m in distribution.all_models()]
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from ddlscope.config import RunConfig
+
+Launcher = Literal["process", "torchrun", "swarm"]
+"""How a run's workers are started: ``process`` (ddlscope's own worker processes, one per worker,
+no process group), ``torchrun`` (torch's elastic launcher, a torch.distributed process group),
+``swarm`` (ddlscope's worker processes joining a hivemind swarm: the first peer listens, the
+others are given its addresses)."""
+
+LAUNCHERS: tuple[str, ...] = ("process", "torchrun", "swarm")
+
+
+@dataclass(frozen=True)
+class DistributionModel:
+    """Everything ddlscope knows about one distribution model.
+
+    Attributes:
+        name: the ``strategy`` value in a run config (e.g. ``"ddp"``).
+        summary: one line: what the model does.
+        strategy: ``"module:Class"`` of its :class:`~ddlscope.strategies.base.Strategy` under
+            ``ddlscope.strategies`` (imported only when a worker needs it: torch.distributed
+            and hivemind are heavy).
+        launcher: how its workers are started (see :data:`Launcher`).
+        measures: one line: what a run of it measures beyond the common step parts.
+        predicts: one line: what its cost model predicts and from what (with the source of the
+            formula).
+        order: position in listings (``ddlscope models``, reports).
+        data_parallel: True when every worker trains on its own batch (the global batch is
+            workers x batch size); False when the workers share one batch (pipeline stages).
+        min_workers / max_workers: how many workers it runs on (``max_workers`` None: no limit).
+        config_table: the name of its own TOML table / RunConfig field (e.g. ``"collaborative"``),
+            None when it has none; ``config_class`` is the pydantic model of that table.
+        check_config: pre-flight checks of a whole :class:`~ddlscope.config.RunConfig` that only
+            this model needs; raises ``ValueError`` with a message naming the field and what is
+            allowed (pydantic turns it into the config's validation error).
+        global_batch: ``(batch_size, workers, options) -> samples per optimizer step`` where
+            ``options`` are the values of its config table; None: the default rule
+            (``data_parallel_size(workers) * batch_size``).
+        cost_model: ``(profile, cluster, setting, compute_scale) -> Prediction``, or None when
+            ddlscope cannot predict it.
+        memory_model: ``(profile, setting) -> list[MemoryEstimate]`` (one per worker), or None.
+        reference_models: names of the closed-form reference models its prediction also
+            reports (e.g. ``("eq5.1",)``, thesis 002).
+    """
+
+    name: str
+    summary: str
+    strategy: str
+    launcher: Launcher
+    measures: str
+    predicts: str
+    order: int = 100
+    data_parallel: bool = True
+    min_workers: int = 1
+    max_workers: int | None = None
+    config_table: str | None = None
+    config_class: type[BaseModel] | None = None
+    check_config: Callable[["RunConfig"], None] | None = None
+    global_batch: Callable[[int, int, Mapping[str, Any]], int] | None = None
+    cost_model: Callable[..., Any] | None = None
+    memory_model: Callable[..., Any] | None = None
+    reference_models: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"{self.name}: launcher {self.launcher!r}; allowed: {', '.join(LAUNCHERS)}")
+        if (self.config_table is None) != (self.config_class is None):
+            raise ValueError(f"{self.name}: config_table and config_class go together")
+
+    # ------------------------------------------------------------------ rules
+    def data_parallel_size(self, workers: int) -> int:
+        """Workers that each train on their own batch: ``workers``, or 1 when they share one batch."""
+        return workers if self.data_parallel else 1
+
+    def data_rank(self, worker_index: int) -> int:
+        """Which data stream a worker reads (its shuffle seed offset): its index, or 0 when the
+        workers share one batch."""
+        return worker_index if self.data_parallel else 0
+
+    def global_batch_size(self, batch_size: int, workers: int, options: Mapping[str, Any] | None = None) -> int:
+        """Samples per optimizer step over all workers (``batch_size`` per worker per step)."""
+        if self.global_batch is not None:
+            return self.global_batch(batch_size, workers, options or {})
+        return self.data_parallel_size(workers) * batch_size
+
+    def check_workers(self, workers: int) -> str | None:
+        """None if the model runs on ``workers`` workers, else the reason (names what is allowed)."""
+        if workers < self.min_workers or (self.max_workers is not None and workers > self.max_workers):
+            allowed = (f"exactly {self.min_workers}" if self.max_workers == self.min_workers
+                       else f">= {self.min_workers}" if self.max_workers is None
+                       else f"{self.min_workers}..{self.max_workers}")
+            return f"{self.name} runs on {allowed} worker(s), not {workers}; allowed: peers {allowed}"
+        return None
+
+    def strategy_class(self) -> type:
+        """The :class:`~ddlscope.strategies.base.Strategy` subclass (imported here, lazily)."""
+        module, cls = self.strategy.split(":")
+        return getattr(importlib.import_module(f"ddlscope.strategies.{module}"), cls)
+
+
+_REGISTRY: dict[str, DistributionModel] = {}
+_DISCOVERED = False
+
+
+def register(model: DistributionModel) -> DistributionModel:
+    """Add a model to the registry (called by the modules of this package at import).
+
+    Raises:
+        ValueError: a model of the same name is registered already.
+    """
+    if model.name in _REGISTRY and _REGISTRY[model.name] is not model:
+        raise ValueError(f"distribution model {model.name!r} is registered twice")
+    _REGISTRY[model.name] = model
+    return model
+
+
+def _discover() -> None:
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
+    _DISCOVERED = True
+    for info in pkgutil.iter_modules(__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+def all_models() -> list[DistributionModel]:
+    """Every registered distribution model, in listing order."""
+    _discover()
+    return sorted(_REGISTRY.values(), key=lambda m: (m.order, m.name))
+
+
+def names() -> tuple[str, ...]:
+    """The registered model names, in listing order."""
+    return tuple(m.name for m in all_models())
+
+
+def get(name: str) -> DistributionModel:
+    """The descriptor of a model.
+
+    Raises:
+        UserError: unknown name (the message lists the registered ones).
+    """
+    _discover()
+    if name not in _REGISTRY:
+        from ddlscope.errors import UserError
+
+        raise UserError(f"unknown distribution model {name!r}; allowed: {', '.join(names())}")
+    return _REGISTRY[name]
+
+
+def with_launcher(launcher: Launcher) -> tuple[str, ...]:
+    """Names of the models started by ``launcher``."""
+    return tuple(m.name for m in all_models() if m.launcher == launcher)
+
+
+def config_tables() -> dict[str, type[BaseModel]]:
+    """Model-specific config tables: ``{table name: pydantic class}`` (one class may serve several models)."""
+    out: dict[str, type[BaseModel]] = {}
+    for m in all_models():
+        if m.config_table:
+            out.setdefault(m.config_table, m.config_class)
+    return out
+
+
+__all__ = ["DistributionModel", "LAUNCHERS", "Launcher", "all_models", "config_tables", "get", "names", "register",
+           "with_launcher"]
