@@ -10,7 +10,8 @@ Target (design.md section 5): median overhead < 3 %.
 
     python benchmarks/overhead.py [--model resnet18] [--steps 40] [--repeats 5]
 
-Prints a table and writes ``benchmarks/results/overhead.json``.
+Prints a table, writes ``benchmarks/results/overhead.json`` and rewrites the results block of
+``docs/validation.md`` (``--docs``; ``--no-docs`` to leave it).
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ from pathlib import Path
 import torch
 
 from ddlscope.config import available_cores, validate_config
+from ddlscope.errors import UserError
 from ddlscope.launch.local import prepare_dataset
 from ddlscope.store.db import ResultsStore
 from ddlscope.strategies import WorkerContext
 from ddlscope.train.loop import batches_forever, build_workload, run_worker
+
+from _docs import DOCS_PAGE, check_docs_block, overhead_markdown, update_docs_block
 
 TARGET = 0.03
 
@@ -73,7 +77,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
+    parser.add_argument("--docs", type=Path, default=DOCS_PAGE, help="docs page whose 'overhead' block is rewritten")
+    parser.add_argument("--no-docs", action="store_true", help="leave the docs page as it is")
     args = parser.parse_args()
+    if not args.no_docs:
+        check_docs_block(args.docs, "overhead")
 
     cores = available_cores()
     torch.set_num_threads(len(cores))
@@ -95,6 +103,7 @@ def main() -> None:
         plain_s=plain, ddlscope_s=instrumented, plain_median_s=p, ddlscope_median_s=i,
         plain_step_ms=1000 * p / timed_steps, ddlscope_step_ms=1000 * i / timed_steps,
         overhead_fraction=overhead, target_fraction=TARGET, meets_target=overhead < TARGET,
+        measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
     print()
     print(f"{'workload':<28}{'plain ms/step':>15}{'ddlscope ms/step':>18}{'overhead':>10}{'target':>8}")
@@ -103,7 +112,13 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")
+    if not args.no_docs:
+        update_docs_block(args.docs, "overhead", overhead_markdown(result))
+        print(f"rewrote the 'overhead' block of {args.docs}")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:          # bad input (a model, a dataset, the docs page): one line, no traceback
+        raise SystemExit(f"error: {e}") from None

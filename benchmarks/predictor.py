@@ -11,9 +11,10 @@
 
     python benchmarks/predictor.py [--grid local] [--cluster FILE] [--db DB]
 
-Prints a table and writes ``benchmarks/results/predictor.json`` (and the validation report next
-to the database). Real runs are stored in the database, so a second invocation with the same
-``--db`` reuses them (pass ``--rerun`` to measure again).
+Prints a table, writes ``benchmarks/results/predictor.json`` (and the validation report next
+to the database) and rewrites the results block of ``docs/validation.md`` (``--docs``; ``--no-docs``
+to leave it, e.g. on a machine the docs do not describe). Real runs are stored in the database,
+so a second invocation with the same ``--db`` reuses them (pass ``--rerun`` to measure again).
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ddlscope.predict.cluster import load_cluster
-from ddlscope.predict.recommend import candidate_settings, recommend
-from ddlscope.predict.validate import load_grid, run_validation
+from ddlscope.errors import UserError
+from ddlscope.experiments.validate import load_grid, run_validation
+from ddlscope.modeling.cluster import load_cluster
+from ddlscope.modeling.recommend import candidate_settings, recommend
 from ddlscope.predict.validation_report import summarize, write_validation_report
 from ddlscope.workloads.datasets import DATASETS
+
+from _docs import DOCS_PAGE, check_docs_block, predictor_markdown, update_docs_block
 
 HERE = Path(__file__).parent
 SPEED_TARGET_S, FURTHER_TARGET_S = 60.0, 1.0
@@ -37,7 +41,7 @@ SPEED_TARGET_S, FURTHER_TARGET_S = 60.0, 1.0
 
 def speed(grid, cluster, other_cluster, cache_dir: Path, data_root: Path) -> dict:
     """Seconds to profile ResNet-18 from scratch and predict, and for each further prediction."""
-    from ddlscope.predict.profile import load_or_profile
+    from ddlscope.profiling.profile import load_or_profile
     from ddlscope.workloads.datasets import write_synthetic
 
     write_synthetic("cifar10", data_root, train_size=max(128, grid.batch_size), test_size=32, seed=0)
@@ -65,7 +69,11 @@ def main() -> None:
     ap.add_argument("--other-cluster", type=Path, default=HERE.parent / "examples" / "cluster-4xv100-nvlink.toml")
     ap.add_argument("--db", type=Path, help="results database (default: a fresh temporary one)")
     ap.add_argument("--rerun", action="store_true")
+    ap.add_argument("--docs", type=Path, default=DOCS_PAGE, help="docs page whose 'predictor' block is rewritten")
+    ap.add_argument("--no-docs", action="store_true", help="leave the docs page as it is")
     args = ap.parse_args()
+    if not args.no_docs:
+        check_docs_block(args.docs, "predictor")
 
     grid = load_grid(args.grid)
     tmp = Path(tempfile.mkdtemp(prefix="ddlscope-predictor-"))
@@ -73,7 +81,7 @@ def main() -> None:
     if args.cluster:
         cluster = load_cluster(args.cluster)
     else:
-        from ddlscope.predict.calibrate import calibrate
+        from ddlscope.profiling.calibrate import calibrate
 
         cluster = calibrate(workers=grid.workers, threads=grid.threads, hivemind="collaborative" in grid.strategies,
                             matchmaking_time_s=grid.matchmaking_time_s).cluster
@@ -101,11 +109,19 @@ def main() -> None:
     print(f"\nvalidation wall time {wall / 60:.1f} min; report {report}")
     out = {"grid": grid.model_dump(), "cluster": cluster.model_dump(), "speed": fast, "validation_wall_s": wall,
            "summary": summary.to_dict(), "cells": [asdict(c) for c in cells], "db": str(db),
-           "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "predictor.json").write_text(json.dumps(out, indent=2, default=str))
-    print(f"wrote {HERE / 'results' / 'predictor.json'}")
+           "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "speed_targets_s": {"profile_and_predict_s": SPEED_TARGET_S, "further_s": FURTHER_TARGET_S}}
+    result_file = HERE / "results" / "predictor.json"
+    result_file.parent.mkdir(exist_ok=True)
+    result_file.write_text(json.dumps(out, indent=2, default=str))
+    print(f"wrote {result_file}")
+    if not args.no_docs:           # the docs show what the JSON holds, read back
+        update_docs_block(args.docs, "predictor", predictor_markdown(json.loads(result_file.read_text())))
+        print(f"rewrote the 'predictor' block of {args.docs}")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:          # bad input (a grid, a cluster file, the docs page): one line, no traceback
+        raise SystemExit(f"error: {e}") from None

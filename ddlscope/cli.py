@@ -135,12 +135,13 @@ def quickstart(
 
 @app.command()
 def run(
-    config: Optional[Path] = typer.Argument(None, help="TOML run config ([run] and [collaborative] tables)"),
+    config: Optional[Path] = typer.Argument(None, help="TOML run config ([run], [distributed] and the models' own tables)"),
     set_: list[str] = typer.Option([], "--set", help="override a field, e.g. --set batch_size=64 --set collaborative.target_batch_size=512"),
     db: Optional[Path] = DbOption,
     group: Optional[str] = typer.Option(None, help="label tying runs together for reports"),
     local_peers: Optional[int] = typer.Option(None, help="start only this many peers here; the rest join with 'ddlscope peer'"),
-    nnodes: int = typer.Option(1, min=1, help="cluster: nodes that each run this same command (ddp, fsdp, gpipe, 1f1b)"),
+    nnodes: int = typer.Option(1, min=1, help="cluster: nodes that each run this same command (models launched by "
+                                              "torchrun, see 'ddlscope models')"),
     rdzv_endpoint: Optional[str] = typer.Option(None, help="cluster: HOST:PORT of the rendezvous on the first node"),
     run_id: Optional[str] = typer.Option(None, help="cluster: the same run id on every node"),
     progress: bool = typer.Option(True),
@@ -184,8 +185,9 @@ def suite(
     cells = expand(spec)
     if dry_run:
         for c in cells:
-            mb = f", {c.microbatches} micro-batches" if c.microbatches else ""
-            typer.echo(f"{c.label}: batch {c.batch_size} per worker{mb}")
+            microbatches = (c.values.get("distributed") or {}).get("microbatches")
+            mb = f", {microbatches} micro-batches" if microbatches else ""
+            typer.echo(f"{c.label}: batch {c.values['batch_size']} per worker{mb}")
         typer.echo(f"{len(cells)} cells")
         return
     db_path = _db(db)
@@ -253,13 +255,13 @@ def _print_sweep_plan(plan, db_path: Path) -> None:
     from rich.table import Table
 
     from ddlscope.store.db import ResultsStore
-    from ddlscope.sweep.estimate import estimate_cell_s
-    from ddlscope.sweep.runner import cell_runs
+    from ddlscope.experiments.estimate import estimate_cell_s
+    from ddlscope.experiments.runner import stored_cells
 
     stored = {}
     if db_path.exists():
         with ResultsStore(db_path) as store:
-            stored = cell_runs(store, plan.name)
+            stored = stored_cells(store, plan.name)
     table = Table(title=f"sweep {plan.name}: {len(plan.cells)} cells")
     for col in ("#", "cell", "strategy", "peers x vCPUs", "steps/peer", "est. s", "stored", "key"):
         table.add_column(col, justify="right" if col in ("#", "steps/peer", "est. s") else "left")
@@ -273,7 +275,7 @@ def _print_sweep_plan(plan, db_path: Path) -> None:
     console = Console(width=220)
     console.print(table)
     console.print(f"estimated time of the cells still to run: {total / 60:.1f} min "
-                  f"(ResNet-18 figures of this project's 2-core machine; see ddlscope/sweep/estimate.py)")
+                  f"(ResNet-18 figures of this project's 2-core machine; see ddlscope/experiments/estimate.py)")
 
 
 @app.command()
@@ -282,18 +284,20 @@ def peer(
     index: int = typer.Option(..., help="this peer's index (0 .. peers-1), unique in the run"),
     peers: int = typer.Option(..., help="peers in the run"),
     initial_peers: list[str] = typer.Option(..., help="multiaddr of a peer in the swarm (repeatable)"),
+    strategy: Optional[str] = typer.Option(None, help="the run's distribution model, one launched as a swarm "
+                                                      "(default: the only such model; see 'ddlscope models')"),
     config: Optional[Path] = typer.Option(None, help="the run's TOML config (same as the other peers')"),
     set_: list[str] = typer.Option([], "--set", help="config overrides, as for 'run'"),
     listen: list[str] = typer.Option([], help="multiaddr to listen on, e.g. /ip4/0.0.0.0/tcp/31337 (default loopback)"),
     cores: Optional[str] = typer.Option(None, help="comma-separated core ids (default: all)"),
     db: Optional[Path] = DbOption,
 ):
-    """Join a collaborative run by hand (e.g. from another host); results go to this host's --db."""
+    """Join a swarm run (a model whose launcher is ``swarm``) by hand, e.g. from another host; results go to this host's --db."""
     from ddlscope.config import available_cores, load_config, validate_config
     from ddlscope.store.db import ResultsStore
     from ddlscope.train.worker import serve_worker
 
-    overrides = dict(_parse_sets(set_), peers=peers, strategy="collaborative", vcpus_per_peer=1)
+    overrides = dict(_parse_sets(set_), peers=peers, strategy=_swarm_model(strategy), vcpus_per_peer=1)
     cfg = load_config(config, overrides) if config else validate_config(overrides)
     if not 0 <= index < peers:
         raise UserError(f"--index {index}: allowed 0..{peers - 1}")
@@ -306,6 +310,26 @@ def peer(
     raise typer.Exit(code)
 
 
+def _swarm_model(strategy: Optional[str]) -> str:
+    """``strategy`` if it is launched as a swarm, else (None) the only registered swarm model.
+
+    Raises:
+        UserError: ``strategy`` is unknown or not a swarm model, or None while not exactly one swarm model exists.
+    """
+    from ddlscope import distribution
+
+    swarm = distribution.with_launcher("swarm")
+    if strategy is None:
+        if len(swarm) != 1:
+            raise UserError(f"give --strategy: 'ddlscope peer' joins a swarm; allowed: {', '.join(swarm) or 'none registered'}")
+        return swarm[0]
+    launcher = distribution.get(strategy).launcher
+    if launcher != "swarm":
+        raise UserError(f"--strategy {strategy}: 'ddlscope peer' joins a swarm, but {strategy} is launched by "
+                        f"{launcher}; allowed: {', '.join(swarm) or 'none registered'}")
+    return strategy
+
+
 @app.command()
 def bootstrap(listen: list[str] = typer.Option(["/ip4/127.0.0.1/tcp/0"], help="multiaddr(s) to listen on")):
     """Run a DHT-only bootstrap peer (the thesis's "messenger") until Ctrl-C; prints its multiaddrs."""
@@ -314,7 +338,10 @@ def bootstrap(listen: list[str] = typer.Option(["/ip4/127.0.0.1/tcp/0"], help="m
     dht = hivemind.DHT(host_maddrs=listen, start=True)
     for addr in dht.get_visible_maddrs():
         typer.echo(str(addr))
-    typer.echo("pass these as collaborative.initial_peers; Ctrl-C to stop", err=True)
+    from ddlscope import distribution
+
+    options = [f"{distribution.get(n).config_table}.initial_peers" for n in distribution.with_launcher("swarm")]
+    typer.echo(f"pass these as {' or '.join(options)}; Ctrl-C to stop", err=True)
     try:
         while True:
             time.sleep(3600)
@@ -330,7 +357,7 @@ def report(
     out: Optional[Path] = typer.Option(None, help="report folder"),
     threshold: Optional[float] = typer.Option(None, help="accuracy for time-to-accuracy (default 0.9 x baseline's)"),
 ):
-    """Compare runs (baseline = first completed single run) and write an HTML/Markdown report."""
+    """Compare runs (baseline = first completed run of the baseline model, see 'ddlscope models') and write an HTML/Markdown report."""
     from ddlscope.store.db import ResultsStore
 
     db_path = _db(db)
@@ -370,15 +397,16 @@ def sweep_report(
 
 @app.command()
 def matchmaking(
-    run_ids: list[str] = typer.Argument(None, help="collaborative run id(s) to analyze together"),
-    group: Optional[str] = typer.Option(None, help="analyze every collaborative run of this group or sweep"),
+    run_ids: list[str] = typer.Argument(None, help="run id(s) of a model with matchmaking to analyze together"),
+    group: Optional[str] = typer.Option(None, help="analyze every run with matchmaking of this group or sweep"),
     db: Optional[Path] = DbOption,
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the analysis as JSON here"),
 ):
-    """Averaging rounds of collaborative runs: group sizes, solo rounds, waits; recommends matchmaking_time_s."""
+    """Averaging rounds of runs whose model forms groups by matchmaking (collaborative): group sizes, solo rounds,
+    waits; recommends matchmaking_time_s."""
     import json
 
-    from ddlscope.analyze.matchmaking import analyze_matchmaking
+    from ddlscope.analyze.matchmaking import analyze_matchmaking, matchmaking_applies, matchmaking_models
     from ddlscope.store.db import ResultsStore
 
     if bool(run_ids) == bool(group):
@@ -391,8 +419,9 @@ def matchmaking(
         if missing or not ids:
             raise UserError(f"unknown run id(s) {missing} in {db_path}; see 'ddlscope runs'" if missing
                             else f"no runs in group {group!r} in {db_path}")
-        if not any(known[r] == "collaborative" for r in ids):
-            raise UserError(f"no collaborative run among {ids}; matchmaking applies to strategy 'collaborative'")
+        if not any(matchmaking_applies(known[r]) for r in ids):
+            raise UserError(f"no run with matchmaking among {ids}; matchmaking applies to strategy "
+                            f"{' or '.join(repr(n) for n in matchmaking_models())}")
         analysis = analyze_matchmaking(store, ids)
     typer.echo(analysis.markdown())
     if json_out:

@@ -76,7 +76,7 @@ class RunConfigBase(BaseModel):
     learning_rate: float = Field(0.01, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
-    optimizer: Literal["sgd", "adam"] = "sgd"
+    optimizer: Literal["sgd", "adam", "adamw"] = Field("sgd", description="sgd (with momentum), adam or adamw")
     gradient_accumulation_steps: int = Field(1, ge=1, le=1024, description="micro-steps per optimizer step (GAS)")
     loader_workers: int = Field(1, ge=0, le=64, description="DataLoader worker processes per peer")
     augment: bool = True

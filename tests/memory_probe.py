@@ -34,10 +34,12 @@ def main() -> None:
     from ddlscope.config import RunConfig
     from ddlscope.strategies import WorkerContext, strategy_class
     from ddlscope.workloads.models import build_model, input_spec
+    from ddlscope.workloads.step import loss_function, optimizer_for
 
     workers = args["workers"]
     cfg = RunConfig(strategy=args["strategy"], model=args["network"], dataset=args["dataset"],
                     batch_size=args["batch_size"], peers=workers, sample_budget=10**6,
+                    optimizer=args.get("optimizer", "sgd"),
                     **({"distributed": args["distributed"]} if "distributed" in args else {}))
     import os
 
@@ -47,18 +49,20 @@ def main() -> None:
     if hasattr(strategy, "init_process_group"):
         strategy.init_process_group()
     spec = input_spec(args["family"])
-    loss_fn = torch.nn.CrossEntropyLoss()
+    loss_fn = loss_function()
     b = args["batch_size"]
-    from ddlscope.predict.profile import _warm_up_runtime
+    from ddlscope.modeling.profile import OptimizerSetting
+    from ddlscope.profiling.profile import _warm_up_runtime
 
-    _warm_up_runtime(args["family"])  # what the profile's runtime_bytes includes: lazy imports, kernel code
+    # what the profile's runtime_bytes includes: lazy imports, kernel code
+    _warm_up_runtime(args["family"], OptimizerSetting.of_config(cfg))
     gc.collect()
     baseline = status("VmRSS")
     x = torch.randn(b, spec.channels, spec.height, spec.width)  # the input batch counts as activation memory
     y = torch.randint(0, spec.num_classes, (b,))
     torch.manual_seed(0)
     model = build_model(cfg.model, args["family"])
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.learning_rate, momentum=cfg.momentum)
+    optimizer = optimizer_for(cfg, model.parameters())
     model = strategy.setup(model, optimizer)
     model.train()
 

@@ -11,9 +11,9 @@ import psutil
 import pytest
 
 from ddlscope.errors import UserError
-from ddlscope.predict.calibrate import (DEFAULT_SIZES_BYTES, CalibrationError, calibrate, fit_allreduce,
+from ddlscope.profiling.calibrate import (DEFAULT_SIZES_BYTES, CalibrationError, calibrate, fit_allreduce,
                                         fit_alpha_beta, fit_half_ring, fit_p2p, overlap_fraction)
-from ddlscope.predict.cluster import load_cluster
+from ddlscope.modeling.cluster import load_cluster
 
 
 def _noisy(values, rel_sd: float, seed: int = 0) -> list[float]:
@@ -155,16 +155,31 @@ def test_calibrate_cli_bad_workers(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "c.toml").exists()
 
 
-def test_typical_is_scipys_trimmed_mean():
+def test_trimmed_mean_is_scipys_trim_mean():
     from scipy.stats import trim_mean
 
-    from ddlscope.predict.calibrate import TRIM, _typical
+    from ddlscope.measure.stats import TRIM, trimmed_mean
 
     rng = np.random.default_rng(3)
     for n in (1, 2, 5, 10, 20, 23):
         xs = rng.exponential(1.0, n).tolist()
-        assert _typical(xs) == pytest.approx(float(trim_mean(xs, TRIM)))
-    assert _typical([1.0] * 9 + [100.0]) == 1.0  # one wild repeat in ten is cut
+        assert trimmed_mean(xs) == pytest.approx(float(trim_mean(xs, TRIM)))
+        assert trimmed_mean(xs, 0.25) == pytest.approx(float(trim_mean(xs, 0.25)))
+    assert trimmed_mean([1.0] * 9 + [100.0]) == 1.0  # one wild repeat in ten is cut
+    for bad in (([], TRIM), ([1.0], 0.5), ([1.0], -0.1)):
+        with pytest.raises(ValueError):
+            trimmed_mean(*bad)
+
+
+def test_time_repeats_warms_up_untimed_and_syncs_around_every_call():
+    from ddlscope.measure.stats import time_repeats
+
+    calls: list[str] = []
+    times = time_repeats(lambda: calls.append("fn"), 3, warmup=2, sync=lambda: calls.append("sync"))
+    assert len(times) == 3 and all(t >= 0 for t in times)
+    assert calls == ["fn", "fn"] + ["sync", "fn", "sync"] * 3
+    with pytest.raises(ValueError):
+        time_repeats(lambda: None, 0)
 
 
 @pytest.mark.slow
@@ -184,7 +199,7 @@ def test_calibrate_hivemind_swarm_fits_what_hivemind_adds(tmp_path):
 
 
 def test_fit_swarm_reads_whole_epochs_after_the_first_and_fits_overhead_against_the_step():
-    from ddlscope.predict.swarm import STEPS_PER_EPOCH, fit_swarm, swarm_epochs
+    from ddlscope.profiling.swarm import STEPS_PER_EPOCH, fit_swarm, swarm_epochs
 
     def swarm(batch, alone, round_s):
         # [compute s, hivemind step s, epoch after, background CPU s]; epoch 1 ends at step 2 (start-up),

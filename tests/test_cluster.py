@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from ddlscope.errors import UserError
-from ddlscope.predict.cluster import (ClusterSpec, DeviceSpec, LinkSpec, PeerSpec, dumps_cluster, load_cluster,
+from ddlscope.modeling.cluster import (ClusterSpec, DeviceSpec, LinkSpec, PeerSpec, dumps_cluster, load_cluster,
                                       write_cluster)
-from ddlscope.predict.devices import DEVICE_KINDS, UNCERTAINTY, compute_scale
-from ddlscope.predict.profile import DeviceProfile, LayerProfile, StepProfile, WorkloadProfile
+from ddlscope.modeling.devices import DEVICE_KINDS, UNCERTAINTY, compute_scale
+from ddlscope.modeling.profile import DeviceProfile, LayerProfile, StepProfile, WorkloadProfile
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 GOOD = """

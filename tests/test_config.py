@@ -65,3 +65,62 @@ def test_toml_config_and_overrides(tmp_path):
     (tmp_path / "extra.toml").write_text("[runn]\nx = 1\n")
     with pytest.raises(UserError, match="unknown table"):
         load_config(tmp_path / "extra.toml")
+
+
+# ---------------------------------------------------------------------- the registry seen from the CLI
+def test_models_command_lists_every_registered_model_with_its_launcher():
+    import json
+
+    from typer.testing import CliRunner
+
+    from ddlscope import distribution
+    from ddlscope.cli import app
+
+    listed = CliRunner().invoke(app, ["models", "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert {r["name"]: r["launcher"] for r in json.loads(listed.output)} == \
+        {m.name: m.launcher for m in distribution.all_models()}
+    text = CliRunner().invoke(app, ["models"]).output.splitlines()
+    for m in distribution.all_models():
+        at = next(i for i, line in enumerate(text) if line.split()[:1] == [m.name])
+        assert f"launcher {m.launcher}," in text[at + 1], (m.name, text[at:at + 2])
+
+
+def test_peer_command_joins_only_a_swarm_model(tmp_path):
+    from typer.testing import CliRunner
+
+    from ddlscope import distribution
+    from ddlscope.cli import app
+
+    not_swarm = next(m.name for m in distribution.all_models() if m.launcher != "swarm")
+    result = CliRunner().invoke(app, ["peer", "--run-id", "r", "--index", "0", "--peers", "2", "--initial-peers",
+                                      "/ip4/127.0.0.1/tcp/1", "--strategy", not_swarm, "--db", str(tmp_path / "x.db")])
+    assert isinstance(result.exception, UserError), result.output
+    assert "joins a swarm" in str(result.exception) and "allowed: " + ", ".join(distribution.with_launcher("swarm")) \
+        in str(result.exception)
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_registry_attributes_used_by_launch_and_analysis():
+    from pydantic import BaseModel
+
+    from ddlscope import distribution
+
+    assert distribution.baseline().name == "single"
+    assert [m.name for m in distribution.all_models() if m.baseline] == ["single"]
+    assert {m.name for m in distribution.all_models() if m.has_matchmaking} == \
+        {m.name for m in distribution.all_models() if m.has_option("matchmaking_time_s")} >= {"collaborative"}
+    for name in distribution.with_launcher("swarm"):  # the swarm launcher's protocol holds for every swarm model
+        assert all(distribution.get(name).has_option(f) for f in distribution.SWARM_OPTIONS)
+
+    class NoJoinTable(BaseModel):
+        target_batch_size: int = 1
+
+    with pytest.raises(ValueError, match="initial_peers, join_timeout_s"):
+        distribution.DistributionModel(name="x", summary="s", strategy="x:X", launcher="swarm", measures="m",
+                                       predicts="p", config_table="x", config_class=NoJoinTable)
+    with pytest.raises(ValueError, match="already"):
+        distribution.register(distribution.DistributionModel(name="another-baseline", summary="s", strategy="x:X",
+                                                             launcher="process", measures="m", predicts="p",
+                                                             baseline=True))
+    assert "another-baseline" not in distribution.names()

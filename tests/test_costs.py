@@ -7,15 +7,20 @@ import math
 import pytest
 
 from ddlscope.errors import UserError
-from ddlscope.predict.cluster import ClusterSpec, CollectiveFit, DeviceSpec, HivemindFit, LinkSpec, PeerSpec
-from ddlscope.predict.costs import (
-    Setting, butterfly_allreduce_s, ddp_buckets, eq_5_1_epoch_s, pipeline_ops, predict, ring_allreduce_s,
-    simulate_pipeline,
-)
-from ddlscope.predict.calibrate import fit_in_step_rates
-from ddlscope.predict.profile import DeviceProfile, LayerProfile, StepProfile, WorkloadProfile
+from ddlscope.distribution.ddp import ddp_buckets, eq_5_1_epoch_s
+from ddlscope.distribution.pipeline import pipeline_ops, simulate_pipeline
+from ddlscope.modeling.cluster import ClusterSpec, CollectiveFit, DeviceSpec, HivemindFit, LinkSpec, PeerSpec
+from ddlscope.modeling.collectives import butterfly_allreduce_s, ring_allreduce_s
+from ddlscope.modeling.prediction import Setting, predict
+from ddlscope.modeling.profile import DeviceProfile, LayerProfile, StepProfile, WorkloadProfile
+from ddlscope.profiling.calibrate import fit_in_step_rates
 
 MIB = 1024 * 1024
+
+
+def compute_s(p) -> float:
+    """A prediction's training compute: its forward and backward parts."""
+    return p.breakdown_s["forward_s"] + p.breakdown_s["backward_s"]
 
 
 def make_profile(layer_params_bytes=(4 * MIB, 4 * MIB, 4 * MIB, 4 * MIB), per_sample_s=1e-3, out_bytes=4096):
@@ -75,8 +80,8 @@ def test_ddp_exposes_communication_compute_cannot_hide_and_eq51_misses_it():
     prof = make_profile(layer_params_bytes=(100 * MIB,) * 4)  # VGG-like: many gradients, little compute
     slow = make_cluster(bw=0.5)
     p = predict(prof, slow, Setting("ddp", 4, 8, epoch_samples=3200))
-    assert p.breakdown_s["comm_wait"] > 0.1
-    assert p.dominant_cost == "comm_wait"
+    assert p.breakdown_s["comm_wait_s"] > 0.1
+    assert p.dominant_cost == "comm_wait_s"
     # eq. 5.1 counts only the last (threshold-sized) all-reduce: optimistic here
     assert p.reference_epoch_s["eq5.1"] < p.epoch_s
 
@@ -95,7 +100,7 @@ def test_contention_and_partial_overlap_slow_data_parallel_down():
     base = predict(prof, make_cluster(bw=0.2), Setting("ddp", 4, 8, epoch_samples=3200))
     contended = predict(prof, make_cluster(bw=0.2, slowdown=1.5), Setting("ddp", 4, 8, epoch_samples=3200))
     interfered = predict(prof, make_cluster(bw=0.2, overlap=0.0), Setting("ddp", 4, 8, epoch_samples=3200))
-    assert contended.breakdown_s["compute"] == pytest.approx(1.5 * base.breakdown_s["compute"])
+    assert compute_s(contended) == pytest.approx(1.5 * compute_s(base))
     assert interfered.step_s > base.step_s
 
 
@@ -107,7 +112,7 @@ def test_fsdp_costs_more_communication_than_ddp_and_shards_the_optimizer():
     zero2 = predict(prof, cl, Setting("fsdp", 4, 8, epoch_samples=3200, reshard_after_forward=False))
     assert fsdp.inputs["comm_s"] > ddp.inputs["comm_s"]  # 3 half-all-reduces per unit vs 1 all-reduce
     assert zero2.inputs["comm_s"] < fsdp.inputs["comm_s"]  # no second all-gather in backward
-    assert fsdp.breakdown_s["optimizer"] == pytest.approx(ddp.breakdown_s["optimizer"] / 4)
+    assert fsdp.breakdown_s["optimizer_s"] == pytest.approx(ddp.breakdown_s["optimizer_s"] / 4)
     # a calibrated all-gather / reduce-scatter slower than half an all-reduce costs fsdp more
     slow_ag = make_cluster(bw=0.5).model_copy(update={
         "all_gather": CollectiveFit(fixed_s=1e-3, bandwidth_gb_per_s=0.1),
@@ -116,10 +121,10 @@ def test_fsdp_costs_more_communication_than_ddp_and_shards_the_optimizer():
     # FSDP's own per-unit work (calibrated on tiny units) is paid by every unit with parameters
     costly = predict(prof, make_cluster(bw=0.5).model_copy(update={"fsdp_unit_fixed_s": 0.005}),
                      Setting("fsdp", 4, 8, epoch_samples=3200))
-    assert costly.breakdown_s["fsdp_overhead"] == pytest.approx(4 * 0.005)
+    assert costly.inputs["fsdp_overhead_s"] == pytest.approx(4 * 0.005)
     assert costly.step_s == pytest.approx(fsdp.step_s + 0.02)
     free = predict(prof, make_cluster(bw=1e9, latency=0.0), Setting("fsdp", 4, 8, epoch_samples=3200))
-    assert free.breakdown_s["comm_wait"] == pytest.approx(0.0, abs=1e-9)
+    assert free.breakdown_s["comm_wait_s"] == pytest.approx(0.0, abs=1e-9)
 
 
 def test_fsdp_on_cpu_waits_for_every_collective_and_on_gpus_prefetches():
@@ -128,12 +133,12 @@ def test_fsdp_on_cpu_waits_for_every_collective_and_on_gpus_prefetches():
     cpu = predict(prof, make_cluster(bw=0.5), s)
     assert not cpu.inputs["prefetch"]
     # no streams: the step is compute + every all-gather and reduce-scatter + the rest, nothing hidden
-    assert cpu.breakdown_s["comm_wait"] == pytest.approx(cpu.inputs["comm_s"])
-    assert cpu.breakdown_s["comm_interference"] == pytest.approx(0.0, abs=1e-12)
+    assert cpu.breakdown_s["comm_wait_s"] == pytest.approx(cpu.inputs["comm_s"])
+    assert cpu.inputs["comm_interference_s"] == pytest.approx(0.0, abs=1e-12)
     gpu_cluster = make_cluster(bw=0.5).model_copy(update={"device": DeviceSpec(kind="a100-40gb")})
     gpu = predict(prof, gpu_cluster, s)
     assert gpu.inputs["prefetch"] and gpu.inputs["comm_s"] == pytest.approx(cpu.inputs["comm_s"])
-    assert gpu.breakdown_s["comm_wait"] < cpu.breakdown_s["comm_wait"]  # prefetch hides part of it
+    assert gpu.breakdown_s["comm_wait_s"] < cpu.breakdown_s["comm_wait_s"]  # prefetch hides part of it
 
 
 def test_in_step_rates_make_cpu_communication_serial_at_the_measured_rate():
@@ -145,16 +150,16 @@ def test_in_step_rates_make_cpu_communication_serial_at_the_measured_rate():
     # every bucket on the critical path: fixed cost + 2(W-1)/W x bytes at the in-step rate
     buckets = ddp.inputs["buckets"]
     assert ddp.inputs["serial_comm"]
-    assert ddp.breakdown_s["comm_wait"] == pytest.approx(buckets * 1e-3 + 16 * MIB / 0.1e9)
-    assert ddp.breakdown_s["comm_interference"] == 0.0
+    assert ddp.breakdown_s["comm_wait_s"] == pytest.approx(buckets * 1e-3 + 16 * MIB / 0.1e9)
+    assert ddp.inputs["comm_interference_s"] == 0.0
     plain = predict(prof, make_cluster(bw=0.5, fixed=1e-3, overlap=1.0), ddp_s)
     assert not plain.inputs["serial_comm"] and plain.step_s < ddp.step_s  # without the rate: overlapped
     fsdp = predict(prof, cpu, fsdp_s)
     # each unit: two all-gathers and a reduce-scatter, (W-1)/W x bytes each, at the in-step rate
     assert fsdp.inputs["in_step_rate"]
-    assert fsdp.breakdown_s["comm_wait"] == pytest.approx(4 * 3 * 0.5 * 4 * MIB / 0.05e9)
+    assert fsdp.breakdown_s["comm_wait_s"] == pytest.approx(4 * 3 * 0.5 * 4 * MIB / 0.05e9)
     zero2 = predict(prof, cpu, Setting("fsdp", 2, 8, epoch_samples=3200, reshard_after_forward=False))
-    assert zero2.breakdown_s["comm_wait"] == pytest.approx(fsdp.breakdown_s["comm_wait"] * 2 / 3)
+    assert zero2.breakdown_s["comm_wait_s"] == pytest.approx(fsdp.breakdown_s["comm_wait_s"] * 2 / 3)
     # GPUs overlap communication: the CPU rates do not apply there
     gpu = cpu.model_copy(update={"device": DeviceSpec(kind="a100-40gb")})
     assert not predict(prof, gpu, ddp_s).inputs["serial_comm"] and not predict(prof, gpu, fsdp_s).inputs["in_step_rate"]
@@ -213,7 +218,7 @@ def test_pipeline_prediction_and_its_eq6_reference():
         assert p.inputs["stage_bounds"] == [0, 2, 4]
         # 2 equal stages, 4 micro-batches of 8: (4 + 1) slots of one stage's micro-batch time
         slot = 2 * (1e-3 * 8) + 2 * (2e-3 * 8)
-        assert p.breakdown_s["compute"] + p.breakdown_s["bubble"] == pytest.approx(5 * slot, rel=1e-6)
+        assert compute_s(p) + p.breakdown_s["bubble_s"] == pytest.approx(5 * slot, rel=1e-6)
         # eq. 6.1 with a free network: T_seq (W + M - 1) / (W M), T_seq = 4 micro-batch steps
         t_seq = 4 * prof.step_at(8).step_s
         assert p.reference_epoch_s["eq6.1+6.2"] == pytest.approx(t_seq * 5 / 8 * 3200 / 32, rel=1e-6)
@@ -249,19 +254,19 @@ def test_collaborative_accumulates_the_target_batch_from_the_peers_throughputs()
     p = predict(prof, cl, s)
     step = prof.step_at(8)
     rate = 8 / (step.forward_s + step.backward_s) + 8 / ((step.forward_s + step.backward_s) / 3)
-    assert p.breakdown_s["compute"] == pytest.approx(256 / rate, rel=1e-6)
+    assert compute_s(p) == pytest.approx(256 / rate, rel=1e-6)
     assert p.epoch_s == pytest.approx(p.step_s * 3200 / 256)
     # accumulation (0.6 s) is shorter than matchmaking: the gradient round waits for most of the 2 s window
     wait = 2.0 - (p.inputs["accumulate_s"] - max(p.inputs["peer_step_s"]))
     assert p.inputs["matchmaking_wait_s"] == pytest.approx(wait) and wait > 0
-    assert p.breakdown_s["averaging"] == pytest.approx(p.inputs["grad_round_s"] + p.inputs["state_round_s"])
+    assert p.breakdown_s["averaging_s"] == pytest.approx(p.inputs["grad_round_s"] + p.inputs["state_round_s"])
     assert p.inputs["grad_round_s"] > wait  # the wait is counted once, in the gradient round
     long = predict(prof, cl, Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=256,
                                      matchmaking_time_s=0.01))
     assert long.inputs["matchmaking_wait_s"] == 0.0  # matchmaking hidden behind a long accumulation
     lu = predict(prof, cl, Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=256,
                                    matchmaking_time_s=2.0, use_local_updates=True))
-    assert lu.breakdown_s["averaging"] < p.breakdown_s["averaging"]  # averaging overlaps local steps
+    assert lu.breakdown_s["averaging_s"] < p.breakdown_s["averaging_s"]  # averaging overlaps local steps
     bigger = predict(prof, cl, Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=1024,
                                        matchmaking_time_s=2.0))
     assert bigger.epoch_s < p.epoch_s  # fewer averaging rounds per epoch
@@ -275,12 +280,12 @@ def test_collaborative_state_round_costs_cpu_peers_in_full_and_hides_on_gpus():
     assert cpu.inputs["state_round_on_cores"]
     # parameters only (no optimizer state): the same bytes as the gradient round, added in full
     assert cpu.inputs["state_round_s"] == pytest.approx(cpu.inputs["grad_round_s"])
-    assert cpu.breakdown_s["averaging"] == pytest.approx(2 * cpu.inputs["grad_round_s"])
+    assert cpu.breakdown_s["averaging_s"] == pytest.approx(2 * cpu.inputs["grad_round_s"])
     gpu = predict(prof, make_cluster(bw=0.05).model_copy(update={"device": DeviceSpec(kind="a100-40gb")}), s)
     assert not gpu.inputs["state_round_on_cores"]
     # on GPUs the state round overlaps the next epoch's accumulation, which is longer here
     assert gpu.inputs["accumulate_s"] > gpu.inputs["state_round_s"]
-    assert gpu.breakdown_s["averaging"] == pytest.approx(gpu.inputs["grad_round_s"])
+    assert gpu.breakdown_s["averaging_s"] == pytest.approx(gpu.inputs["grad_round_s"])
     every4 = predict(prof, make_cluster(bw=0.05), Setting("collaborative", 2, 8, epoch_samples=3200,
                                                           target_batch_size=256, matchmaking_time_s=0.01,
                                                           average_state_every=4))
@@ -299,14 +304,14 @@ def test_collaborative_with_a_hivemind_fit_adds_overshoot_and_the_measured_epoch
     # 64 samples = 4 steps per peer, plus one of overshoot: the epoch holds 2 x 5 x 8 samples
     assert hm.inputs["accumulate_s"] == pytest.approx(5 * step)
     assert hm.inputs["samples_per_global_epoch"] == pytest.approx(80)
-    assert hm.breakdown_s["averaging"] == pytest.approx(1.5)  # replaces the two rounds (same bytes as the reference)
+    assert hm.breakdown_s["averaging_s"] == pytest.approx(1.5)  # replaces the two rounds (same bytes as the reference)
     assert hm.epoch_s == pytest.approx(hm.step_s * 3200 / 80)
     assert hm.step_s > plain.step_s
     # a matchmaking wait leaves the cores to hivemind's work: the two overlap
     long_mm = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=10.0)
     waited = predict(prof, make_cluster(bw=1e3).model_copy(update={"hivemind": fit}), long_mm)
     assert waited.inputs["matchmaking_wait_s"] > 1.5
-    assert waited.breakdown_s["averaging"] == pytest.approx(waited.inputs["matchmaking_wait_s"])
+    assert waited.breakdown_s["averaging_s"] == pytest.approx(waited.inputs["matchmaking_wait_s"])
     # the fit was measured at 0.01 s, this setting uses 10 s: the prediction says so
     assert len(waited.notes) == 1 and "0.01 s" in waited.notes[0] and "10 s" in waited.notes[0]
     unrecorded = fit.model_copy(update={"matchmaking_time_s": None})
@@ -314,7 +319,7 @@ def test_collaborative_with_a_hivemind_fit_adds_overshoot_and_the_measured_epoch
     # twice the reference's bytes over a slow link: the extra bytes' two rounds come on top
     big = fit.model_copy(update={"reference_param_bytes": prof.param_bytes // 2})
     slow = predict(prof, make_cluster(bw=0.01).model_copy(update={"hivemind": big}), s)
-    assert slow.breakdown_s["averaging"] > 1.5 + 2 * (prof.param_bytes / 2) / 0.01e9 * 0.99
+    assert slow.breakdown_s["averaging_s"] > 1.5 + 2 * (prof.param_bytes / 2) / 0.01e9 * 0.99
 
 
 def test_eq51_reference_equals_its_formula():

@@ -1,4 +1,5 @@
-"""The memory model (:mod:`ddlscope.predict.memory`): formulas, and predictions against measured peaks.
+"""The memory models (:mod:`ddlscope.modeling.memory`; each model's formula in ``ddlscope/distribution/``):
+formulas, and predictions against measured peaks.
 
 The formula tests use a hand-written profile with round numbers, so each figure can be checked
 exactly. The measured tests (``slow``) profile ResNet-18 on MNIST at batch 8 and train it in real
@@ -32,9 +33,10 @@ from pathlib import Path
 
 import pytest
 
+from ddlscope.distribution.collaborative import HIVEMIND_PART_SIZE_BYTES
 from ddlscope.errors import UserError
-from ddlscope.predict.memory import HIVEMIND_PART_SIZE_BYTES, MemoryEstimate, predict_memory
-from ddlscope.predict.profile import DeviceProfile, LayerProfile, StepProfile, WorkloadProfile
+from ddlscope.modeling.memory import MemoryEstimate, predict_memory
+from ddlscope.modeling.profile import DeviceProfile, LayerProfile, StepProfile, WorkloadProfile
 
 MB = 10**6
 REPO = Path(__file__).resolve().parents[1]
@@ -134,7 +136,7 @@ def test_collaborative_adds_hivemind_buffers():
     (("single", 2, 8), {}, ["workers = 2", "workers = 1"]),
     (("ddp", 0, 8), {}, ["workers = 0"]),
     (("ddp", 2, 0), {}, ["batch_size = 0"]),
-    (("gpipe", 5, 8), {}, ["5 pipeline stages", "4 top-level layers"]),
+    (("gpipe", 5, 8), {}, ["5 stages", "4 top-level layers"]),
     (("gpipe", 2, 8), {"microbatches": 9}, ["microbatches = 9", "1..batch_size"]),
     (("gpipe", 2, 8), {"stage_bounds": [0, 4, 4]}, ["stage_bounds [0, 4, 4]", "strictly increasing"]),
 ])
@@ -168,7 +170,7 @@ NETWORK, DATASET, BATCH = "resnet18", "mnist", 8
 
 @pytest.fixture(scope="module")
 def resnet_profile(tmp_path_factory):
-    from ddlscope.predict.profile import profile_workload
+    from ddlscope.profiling.profile import profile_workload
 
     return profile_workload(NETWORK, DATASET, BATCH, threads=1, loader_workers=(),
                             cache_root=tmp_path_factory.mktemp("cache"))

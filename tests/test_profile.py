@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddlscope import distribution
 from ddlscope.errors import UserError
-from ddlscope.predict import profile as prof
-from ddlscope.predict.profile import (
-    WorkloadProfile,
-    interpolate,
+from ddlscope.modeling.prediction import Setting
+from ddlscope.modeling.profile import OptimizerSetting, WorkloadProfile, interpolate
+from ddlscope.profiling import profile as prof
+from ddlscope.profiling.profile import (
     load_or_profile,
     profile_batch_sizes,
     profile_cache_key,
@@ -59,6 +60,8 @@ def test_tiny_profile_measures_every_layer_at_every_batch_size(tiny):
     assert p.param_count == 80 + 1168 + 2570 and p.param_bytes == 4 * p.param_count
     assert [layer.param_bytes for layer in p.layers] == [320, 4672, 0, 10280]
     assert p.optimizer_state_bytes == p.param_bytes  # SGD momentum: one buffer per parameter
+    assert p.optimizer == "sgd" and p.optimizer_setting == OptimizerSetting(name="sgd", learning_rate=0.01, momentum=0.9,
+                                                                            weight_decay=0.0)
     assert p.buffer_bytes == 0 and p.sample_bytes == 28 * 28 * 4 and p.input_shape == (1, 28, 28)
     conv1, conv2, pool, fc = p.layers
     assert conv1.output_bytes_per_sample == 8 * 28 * 28 * 4 and conv2.output_bytes_per_sample == 16 * 14 * 14 * 4
@@ -117,12 +120,54 @@ def test_cache_hit_refresh_and_corrupt_file(tiny, tmp_path, monkeypatch):
 def test_cache_key_names_everything_that_changes_a_profile():
     key = profile_cache_key("resnet18", "cifar10", 32, "cpu", 1, (0, 1))
     assert key == profile_cache_key("resnet18", "cifar10", 32, "cpu", 1, (1, 0))
-    assert key.startswith("resnet18_cifar10_bs32_cpu_t1_")
+    assert key.startswith("resnet18_cifar10_bs32_cpu_t1_sgd_")
+    # a name means the run config's default hyperparameters
+    assert key == profile_cache_key("resnet18", "cifar10", 32, "cpu", 1, (0, 1), prof.optimizer_setting("sgd"))
+    plain_sgd = OptimizerSetting(name="sgd", learning_rate=0.01, momentum=0.0, weight_decay=0.0)
     others = [profile_cache_key("resnet18", "cifar10", 16, "cpu", 1, (0, 1)),
               profile_cache_key("resnet18", "cifar10", 32, "cpu", 2, (0, 1)),
               profile_cache_key("resnet18", "mnist", 32, "cpu", 1, (0, 1)),
-              profile_cache_key("resnet18", "cifar10", 32, "cpu", 1, (0,))]
-    assert len({key, *others}) == 5
+              profile_cache_key("resnet18", "cifar10", 32, "cpu", 1, (0,)),
+              profile_cache_key("resnet18", "cifar10", 32, "cpu", 1, (0, 1), "adam"),
+              profile_cache_key("resnet18", "cifar10", 32, "cpu", 1, (0, 1), plain_sgd)]
+    assert len({key, *others}) == 7
+    assert others[-2].startswith("resnet18_cifar10_bs32_cpu_t1_adam_")
+
+
+@pytest.fixture(scope="module")
+def adam():
+    """A profile of tiny_cnn trained with Adam at batch 2 (no data loading measured)."""
+    return prof.profile_workload("tiny_cnn", "mnist", 2, loader_workers=(), optimizer="adam")
+
+
+def test_profile_records_the_optimizer_and_measures_its_state(adam, tiny):
+    sgd, _, _ = tiny
+    assert adam.optimizer == "adam" and adam.optimizer_setting.name == "adam" and adam.data_loading == []
+    assert adam.param_bytes == sgd.param_bytes
+    # Adam: two moments per parameter, plus a float32 step count per parameter tensor (tiny_cnn has 6)
+    assert adam.optimizer_state_bytes == 2 * adam.param_bytes + 4 * 6
+    # plain SGD keeps no state; SGD with momentum one buffer per parameter (as the tiny profile measured)
+    for momentum, state_bytes in ((0.0, 0), (0.9, sgd.param_bytes)):
+        setting = OptimizerSetting(name="sgd", learning_rate=0.01, momentum=momentum, weight_decay=0.0)
+        assert prof._fake_analysis("tiny_cnn", "mnist", [2], setting)["optimizer_state_bytes"] == state_bytes
+
+
+@pytest.mark.parametrize("model, workers", [("single", 1), ("ddp", 2)])
+def test_memory_estimate_charges_the_profiled_optimizers_state(adam, tiny, model, workers):
+    sgd, _, _ = tiny
+    setting = Setting(strategy=model, workers=workers, batch_size=2, epoch_samples=1000)
+    by_optimizer = {p.optimizer: distribution.get(model).memory_model(p, setting)[0] for p in (adam, sgd)}
+    assert by_optimizer["adam"].optimizer_bytes == adam.optimizer_state_bytes
+    assert by_optimizer["sgd"].optimizer_bytes == sgd.optimizer_state_bytes
+    assert by_optimizer["adam"].optimizer_bytes - by_optimizer["sgd"].optimizer_bytes == sgd.param_bytes + 4 * 6
+
+
+def test_unknown_optimizer_is_a_user_error(tiny):
+    with pytest.raises(UserError, match="unknown optimizer 'lamb'; allowed: sgd, adam, adamw"):
+        prof.profile_workload("tiny_cnn", "mnist", 2, loader_workers=(), optimizer="lamb")
+    fields = tiny[0].model_dump() | {"optimizer_setting": prof.optimizer_setting("adam").model_dump()}
+    with pytest.raises(ValueError, match="optimizer 'sgd' but optimizer_setting names 'adam'"):
+        WorkloadProfile.model_validate(fields)
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -167,6 +212,8 @@ def test_cli_prints_the_cached_profile(tiny):
     (["--model", "nope", "--dataset", "mnist", "--batch-size", "8"], ["unknown network 'nope'", "resnet18"]),
     (["--model", "tiny_cnn", "--dataset", "mnist", "--batch-size", "8", "--threads", "0"], ["threads 0"]),
     (["--model", "tiny_cnn", "--dataset", "mnist", "--batch-size", "8", "--loader-workers", "x"], ["--loader-workers"]),
+    (["--model", "tiny_cnn", "--dataset", "mnist", "--batch-size", "8", "--optimizer", "lamb"],
+     ["unknown optimizer 'lamb'", "sgd, adam, adamw"]),
 ])
 def test_cli_bad_input_is_one_error_line(args, words):
     out = _cli(*args)

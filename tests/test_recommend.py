@@ -1,17 +1,17 @@
-"""The recommender and ``ddlscope recommend`` / ``ddlscope validate``."""
+"""The recommender and ``ddlscope recommend`` (``ddlscope validate``: tests/test_validate.py)."""
 
 from __future__ import annotations
 
 import json
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from ddlscope.predict.cluster import ClusterSpec, DeviceSpec, LinkSpec
-from ddlscope.predict.recommend import candidate_settings, recommend
+from ddlscope import distribution
+from ddlscope.modeling.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from ddlscope.modeling.recommend import candidate_settings, recommend
 from tests.test_costs import MIB, make_profile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,7 +86,7 @@ def _cli(*args, cwd=None):
 @pytest.fixture(scope="module")
 def profile_cache(tmp_path_factory, data_root):
     """tiny_cnn on MNIST at batch 16, profiled once for the CLI tests."""
-    from ddlscope.predict.profile import load_or_profile
+    from ddlscope.profiling.profile import load_or_profile
 
     cache = tmp_path_factory.mktemp("profiles")
     load_or_profile("tiny_cnn", "mnist", 16, threads=1, loader_workers=(0,), data_root=data_root, cache_dir=cache)
@@ -99,7 +99,9 @@ def test_recommend_cli_json(profile_cache):
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["recommended"] in {c["strategy"] for c in out["candidates"] if c["fits"]}
-    assert {c["strategy"] for c in out["candidates"]} == {"single", "ddp", "fsdp", "gpipe", "1f1b", "collaborative"}
+    # every registered model with a cost model is a candidate by default
+    assert {c["strategy"] for c in out["candidates"]} == {m.name for m in distribution.all_models() if m.cost_model}
+    assert {"single", "ddp", "fsdp", "gpipe", "1f1b", "collaborative"} <= {c["strategy"] for c in out["candidates"]}
     ddp = next(c for c in out["candidates"] if c["strategy"] == "ddp")
     assert ddp["reference_epoch_s"]["eq5.1"] > 0 and ddp["memory_bytes"] > 0
     # this cluster file has no hivemind calibration: the collaborative prediction's note says what that means
@@ -126,47 +128,3 @@ def test_recommend_cli_bad_cluster_is_one_error_line(tmp_path, text, words):
     res = _cli("recommend", "--model", "tiny_cnn", "--dataset", "mnist", "--cluster", str(path))
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert all(w in res.stderr for w in words), res.stderr
-
-
-@pytest.mark.slow
-def test_validate_tiny_stores_predictions_next_to_real_runs(tmp_path):
-    db = tmp_path / "r" / "ddlscope.db"
-    res = _cli("validate", "tiny", "--cluster", str(LOCAL), "--db", str(db), "--no-progress")
-    assert res.returncode == 0, res.stderr[-3000:]
-    conn = sqlite3.connect(db)
-    rows = conn.execute("SELECT p.strategy, p.predicted_epoch_s, r.status FROM predictions p "
-                        "JOIN runs r ON r.run_id = p.run_id").fetchall()
-    assert sorted(r[0] for r in rows) == ["ddp", "gpipe", "single"]
-    assert all(r[1] > 0 and r[2] == "completed" for r in rows)
-    # the pipeline ran the cut that was predicted for it
-    (detail, cut), = conn.execute(
-        "SELECT p.detail_json, e.detail_json FROM predictions p JOIN events e ON e.run_id = p.run_id "
-        "WHERE p.strategy = 'gpipe' AND e.kind = 'strategy_details' AND e.worker_index = 0").fetchall()
-    assert json.loads(cut)["stage_bounds"] == json.loads(detail)["inputs"]["stage_bounds"]
-    report = json.loads((db.parent / "validation" / "validation-tiny" / "validation.json").read_text())
-    assert len(report["cells"]) == 1
-    # a second validation reuses the completed runs
-    again = _cli("validate", "tiny", "--cluster", str(LOCAL), "--db", str(db), "--no-progress")
-    assert again.returncode == 0
-    assert conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 3
-    # --rerun measures every cell again
-    rerun = _cli("validate", "tiny", "--cluster", str(LOCAL), "--db", str(db), "--no-progress", "--rerun")
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert conn.execute("SELECT COUNT(*) FROM runs WHERE status = 'completed'").fetchone()[0] == 6
-
-
-def test_collaborative_validation_runs_exclude_the_first_global_epoch(tmp_path):
-    from ddlscope.predict.costs import Setting
-    from ddlscope.predict.validate import load_grid, run_config_for
-
-    grid = load_grid("local")
-    collab = Setting("collaborative", 2, 32, epoch_samples=60000, target_batch_size=128)
-    cfg = run_config_for(grid, collab, "resnet18", "mnist", tmp_path)
-    # 2 warm-up batches, then 128 / (2 x 32) = 2 steps of the first global epoch, plus its overshoot step
-    assert cfg.warmup_steps == grid.warmup_batches + 3
-    assert cfg.sample_budget == (grid.warmup_batches + 3 + grid.collaborative_measured_batches) * 32 * 2
-    ddp = run_config_for(grid, Setting("ddp", 2, 32, epoch_samples=60000), "resnet18", "mnist", tmp_path)
-    assert ddp.warmup_steps == grid.warmup_batches
-    pipe = run_config_for(grid, Setting("1f1b", 2, 64, epoch_samples=60000, microbatches=4), "resnet18", "mnist",
-                          tmp_path, stage_bounds=[0, 5, 11])
-    assert pipe.distributed.stage_bounds == [0, 5, 11] and pipe.distributed.microbatches == 4

@@ -9,32 +9,46 @@ import pytest
 from ddlscope.errors import UserError
 from ddlscope.store.db import ResultsStore
 from ddlscope.suite.runner import run_suite, suite_results
-from ddlscope.suite.spec import PRESETS, TABLE_3_3_BATCH_SIZE, SuiteSpec, cell_config, expand, load_suite
+from ddlscope.suite.spec import PRESETS, TABLE_3_3_BATCH_SIZE, SuiteSpec, expand, load_suite, suite_models
+
+
+def _shape(cell):
+    v = cell.values
+    return v["batch_size"], (v.get("distributed") or {}).get("microbatches"), v["sample_budget"]
 
 
 def test_table_3_3_defaults_and_expansion():
-    spec = SuiteSpec(datasets=["mnist", "imagenet"], networks=["resnet18", "vgg11"], workers=[2, 4])
+    spec = SuiteSpec(datasets=["mnist", "imagenet"], networks=["resnet18", "vgg11"], workers=[2, 4],
+                     warmup_batches=1, measured_batches=1)
     cells = expand(spec)
-    # one single baseline per dataset x network, then 4 models x 2 worker counts per dataset x network
-    assert len(cells) == 2 * 2 * (1 + 4 * 2)
+    # one single baseline per dataset x network, then every suite model x 2 worker counts per dataset x network
+    assert len(cells) == 2 * 2 * (1 + len(suite_models()) * 2)
     assert [c.strategy for c in cells[:4]] == ["single"] * 4
-    by = {(c.dataset, c.network, c.strategy, c.workers): c for c in cells}
-    assert by["mnist", "resnet18", "single", 1].batch_size == TABLE_3_3_BATCH_SIZE["mnist"] == 128
-    assert by["mnist", "resnet18", "ddp", 4].global_batch_size == 4 * 128
-    gpipe = by["imagenet", "vgg11", "gpipe", 2]
-    assert (gpipe.batch_size, gpipe.microbatches, gpipe.global_batch_size) == (384, 12, 384)
-    assert by["imagenet", "vgg11", "1f1b", 4].microbatches == 8  # at least one per stage, 2 per stage by default
+    by = {(c.values["dataset"], c.values["model"], c.strategy, c.values["peers"]): c for c in cells}
+    assert _shape(by["mnist", "resnet18", "single", 1]) == (TABLE_3_3_BATCH_SIZE["mnist"], None, 2 * 128)
+    assert _shape(by["mnist", "resnet18", "ddp", 4]) == (128, None, 2 * 4 * 128)  # budget: 2 global batches
+    assert _shape(by["imagenet", "vgg11", "gpipe", 2]) == (384, 12, 2 * 384)  # GPipe's own Table 3.3 column
+    assert _shape(by["imagenet", "vgg11", "1f1b", 4])[1] == 8  # at least one per stage, 2 per stage by default
+    assert by["imagenet", "vgg11", "1f1b", 4].key == by["imagenet", "vgg11", "1f1b", 4].label == "1f1b-vgg11-imagenet-4w"
+    small = SuiteSpec(datasets=["mnist"], workers=[4], microbatches={"mnist": 2})
+    assert {c.strategy: _shape(c)[1] for c in expand(small) if c.strategy in ("gpipe", "1f1b")} == {"gpipe": 2, "1f1b": 4}
+
+
+def test_suite_models_come_from_the_registry():
+    models = suite_models()
+    assert {"ddp", "fsdp", "gpipe", "1f1b"} <= set(models)
+    assert "single" not in models and "collaborative" not in models  # the baseline; peers stepping on their own
+    assert SuiteSpec().strategies == models
 
 
 def test_presets_are_valid_and_local_preset_fits_this_machine(tmp_path):
     for name in PRESETS:
         spec = load_suite(name)
-        for cell in expand(spec):
-            if spec.device == "cpu":  # cuda cells are checked on the cluster they are meant for
-                cfg = cell_config(spec, cell, tmp_path)
-                assert cfg.max_steps_per_peer() == spec.warmup_batches + spec.measured_batches
+        if spec.device == "cpu":  # cuda cells are checked on the cluster they are meant for
+            for cell in expand(spec, tmp_path):
+                assert cell.config.max_steps_per_peer() == spec.warmup_batches + spec.measured_batches
     local = load_suite("local")
-    assert set(c.strategy for c in expand(local)) == {"single", "ddp", "fsdp", "gpipe", "1f1b"}
+    assert set(c.strategy for c in expand(local)) == {"single", *suite_models()}
 
 
 @pytest.mark.parametrize("text, message", [
@@ -64,7 +78,8 @@ def test_missing_suite_file_names_presets(tmp_path):
 def test_tiny_suite_runs_stores_failures_and_skips_finished_cells(tmp_path):
     """ddp and fsdp cells train; gpipe and 1f1b cells are rejected (3 micro-batches do not divide 16)
     and stored as failed with the reason; a rerun skips the completed cells."""
-    spec = SuiteSpec(name="t", datasets=["mnist"], networks=["tiny_cnn"], workers=[2], warmup_batches=1,
+    spec = SuiteSpec(name="t", datasets=["mnist"], networks=["tiny_cnn"], strategies=["ddp", "fsdp", "gpipe", "1f1b"],
+                     workers=[2], warmup_batches=1,
                      measured_batches=2, batch_size={"mnist": 16}, gpipe_batch_size={"mnist": 16},
                      microbatches={"mnist": 3}, synthetic_train_size=64)
     db = tmp_path / "r" / "d.db"

@@ -12,7 +12,7 @@ import pytest
 import ddlscope.config
 from ddlscope.errors import UserError
 from ddlscope.store.db import ResultsStore
-from ddlscope.sweep.estimate import estimate_cell_s
+from ddlscope.experiments.estimate import RUN_START_S, estimate_cell_s, sample_s
 from ddlscope.sweep.grid import expand_grid, load_grid
 from ddlscope.sweep.presets import preset_grid
 from ddlscope.sweep.runner import run_sweep
@@ -46,6 +46,28 @@ def test_cross_product_with_coupled_peers_axis():
     assert collab.config.name == "g/collaborative-bs32-p2-tbs128-v1"
     assert collab.key == ('{"batch_size":32,"collaborative.target_batch_size":128,"peers":2,'
                           '"strategy":"collaborative","vcpus_per_peer":1}')
+
+
+def test_peers_axis_uses_the_base_model_or_the_table_the_grid_sets():
+    ddp = expand_grid(_grid({"peers": [1, 2], "total_vcpus": 2}, strategy="ddp"), "g", cores=TWO_CORES)
+    assert [c.config.strategy for c in ddp.cells] == ["single", "ddp"]
+    with pytest.raises(UserError, match="peers = 2 but strategy 'single' runs on one worker"):
+        expand_grid(_grid({"peers": [1, 2], "total_vcpus": 2}), "g", cores=TWO_CORES)
+    # a ddp cell ignores the axes of the collaborative table, so they do not multiply its cells
+    mixed = expand_grid(_grid({"strategy": ["ddp", "collaborative"], "peers": [2], "total_vcpus": 2,
+                               "collaborative.target_batch_size": [64, 128]}), "g", cores=TWO_CORES)
+    assert sorted(c.label for c in mixed.cells) == ["collaborative-p2-tbs128-v1", "collaborative-p2-tbs64-v1",
+                                                    "ddp-p2-v1"]
+
+
+def test_estimates_scale_by_the_models_factor():
+    from ddlscope import distribution
+
+    base = expand_grid(_grid({"strategy": ["ddp", "collaborative"]}, peers=2, vcpus_per_peer=1), "g", cores=TWO_CORES)
+    ddp, collab = (estimate_cell_s(c.config, TWO_CORES) for c in base.cells)
+    compute_s = 10 * 16 * sample_s(1)  # 320 samples / (2 peers x 16) = 10 steps per peer on 1 core
+    assert ddp == pytest.approx(RUN_START_S + compute_s)
+    assert collab == pytest.approx(RUN_START_S + compute_s * distribution.get("collaborative").estimate_factor)
 
 
 def test_repeats_set_seed_and_union_of_axes_tables_drops_duplicates():

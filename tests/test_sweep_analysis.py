@@ -187,3 +187,13 @@ def test_cli_sweep_report_and_matchmaking(store, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "ddlscope", "sweep-report", "nope", "--db", db], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: no sweep 'nope'") and "mm, s" in bad.stderr
+
+
+def test_matchmaking_time_of_a_run_comes_from_its_config_else_its_models_default():
+    from ddlscope.analyze.matchmaking import configured_matchmaking_s, matchmaking_applies
+    from ddlscope.distribution.collaborative import DEFAULT_MATCHMAKING_TIME_S
+
+    assert configured_matchmaking_s("collaborative", {"collaborative": {"matchmaking_time_s": 2.5}}) == 2.5
+    assert configured_matchmaking_s("collaborative", {}) == DEFAULT_MATCHMAKING_TIME_S
+    assert matchmaking_applies("collaborative") and not matchmaking_applies("single")
+    assert not matchmaking_applies("no-such-model")

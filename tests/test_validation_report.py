@@ -10,8 +10,8 @@ from scipy.stats import kendalltau
 from ddlscope.errors import UserError
 from ddlscope.predict.validation_report import (
     TARGET_MAX_MEDIAN_ABS_ERROR, TARGET_MAX_MEDIAN_REGRET, TARGET_MIN_TOP1_RATE, StrategyOutcome, ValidationCell,
-    actual_fastest, kendall_tau, load_validation, pooled_kendall_tau, print_validation, recommended, regret,
-    relative_error, summarize, top1_correct, write_validation_report)
+    actual_fastest, epoch_parts, kendall_tau, load_validation, parts_table, pooled_kendall_tau, print_validation,
+    recommended, regret, relative_error, summarize, top1_correct, write_validation_report)
 
 
 def out(strategy, pred, meas, fits=True, status=None, reason=None, refs=None, mem=2**20):
@@ -190,3 +190,39 @@ def test_load_validation_bad_file(tmp_path):
     (tmp_path / "v.json").write_text("{}")
     with pytest.raises(UserError, match="not a validation.json"):
         load_validation(tmp_path / "v.json")
+
+
+def test_step_parts_print_side_by_side_per_epoch(tmp_path, capsys):
+    # predicted: 2 s per step, 10 steps per epoch; measured: 4 s per step of one worker, 5 steps per epoch
+    o = out("ddp", 20.0, 20.0)
+    o.predicted_parts_s = {"forward_s": 0.5, "backward_s": 1.0, "comm_wait_s": 0.5, "bubble_s": 0.0}
+    o.measured_parts_s = {"forward_s": 1.0, "backward_s": 2.0, "comm_wait_s": 0.5, "optimizer_s": 0.25,
+                          "step_s": 4.0}
+    rows = {part: (p, m) for part, p, m in epoch_parts(o)}
+    assert "bubble_s" not in rows  # a part neither side has is left out
+    assert rows["forward_s"] == pytest.approx((5.0, 5.0)) and rows["backward_s"] == pytest.approx((10.0, 10.0))
+    assert rows["comm_wait_s"] == pytest.approx((5.0, 2.5)) and rows["optimizer_s"] == pytest.approx((0.0, 1.25))
+    assert rows["step_s"] == pytest.approx((20.0, 20.0))  # each side scaled to its own seconds per epoch
+    c = cell([o, out("single", 30.0, None)])
+    table = parts_table([c])
+    assert [r["part"] for r in table] == ["forward_s", "backward_s", "comm_wait_s", "optimizer_s", "epoch"]
+    assert table[2]["difference"] == "+100.0 %"
+    path = write_validation_report([c], tmp_path / "v", "t")
+    assert "## Step parts, predicted vs measured" in path.read_text()
+    assert load_validation(tmp_path / "v" / "validation.json")[0].outcomes[0].measured_parts_s == o.measured_parts_s
+    print_validation([c])
+    assert "step parts, predicted vs measured" in capsys.readouterr().out
+    # a run that failed: its predicted parts only
+    failed = out("gpipe", 10.0, None)
+    failed.predicted_parts_s = {"forward_s": 1.0, "bubble_s": 1.0}
+    assert [(p, m) for _, p, m in epoch_parts(failed)] == [(5.0, None), (5.0, None), (10.0, None)]
+    assert epoch_parts(out("single", 1.0, 1.0)) == []
+
+
+def test_recommended_is_the_recommenders_rule():
+    from ddlscope.modeling.recommend import fastest_that_fits
+
+    outcomes = [out("single", 5.0, 6.0, fits=None), out("ddp", 8.0, 9.0), out("fsdp", 8.0, 7.0),
+                out("gpipe", 1.0, 1.0, fits=False)]
+    assert recommended(cell(outcomes)) == fastest_that_fits(outcomes, lambda o: o.predicted_epoch_s,
+                                                            lambda o: o.fits).strategy == "ddp"  # a tie: the first

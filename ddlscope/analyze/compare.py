@@ -11,11 +11,15 @@ Comparison rules (thesis 000, final version; seeds README):
 - **time-to-accuracy**: training seconds (evaluations excluded) until any peer's held-out
   accuracy first reaches the threshold (None if it never does).
 
-Step-time shares exclude warm-up steps. The **bottleneck** is the largest share among
-input (``data_load_s``), compute (forward + backward + local optimizer work), communication
-(``averaging_s`` + ``comm_wait_s``: averaging and collectives the worker waited for) and, for
-pipelines, the bubble (``bubble_s``: stages idle waiting for a neighbour), with the numbers
-behind it.
+Step-time shares exclude warm-up steps; a worker's step parts are
+:func:`ddlscope.measure.parts.measured_parts` (``optimizer_s`` without the averaging it contains
+in the store). The **bottleneck** is the largest share among input (``data_load_s``), compute
+(forward + backward + local optimizer work), communication (``averaging_s`` + ``comm_wait_s``:
+averaging and collectives the worker waited for) and, for pipelines, the bubble (``bubble_s``:
+stages idle waiting for a neighbour), with the numbers behind it.
+
+The **baseline** of a comparison is the first completed run of the registry's baseline model
+(:func:`ddlscope.distribution.baseline`, ``single``).
 
 Pipeline stages all process the same batches, so a pipeline run's samples and throughput are
 those of one stage (the slowest), not the sum over workers.
@@ -28,9 +32,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ddlscope import distribution
+from ddlscope.measure.parts import STEP_PARTS, measured_parts
 from ddlscope.store.db import ResultsStore
-
-PHASES = ("data_load_s", "forward_s", "backward_s", "comm_wait_s", "bubble_s", "optimizer_local_s", "averaging_s")
 
 
 @dataclass
@@ -43,7 +46,7 @@ class WorkerSummary:
     steps: int
     samples: int
     throughput_samples_per_s: float | None
-    mean_phase_s: dict[str, float]
+    mean_phase_s: dict[str, float]  # {step part (ddlscope.measure.parts.STEP_PARTS): mean seconds per step}
     final_accuracy: float | None
     mean_cpu_percent: float | None
     peak_rss_bytes: int | None
@@ -108,7 +111,8 @@ def summarize_worker(index: int, status: str, start: float | None, end: float | 
                      ) -> WorkerSummary:
     """Reduce one worker's stored rows to a :class:`WorkerSummary`."""
     timed = [s for s in steps if not s["warmup"]]
-    phases = {p: _mean([_phase(s, p) for s in timed]) or 0.0 for p in PHASES}
+    parts = measured_parts(timed)
+    phases = {p: parts.get(p, 0.0) for p in STEP_PARTS}
     span = sum(s["step_s"] for s in timed)
     samples = sum(s["samples"] for s in steps)
     rounds = [s for s in steps if s["averaging_round"]]
@@ -133,12 +137,6 @@ def summarize_worker(index: int, status: str, start: float | None, end: float | 
     )
 
 
-def _phase(step: dict, phase: str) -> float:
-    if phase == "optimizer_local_s":
-        return (step["optimizer_s"] or 0.0) - (step["averaging_s"] or 0.0)
-    return step[phase] or 0.0
-
-
 def _loss_curve(steps: list[dict]) -> list[tuple[float, float]]:
     """(the worker's summed step time at the end of the step, loss) for every step of every worker."""
     points, elapsed = [], {}
@@ -153,11 +151,11 @@ def bottleneck(workers: list[WorkerSummary]) -> Verdict | None:
     measured = [w for w in workers if w.steps > 0 and sum(w.mean_phase_s.values()) > 0]
     if not measured:
         return None
-    mean = {p: statistics.fmean(w.mean_phase_s[p] for w in measured) for p in PHASES}
+    mean = {p: statistics.fmean(w.mean_phase_s[p] for w in measured) for p in STEP_PARTS}
     total = sum(mean.values())
     shares = {
         "input": mean["data_load_s"] / total,
-        "compute": (mean["forward_s"] + mean["backward_s"] + mean["optimizer_local_s"]) / total,
+        "compute": (mean["forward_s"] + mean["backward_s"] + mean["optimizer_s"]) / total,
         "communication": (mean["averaging_s"] + mean["comm_wait_s"]) / total,
         "bubble": mean["bubble_s"] / total,
     }
@@ -242,6 +240,11 @@ def compare(baseline: RunSummary, runs: list[RunSummary], accuracy_threshold: fl
     return out
 
 
+def is_baseline_run(summary: RunSummary) -> bool:
+    """True for a completed run of the registry's baseline model (:func:`ddlscope.distribution.baseline`)."""
+    return summary.strategy == distribution.baseline().name and summary.status == "completed"
+
+
 def pick_baseline(summaries: list[RunSummary]) -> RunSummary:
-    """The baseline among runs: the first completed ``single`` run, else the first run."""
-    return next((s for s in summaries if s.strategy == "single" and s.status == "completed"), summaries[0])
+    """The baseline among runs: the first completed run of the baseline model (``single``), else the first run."""
+    return next((s for s in summaries if is_baseline_run(s)), summaries[0])

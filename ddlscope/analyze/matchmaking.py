@@ -1,5 +1,9 @@
 """Matchmaking time analysis of collaborative runs, and a recommended ``matchmaking_time_s``.
 
+It applies to the runs of every distribution model whose averaging groups are formed by
+matchmaking: the registry's :attr:`~ddlscope.distribution.DistributionModel.has_matchmaking`
+(their config table has ``matchmaking_time_s``; today ``collaborative``, hivemind).
+
 Thesis 000 found that Hivemind's matchmaking time must be tuned to the step time: too short and
 peers average alone (the group closes before the others arrive), too long and they idle waiting
 for the group to close. This module measures both from the stored steps of collaborative runs:
@@ -35,6 +39,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ddlscope import distribution
 from ddlscope.store.db import ResultsStore
 
 SPREAD_QUANTILE = 0.9
@@ -43,6 +48,28 @@ MIN_STEP_TIMES = 3
 SOLO_SHARE_TOO_SHORT = 0.2
 RULE = (f"recommended_s = max(spread + max({MARGIN_FRACTION} x spread, 1 step time), {MIN_STEP_TIMES} x step time), "
         f"spread = p{int(SPREAD_QUANTILE * 100)} (nearest rank) of the rounds' arrival spreads")
+
+
+def matchmaking_applies(strategy: str) -> bool:
+    """True when runs of ``strategy`` form averaging groups by matchmaking (unknown names: False)."""
+    return strategy in distribution.names() and distribution.get(strategy).has_matchmaking
+
+
+def matchmaking_models() -> tuple[str, ...]:
+    """Names of the registered models with matchmaking."""
+    return tuple(n for n in distribution.names() if matchmaking_applies(n))
+
+
+def configured_matchmaking_s(strategy: str, config: dict[str, Any]) -> float:
+    """The ``matchmaking_time_s`` a run used: from its stored config (its model's table), else that
+    table's default (:data:`ddlscope.distribution.collaborative.DEFAULT_MATCHMAKING_TIME_S` for hivemind).
+
+    Raises:
+        KeyError: ``strategy`` has no matchmaking (see :func:`matchmaking_applies`).
+    """
+    model = distribution.get(strategy)
+    default = model.option_default(distribution.MATCHMAKING_OPTION)
+    return float(config.get(model.config_table, {}).get(distribution.MATCHMAKING_OPTION, default))
 
 
 @dataclass
@@ -166,18 +193,19 @@ def analyze_matchmaking(store: ResultsStore, run_ids: list[str]) -> MatchmakingA
     """Measure rounds, group sizes and waits of collaborative runs and recommend a matchmaking time.
 
     Runs are pooled: their arrival spreads, waits, step times and epoch gaps form one sample (use
-    one run, or runs of one setup). Non-collaborative runs are ignored.
+    one run, or runs of one setup). Runs of models without matchmaking are ignored.
 
     Raises:
         KeyError: an unknown run id.
     """
     rounds, peer_rows, step_times, gaps, configured, used = [], [], [], [], set(), []
     for run_id in run_ids:
-        cfg = store.run_config(run_id)
-        if store.run(run_id)["strategy"] != "collaborative":
+        cfg = store.run_config(run_id)  # KeyError for an unknown run
+        strategy = store.run(run_id)["strategy"]
+        if not matchmaking_applies(strategy):
             continue
         used.append(run_id)
-        configured.add(float(cfg.get("collaborative", {}).get("matchmaking_time_s", 10.0)))
+        configured.add(configured_matchmaking_s(strategy, cfg))
         steps = store.rows("steps", run_id)
         rounds += rounds_of_run(run_id, steps)
         peer_rows += [s for s in steps if s["averaging_round"]]
@@ -205,7 +233,7 @@ def analyze_matchmaking(store: ResultsStore, run_ids: list[str]) -> MatchmakingA
 def _verdict(a: MatchmakingAnalysis) -> str:
     """One paragraph: the recommended value and what the measurements say about the current one."""
     if not a.run_ids:
-        return "no collaborative runs: nothing to analyze."
+        return "no runs with matchmaking: nothing to analyze."
     if a.recommended_s is None or not a.peer_rounds:
         return "no averaging rounds were recorded; run longer or with a smaller target_batch_size."
     basis = (f"arrival spread p90 {a.spread_s:.2f} s" if a.spread_s is not None

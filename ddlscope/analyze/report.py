@@ -3,8 +3,9 @@
 ``write_report`` takes run summaries (see :mod:`ddlscope.analyze.compare`) and writes, into one
 folder: ``report.md``, ``report.html``, ``summary.json`` and the plots
 
-- ``step_breakdown.png``: stacked mean step time per worker (data loading, forward, backward,
-  local optimizer, averaging);
+- ``step_breakdown.png``: stacked mean step time per worker, by step part
+  (:data:`ddlscope.measure.parts.STEP_PARTS`: data loading, forward, backward, communication
+  wait, pipeline bubble, optimizer without averaging, averaging);
 - ``accuracy.png``: held-out accuracy over training time (time-to-accuracy);
 - ``loss.png``: training loss over time;
 - ``network.png``: TCP bytes sent/received per peer.
@@ -21,11 +22,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ddlscope.analyze.compare import PHASES, Comparison, RunSummary  # noqa: E402
-
-PHASE_LABELS = {"data_load_s": "data loading", "forward_s": "forward", "backward_s": "backward",
-                "comm_wait_s": "communication (waited)", "bubble_s": "pipeline bubble",
-                "optimizer_local_s": "optimizer (local)", "averaging_s": "averaging"}
+from ddlscope.analyze.compare import Comparison, RunSummary  # noqa: E402
+from ddlscope.measure.parts import PART_LABELS, STEP_PARTS  # noqa: E402
 
 
 def _fmt(value, spec: str = ".2f", none: str = "-") -> str:
@@ -79,9 +77,9 @@ def plot_step_breakdown(summaries: list[RunSummary], path: Path) -> None:
     bars = [(f"{s.name}\nworker {w.worker_index}", w.mean_phase_s) for s in summaries for w in s.workers if w.steps]
     labels = [b[0] for b in bars]
     bottoms = [0.0] * len(bars)
-    for phase in PHASES:
-        heights = [b[1][phase] * 1000 for b in bars]
-        ax.bar(labels, heights, bottom=bottoms, label=PHASE_LABELS[phase])
+    for part in STEP_PARTS:
+        heights = [b[1][part] * 1000 for b in bars]
+        ax.bar(labels, heights, bottom=bottoms, label=PART_LABELS[part])
         bottoms = [a + b for a, b in zip(bottoms, heights)]
     ax.set_ylabel("mean step time (ms), warm-up excluded")
     ax.set_title("Where each step's time goes")
@@ -143,13 +141,13 @@ def _markdown(comparisons: list[Comparison], threshold: float | None, plots: lis
         lines.append(f"- **{r.name}** ({r.status}): {r.verdict.explanation if r.verdict else 'no steps measured'}")
         if r.reason:
             lines.append(f"  - reason: {r.reason}")
-    head = ["run", "worker", "status", "steps", *PHASE_LABELS.values(), "samples/s", "CPU %", "background CPU ms",
+    head = ["run", "worker", "status", "steps", *(PART_LABELS[p] for p in STEP_PARTS), "samples/s", "CPU %", "background CPU ms",
             "peak RSS MB", "sent MB", "recv MB", "rounds (failed)", "mean group"]
     lines += ["", "## Per-worker step-time breakdown (mean ms per step, warm-up excluded)", "",
               "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in comparisons:
         for w in c.run.workers:
-            phases = " | ".join(f"{w.mean_phase_s[p] * 1000:.1f}" for p in PHASES)
+            phases = " | ".join(f"{w.mean_phase_s[p] * 1000:.1f}" for p in STEP_PARTS)
             lines.append(
                 f"| {c.run.name} | {w.worker_index} | {w.status} | {w.steps} | {phases} | "
                 f"{_fmt(w.throughput_samples_per_s, '.1f')} | {_fmt(w.mean_cpu_percent, '.0f')} | "

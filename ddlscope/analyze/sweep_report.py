@@ -5,14 +5,17 @@ Views (each written as ``<view>.png``, ``<view>.md`` and ``<view>.json``; all of
 
 - ``peers``: runtime (s) and throughput (samples/s) vs. number of peers, mean over runs;
 - ``accuracy``: accuracy decrease vs. the baseline per target batch size, local updates and GAS;
-  a run's baseline is the first completed ``single`` run of the sweep with the same batch size
-  and learning rate and GAS 1 (else any GAS; else :func:`pick_baseline` of the whole sweep), and
-  the decrease is :func:`compare`'s (baseline accuracy - run accuracy, > 0 is worse);
+  a run's baseline is the first completed run of the baseline model (``single``,
+  :func:`ddlscope.distribution.baseline`) of the sweep with the same batch size and learning rate
+  and GAS 1 (else any GAS; else :func:`pick_baseline` of the whole sweep), and the decrease is
+  :func:`compare`'s (baseline accuracy - run accuracy, > 0 is worse); the target-batch-size and
+  local-updates rows come from the runs whose model has that option in its config table;
 - ``optimizer_time``: cumulative optimizer-step and averaging time per run (s, mean over peers);
 - ``network``: TCP bytes per peer (mean over a run's peers, thesis 000's system-metric rule);
-- ``step_time``: mean step time stacked by phase (data loading, forward, backward, local
-  optimizer, averaging) per strategy and batch size (ms, warm-up excluded, mean over runs);
-- ``matchmaking``: :mod:`ddlscope.analyze.matchmaking` over the sweep's collaborative runs.
+- ``step_time``: mean step time stacked by step part (:data:`ddlscope.measure.parts.STEP_PARTS`)
+  per strategy and batch size (ms, warm-up excluded, mean over runs);
+- ``matchmaking``: :mod:`ddlscope.analyze.matchmaking` over the sweep's runs with matchmaking
+  (``collaborative``).
 
 Runs are the sweep's cells: per cell key the completed run if any, else its latest run; failed
 cells are listed with their reason and left out of the means.
@@ -31,10 +34,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ddlscope.analyze.compare import PHASES, RunSummary, compare, pick_baseline, summarize_run  # noqa: E402
-from ddlscope.analyze.matchmaking import MatchmakingAnalysis, analyze_matchmaking  # noqa: E402
-from ddlscope.analyze.report import PHASE_LABELS  # noqa: E402
+from ddlscope import distribution  # noqa: E402
+from ddlscope.analyze.compare import RunSummary, compare, is_baseline_run, pick_baseline, summarize_run  # noqa: E402
+from ddlscope.analyze.matchmaking import (MatchmakingAnalysis, analyze_matchmaking,  # noqa: E402
+                                          configured_matchmaking_s, matchmaking_applies)
 from ddlscope.errors import UserError  # noqa: E402
+from ddlscope.measure.parts import PART_LABELS, STEP_PARTS  # noqa: E402
 from ddlscope.store.db import ResultsStore  # noqa: E402
 
 Table = list[dict[str, Any]]
@@ -66,6 +71,15 @@ def _cfg(s: RunSummary, path: str, default: Any = None) -> Any:
     return value
 
 
+def _option(s: RunSummary, option: str) -> Any:
+    """A field of the run's model's own config table (its stored value, else the table's default);
+    None when the model has no such option."""
+    model = distribution.get(s.strategy)
+    if not model.has_option(option):
+        return None
+    return s.config.get(model.config_table, {}).get(option, model.option_default(option))
+
+
 def _mean(values: list[float]) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.fmean(values) if values else None
@@ -73,7 +87,7 @@ def _mean(values: list[float]) -> float | None:
 
 def matched_baseline(run: RunSummary, summaries: list[RunSummary]) -> RunSummary:
     """The baseline of ``run`` by the rule in the module docstring."""
-    singles = [s for s in summaries if s.strategy == "single" and s.status == "completed"
+    singles = [s for s in summaries if is_baseline_run(s)
                and _cfg(s, "batch_size") == _cfg(run, "batch_size") and _cfg(s, "learning_rate") == _cfg(run, "learning_rate")]
     gas1 = [s for s in singles if _cfg(s, "gradient_accumulation_steps", 1) == 1]
     return (gas1 or singles or [pick_baseline(summaries)])[0]
@@ -94,7 +108,8 @@ def peers_table(summaries: list[RunSummary]) -> Table:
 def accuracy_table(summaries: list[RunSummary]) -> Table:
     """Mean accuracy and accuracy decrease vs. each run's matched baseline, per TBS, LU and GAS value.
 
-    TBS and LU rows come from collaborative runs only; GAS rows from all completed runs.
+    TBS and LU rows come from the runs whose model has that option (``collaborative``); GAS rows
+    from all completed runs.
     """
     per_run = []
     for s in summaries:
@@ -102,16 +117,17 @@ def accuracy_table(summaries: list[RunSummary]) -> Table:
             continue
         base = matched_baseline(s, summaries)
         per_run.append((s, compare(base, [s])[-1].accuracy_decrease))
-    views = [("target_batch_size", "collaborative.target_batch_size", True),
-             ("use_local_updates", "collaborative.use_local_updates", True),
-             ("gradient_accumulation_steps", "gradient_accumulation_steps", False)]
+    # (axis, its value for a run or None when the run has no such setting)
+    views = [("target_batch_size", lambda s: _option(s, "target_batch_size")),
+             ("use_local_updates", lambda s: _option(s, "use_local_updates")),
+             ("gradient_accumulation_steps", lambda s: _cfg(s, "gradient_accumulation_steps", 1))]
     rows = []
-    for axis, path, collaborative_only in views:
+    for axis, value_of in views:
         groups: dict[Any, list] = defaultdict(list)
         for s, dec in per_run:
-            if collaborative_only and s.strategy != "collaborative":
-                continue
-            groups[_cfg(s, path, 1 if axis == "gradient_accumulation_steps" else None)].append((s, dec))
+            value = value_of(s)
+            if value is not None:
+                groups[value].append((s, dec))
         for value, g in sorted(groups.items(), key=lambda kv: str(kv[0])):
             rows.append({"axis": axis, "value": value, "runs": len(g), "accuracy": _mean([s.accuracy for s, _ in g]),
                          "accuracy_decrease": _mean([d for _, d in g])})
@@ -148,21 +164,21 @@ def step_time_table(summaries: list[RunSummary]) -> Table:
     rows = []
     for (strategy, bs), workers in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
         row: dict[str, Any] = {"strategy": strategy, "batch_size": bs, "workers": len(workers)}
-        row.update({p: _mean([w.mean_phase_s[p] for w in workers]) for p in PHASES})
-        row["step_s"] = sum(row[p] or 0.0 for p in PHASES)
+        row.update({p: _mean([w.mean_phase_s[p] for w in workers]) for p in STEP_PARTS})
+        row["step_s"] = sum(row[p] or 0.0 for p in STEP_PARTS)
         rows.append(row)
     return rows
 
 
 def matchmaking_table(store: ResultsStore, summaries: list[RunSummary]) -> Table:
-    """Per collaborative run: its own matchmaking analysis (rounds, solo share, waits, recommendation)."""
+    """Per run with matchmaking: its own matchmaking analysis (rounds, solo share, waits, recommendation)."""
     rows = []
     for s in summaries:
-        if s.strategy != "collaborative":
+        if not matchmaking_applies(s.strategy):
             continue
         a = analyze_matchmaking(store, [s.run_id])
-        rows.append({"run": s.name, "run_id": s.run_id, "matchmaking_time_s": _cfg(s, "collaborative.matchmaking_time_s"),
-                     "target_batch_size": _cfg(s, "collaborative.target_batch_size"), "peer_rounds": a.peer_rounds,
+        rows.append({"run": s.name, "run_id": s.run_id, "matchmaking_time_s": configured_matchmaking_s(s.strategy, s.config),
+                     "target_batch_size": _option(s, "target_batch_size"), "peer_rounds": a.peer_rounds,
                      "solo_share": a.solo_share, "mean_wait_s": a.mean_wait_s, "step_s": a.step_s, "epoch_s": a.epoch_s,
                      "spread_s": a.spread_s, "recommended_s": a.recommended_s})
     return rows
@@ -232,9 +248,9 @@ def _plot_step_time(rows: Table, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows) + 2), 4))
     labels = [f"{r['strategy']}\nbs {r['batch_size']}" for r in rows]
     bottom = [0.0] * len(rows)
-    for p in PHASES:
+    for p in STEP_PARTS:
         heights = [(r[p] or 0.0) * 1000 for r in rows]
-        ax.bar(labels, heights, bottom=bottom, label=PHASE_LABELS[p])
+        ax.bar(labels, heights, bottom=bottom, label=PART_LABELS[p])
         bottom = [a + b for a, b in zip(bottom, heights)]
     ax.set_ylabel("mean step time (ms), warm-up excluded")
     ax.legend(fontsize=8)
@@ -304,8 +320,8 @@ def write_sweep_report(store: ResultsStore, name: str, out_dir: Path) -> Path:
         (out_dir / f"{view}.json").write_text(json.dumps(rows, indent=2, default=str))
         doc += ["", section]
     per_run = matchmaking_table(store, summaries)
-    mm_md = ("## Matchmaking time\n\nAll collaborative runs of the sweep pooled:\n\n" + mm.markdown() +
-             "\nEach collaborative run on its own:\n\n" + markdown_table(per_run))
+    mm_md = ("## Matchmaking time\n\nAll runs with matchmaking of the sweep pooled:\n\n" + mm.markdown() +
+             "\nEach run with matchmaking on its own:\n\n" + markdown_table(per_run))
     (out_dir / "matchmaking.md").write_text(mm_md)
     (out_dir / "matchmaking.json").write_text(json.dumps(dict(mm.to_dict(), per_run=per_run), indent=2, default=str))
     doc += ["", mm_md]

@@ -140,7 +140,7 @@ def _step_time(opts: DatapipeOptions, spec: DatasetSpec) -> ComputeStep:
     """The compute step: given, from the run's steps, or measured (the run's model, else ``opts.model``)."""
     if opts.step_time_s is not None:
         return ComputeStep(opts.step_time_s, opts.batch_size or DEFAULT_BATCH_SIZE, "given")
-    model, batch_size = opts.model, opts.batch_size or DEFAULT_BATCH_SIZE
+    model, batch_size, optimizer = opts.model, opts.batch_size or DEFAULT_BATCH_SIZE, "sgd"
     if opts.run_id is not None:
         step, config = compute_step_from_run(opts.db or default_db_path(), opts.run_id)
         if opts.batch_size is not None and opts.batch_size != int(config["batch_size"]):
@@ -149,7 +149,8 @@ def _step_time(opts: DatapipeOptions, spec: DatasetSpec) -> ComputeStep:
         if step is not None:
             return step
         model, batch_size = config.get("model", model), int(config["batch_size"])
-    return measure_compute_step(model, spec, batch_size, opts.compute_steps, seed=opts.seed)
+        optimizer = config.get("optimizer", optimizer)
+    return measure_compute_step(model, spec, batch_size, opts.compute_steps, seed=opts.seed, optimizer=optimizer)
 
 
 def _check_fits_in_ram(spec: DatasetSpec, samples: int) -> None:

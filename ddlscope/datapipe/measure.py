@@ -18,9 +18,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ddlscope.errors import UserError
+from ddlscope.measure.stats import time_repeats
 from ddlscope.train.loop import batches_forever
 from ddlscope.workloads.datasets import DatasetSpec
 from ddlscope.workloads.models import build_model
+from ddlscope.workloads.step import build_optimizer, train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,12 +132,15 @@ def compute_step_from_run(db: Path, run_id: str) -> tuple[ComputeStep | None, di
 
 
 def measure_compute_step(model_name: str, spec: DatasetSpec, batch_size: int, steps: int = 5,
-                         warmup: int = 1, seed: int = 0) -> ComputeStep:
-    """Median seconds of forward + loss + backward + SGD step of ``model_name`` on random input.
+                         warmup: int = 1, seed: int = 0, optimizer: str = "sgd") -> ComputeStep:
+    """Median seconds of a training step (forward, loss, backward, optimizer step) of ``model_name``
+    on random input.
 
-    The model is the zoo variant for ``spec.family`` (``build_model``), input ``(batch_size, C, H, W)``
-    of the spec's geometry, labels in ``[0, num_classes)``; ``warmup`` steps first, untimed. Runs on
-    the CPU with the current torch thread count.
+    The step is :func:`ddlscope.workloads.step.train_step` with ``optimizer``
+    (:func:`ddlscope.workloads.step.build_optimizer`'s default hyperparameters). The model is the
+    zoo variant for ``spec.family`` (``build_model``), input ``(batch_size, C, H, W)`` of the
+    spec's geometry, labels in ``[0, num_classes)``; ``warmup`` steps first, untimed. Runs on the
+    CPU with the current torch thread count.
 
     Raises:
         UserError: an unknown model (from ``build_model``); steps < 1.
@@ -145,17 +150,9 @@ def measure_compute_step(model_name: str, spec: DatasetSpec, batch_size: int, st
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = build_model(model_name, spec.family, num_classes=spec.num_classes)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt = build_optimizer(model.parameters(), optimizer)
     x = torch.randn((batch_size, *spec.image_shape), generator=gen)
     y = torch.randint(0, spec.num_classes, (batch_size,), generator=gen)
     model.train()
-    times = []
-    for step in range(warmup + steps):
-        start = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
+    times = time_repeats(lambda: train_step(model, opt, x, y), steps, warmup)
     return ComputeStep(statistics.median(times), batch_size, f"measured {model_name}", model_name, steps)

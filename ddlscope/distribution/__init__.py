@@ -38,9 +38,21 @@ Launcher = Literal["process", "torchrun", "swarm"]
 """How a run's workers are started: ``process`` (ddlscope's own worker processes, one per worker,
 no process group), ``torchrun`` (torch's elastic launcher, a torch.distributed process group),
 ``swarm`` (ddlscope's worker processes joining a hivemind swarm: the first peer listens, the
-others are given its addresses)."""
+others are given its addresses).
+
+The swarm launcher's protocol: a ``swarm`` model has a config table with the fields of
+:data:`SWARM_OPTIONS`: ``initial_peers`` (multiaddrs of a running swarm to join; empty: the
+launcher starts the first peer, waits until it has recorded its multiaddrs in the store, and gives
+them to the others) and ``join_timeout_s`` (how long that wait may take). Registration checks it."""
 
 LAUNCHERS: tuple[str, ...] = ("process", "torchrun", "swarm")
+
+SWARM_OPTIONS: tuple[str, ...] = ("initial_peers", "join_timeout_s")
+"""Config-table fields every ``swarm`` model has (see :data:`Launcher`)."""
+
+MATCHMAKING_OPTION = "matchmaking_time_s"
+"""The config-table field of models whose averaging groups are formed by matchmaking (hivemind):
+:attr:`DistributionModel.has_matchmaking`; ``ddlscope matchmaking`` analyzes their runs."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,37 @@ class DistributionModel:
         memory_model: ``(profile, setting) -> list[MemoryEstimate]`` (one per worker), or None.
         reference_models: names of the closed-form reference models its prediction also
             reports (e.g. ``("eq5.1",)``, thesis 002).
+        baseline: True for the one model every speedup is measured against (reports, sweeps:
+            the first completed run of it is the baseline; :func:`baseline`).
+        lockstep: True when the workers step together (a step lasts as long as the slowest
+            worker's); False when they step on their own (collaborative peers): a measured step
+            is then the slowest worker's measured window over the samples all workers processed
+            in it (:mod:`ddlscope.experiments.results`).
+        startup_steps: ``(batch_size, workers, options) -> steps`` a measurement of a run excludes
+            besides its warm-up, because the run pays them once at its start (collaborative: the
+            first global epoch plus one, hivemind's peer discovery and first matchmaking); None: 0.
+        measured_steps: steps per worker a measurement of it needs at least (collaborative: enough
+            for several averaging rounds); None: the experiment's own count.
+        estimate_factor: a run's wall time per step over its compute time, for the rough run-time
+            estimates of :mod:`ddlscope.experiments.estimate` (a measured ratio, not a model).
+        min_microbatches_per_worker: micro-batches a pipeline needs per stage (1F1B: 1); 0: none.
+        table_3_3_batch: ``{dataset: (batch size, micro-batches)}`` when the model has its own
+            column in thesis 002's Table 3.3 (GPipe); empty: the common column (the benchmark
+            suite's defaults, :mod:`ddlscope.suite.spec`).
+        check_setting: ``(profile, setting) -> None``: checks of a prediction's
+            :class:`~ddlscope.modeling.prediction.Setting` that only this model needs (pipelines:
+            micro-batches that divide the batch, no more stages than layers); raises ``UserError``
+            naming the field and what is allowed. The checks every model shares (known model,
+            workers and batch >= 1, :meth:`check_workers`) are
+            :func:`ddlscope.modeling.prediction.check_setting`'s.
+        candidate: ``(setting, global_batch_size, options) -> Setting``: this model's candidate for
+            a job of ``global_batch_size`` samples per step, given the default one (all workers,
+            ``global / data_parallel_size`` samples each) and the job's options (``microbatches``,
+            ``target_batch_size``, ``matchmaking_time_s``, ``use_local_updates``, each None when not
+            given); None: the default candidate (:func:`ddlscope.modeling.recommend.candidate_settings`).
+        uses_cluster_devices: True when every worker takes one device of the cluster, so a setting
+            has at most the cluster's devices as workers; False when the workers are peers that
+            bring their own devices (collaborative: ``[[cluster.peers]]``).
     """
 
     name: str
@@ -93,12 +136,46 @@ class DistributionModel:
     cost_model: Callable[..., Any] | None = None
     memory_model: Callable[..., Any] | None = None
     reference_models: tuple[str, ...] = field(default_factory=tuple)
+    baseline: bool = False
+    lockstep: bool = True
+    startup_steps: Callable[[int, int, Mapping[str, Any]], int] | None = None
+    measured_steps: int | None = None
+    estimate_factor: float = 1.0
+    min_microbatches_per_worker: int = 0
+    table_3_3_batch: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    check_setting: Callable[..., None] | None = None
+    candidate: Callable[..., Any] | None = None
+    uses_cluster_devices: bool = True
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"{self.name}: launcher {self.launcher!r}; allowed: {', '.join(LAUNCHERS)}")
         if (self.config_table is None) != (self.config_class is None):
             raise ValueError(f"{self.name}: config_table and config_class go together")
+        missing = [f for f in SWARM_OPTIONS if not self.has_option(f)] if self.launcher == "swarm" else []
+        if missing:
+            raise ValueError(f"{self.name}: a swarm model's config table needs the field(s) {', '.join(missing)} "
+                             f"(the swarm launcher's protocol; see ddlscope.distribution.Launcher)")
+
+    # ------------------------------------------------------------------ config table
+    def has_option(self, option: str) -> bool:
+        """True when the model's config table has the field ``option``."""
+        return self.config_class is not None and option in self.config_class.model_fields
+
+    def option_default(self, option: str) -> Any:
+        """The default of a field of the model's config table.
+
+        Raises:
+            KeyError: the model's table has no such field (or it has no table).
+        """
+        if not self.has_option(option):
+            raise KeyError(f"{self.name} has no config option {option!r}")
+        return self.config_class.model_fields[option].get_default(call_default_factory=True)
+
+    @property
+    def has_matchmaking(self) -> bool:
+        """True when its averaging groups are formed by matchmaking: its table has :data:`MATCHMAKING_OPTION`."""
+        return self.has_option(MATCHMAKING_OPTION)
 
     # ------------------------------------------------------------------ rules
     def data_parallel_size(self, workers: int) -> int:
@@ -116,13 +193,26 @@ class DistributionModel:
             return self.global_batch(batch_size, workers, options or {})
         return self.data_parallel_size(workers) * batch_size
 
-    def check_workers(self, workers: int) -> str | None:
-        """None if the model runs on ``workers`` workers, else the reason (names what is allowed)."""
+    def startup_steps_of(self, batch_size: int, workers: int, options: Mapping[str, Any] | None = None) -> int:
+        """Steps per worker a measurement excludes besides its warm-up (see ``startup_steps``); 0 by default."""
+        if self.startup_steps is None:
+            return 0
+        return self.startup_steps(batch_size, workers, options or {})
+
+    @property
+    def multi_worker(self) -> bool:
+        """True when it runs on more than one worker."""
+        return self.max_workers is None or self.max_workers > 1
+
+    def check_workers(self, workers: int, noun: str = "peers") -> str | None:
+        """None if the model runs on ``workers`` workers, else the reason, naming what is allowed
+        as ``noun`` (``peers`` in a run config, ``workers`` in a prediction's setting)."""
         if workers < self.min_workers or (self.max_workers is not None and workers > self.max_workers):
-            allowed = (f"exactly {self.min_workers}" if self.max_workers == self.min_workers
-                       else f">= {self.min_workers}" if self.max_workers is None
-                       else f"{self.min_workers}..{self.max_workers}")
-            return f"{self.name} runs on {allowed} worker(s), not {workers}; allowed: peers {allowed}"
+            allowed, cond = ((f"exactly {self.min_workers}", f"= {self.min_workers}")
+                             if self.max_workers == self.min_workers
+                             else (f">= {self.min_workers}",) * 2 if self.max_workers is None
+                             else (f"{self.min_workers}..{self.max_workers}", f"in {self.min_workers}..{self.max_workers}"))
+            return f"{self.name} runs on {allowed} worker(s), not {workers}; allowed: {noun} {cond}"
         return None
 
     def strategy_class(self) -> type:
@@ -139,10 +229,13 @@ def register(model: DistributionModel) -> DistributionModel:
     """Add a model to the registry (called by the modules of this package at import).
 
     Raises:
-        ValueError: a model of the same name is registered already.
+        ValueError: a model of the same name is registered already, or a second baseline.
     """
     if model.name in _REGISTRY and _REGISTRY[model.name] is not model:
         raise ValueError(f"distribution model {model.name!r} is registered twice")
+    other_baseline = next((m.name for m in _REGISTRY.values() if m.baseline and m.name != model.name), None)
+    if model.baseline and other_baseline:
+        raise ValueError(f"distribution model {model.name!r} is a baseline, but {other_baseline!r} is already")
     _REGISTRY[model.name] = model
     return model
 
@@ -182,6 +275,18 @@ def get(name: str) -> DistributionModel:
     return _REGISTRY[name]
 
 
+def baseline() -> DistributionModel:
+    """The model every speedup is measured against (the one with ``baseline=True``).
+
+    Raises:
+        LookupError: no registered model is the baseline.
+    """
+    found = next((m for m in all_models() if m.baseline), None)
+    if found is None:
+        raise LookupError("no distribution model is registered with baseline=True")
+    return found
+
+
 def with_launcher(launcher: Launcher) -> tuple[str, ...]:
     """Names of the models started by ``launcher``."""
     return tuple(m.name for m in all_models() if m.launcher == launcher)
@@ -196,5 +301,5 @@ def config_tables() -> dict[str, type[BaseModel]]:
     return out
 
 
-__all__ = ["DistributionModel", "LAUNCHERS", "Launcher", "all_models", "config_tables", "get", "names", "register",
-           "with_launcher"]
+__all__ = ["DistributionModel", "LAUNCHERS", "Launcher", "MATCHMAKING_OPTION", "SWARM_OPTIONS", "all_models", "baseline",
+           "config_tables", "get", "names", "register", "with_launcher"]

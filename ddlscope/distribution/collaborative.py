@@ -6,12 +6,19 @@ Its config table is ``[collaborative]`` (:class:`CollaborativeConfig`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ddlscope.distribution import DistributionModel, register
+from ddlscope.modeling.cluster import ClusterSpec
+from ddlscope.modeling.collectives import butterfly_allreduce_s, contention, serial_comm
+from ddlscope.modeling.memory import MemoryEstimate, replicas
+from ddlscope.modeling.prediction import Prediction, Setting, make_prediction, split_compute
+from ddlscope.modeling.profile import WorkloadProfile
 
 if TYPE_CHECKING:
     from ddlscope.config import RunConfig
@@ -58,17 +65,161 @@ def _global_batch(batch_size: int, workers: int, options: Mapping[str, Any]) -> 
     return int(options.get("target_batch_size", CollaborativeConfig.model_fields["target_batch_size"].default))
 
 
-def _cost(profile, cluster, setting, compute_scale: float = 1.0):
-    from ddlscope.predict.costs import predict_collaborative
+def _startup_steps(batch_size: int, workers: int, options: Mapping[str, Any]) -> int:
+    """The first global epoch plus its overshoot step: hivemind's peer discovery and first
+    matchmaking, which a long run pays once (a measurement excludes them like a warm-up)."""
+    return math.ceil(_global_batch(batch_size, workers, options) / (workers * batch_size)) + 1
 
-    return predict_collaborative(profile, cluster, setting, compute_scale)
+
+MEASURED_STEPS = 48
+"""Steps per peer a measurement needs: enough for many averaging rounds (a peer's steps per global
+epoch are a whole number that varies from epoch to epoch)."""
+
+ESTIMATE_FACTOR = (89.0 - 8.0) / (50 * 0.83)
+"""Wall time over compute time of a run, for rough estimates: a 2-peer run (1 core each, budget
+3,200 samples, target batch size 128, matchmaking 2 s) took 89 s, of which about 8 s is any run's
+start cost, where its 50 steps per peer compute in 50 x 0.83 s (measured on the 2-core development
+machine; :mod:`ddlscope.experiments.estimate`)."""
 
 
-def _memory(profile, setting):
-    from ddlscope.predict.memory import predict_memory
+HIVEMIND_PART_SIZE_BYTES = 2**19
+"""hivemind 1.1.12 ``averaging.partition.DEFAULT_PART_SIZE_BYTES``: all-reduce chunk size."""
 
-    return predict_memory(profile, "collaborative", setting.workers, setting.batch_size,
-                          use_local_updates=setting.use_local_updates)
+
+def collaborative_candidate(s: Setting, global_batch_size: int, options: dict[str, Any]) -> Setting:
+    """A collaborative candidate for a job: the peers accumulate the global batch as their target
+    batch size (unless ``options["target_batch_size"]`` is given), at ``options["matchmaking_time_s"]``
+    (default :data:`DEFAULT_MATCHMAKING_TIME_S`), with ``options["use_local_updates"]``."""
+    return replace(s, target_batch_size=options.get("target_batch_size") or global_batch_size,
+                   matchmaking_time_s=options.get("matchmaking_time_s") or DEFAULT_MATCHMAKING_TIME_S,
+                   use_local_updates=bool(options.get("use_local_updates")))
+
+
+def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scale: float = 1.0) -> Prediction:
+    """Hivemind collaborative training: accumulate the target batch, then an averaging round.
+
+    Peers (``cluster.peers``, or the cluster's first ``workers`` devices with compute share 1)
+    each train at their own speed: ``step_p = data + compute(b) * contention / share_p``. The swarm
+    reaches the target batch size after ``T_acc = TBS / sum_p(b / step_p)`` seconds (DeDLOC's
+    global progress tracking, Ryabinin 2023). The step that ends a global epoch then waits for
+    the gradient round (unless ``use_local_updates``), a :func:`butterfly_allreduce_s` of the
+    gradients over the peers' links. hivemind pre-schedules it
+    (``Optimizer._maybe_schedule_gradient_averaging``): once the epoch's end is less than
+    ``matchmaking_time_s`` away, matchmaking starts and the group is ready at ``max(estimated
+    end, now + matchmaking_time_s)``, so the round also waits ``max(0, matchmaking_time_s - (T_acc
+    - slowest peer step))``, once per epoch.
+
+    Every ``average_state_every`` epochs the parameters (only: hivemind's default
+    ``average_opt_statistics=()``) are averaged too. hivemind runs that round in the background
+    after the epoch's transition (its log reports it during the next steps). On GPUs it overlaps
+    the next steps' compute; only what exceeds ``T_acc`` is exposed. On CPU devices (the profiled
+    device is a CPU and the cluster's kind is ``local``) its work runs on the cores that train,
+    so it adds to the epoch in full. With ``use_local_updates`` peers step locally every batch and
+    only the state round remains.
+
+    hivemind's own processes and threads (DHT, ``p2pd``, averagers, progress tracker) also run
+    on the peers' cores: 1.0-1.6 CPU-seconds per global epoch on one-core CPU peers whatever the
+    model (the steps' ``background_cpu_s``), and peers overshoot the target batch because they
+    see the swarm's progress late. With a ``hivemind`` fit (``calibrate --hivemind``: a reference
+    network trained in a local swarm) a global epoch lasts ``overshoot_steps`` more steps of the
+    slowest peer and holds their samples, and the measured overhead, ``epoch_overhead_s +
+    overhead_steps x`` the slowest peer's step, replaces the two rounds on these devices, plus
+    the rounds' extra time for parameters beyond the reference's and, for listed peers, the wire
+    time over their links. The matchmaking wait leaves the peer's cores to hivemind's work, so
+    the two overlap: ``max(wait, overhead)``. Both
+    figures depend on the matchmaking time (:mod:`ddlscope.profiling.swarm`); a setting at another
+    matchmaking time than the fit's gets a note. Without a fit both are left out and CPU peers are
+    predicted too fast (see the README's validation figures), which a note says too.
+
+    The step is a global epoch. Its parts: ``averaging_s`` (the rounds, matchmaking included),
+    ``optimizer_s`` (the slowest peer's optimizer step after the round), and ``T_acc`` split as
+    the slowest peer's step is made: its data loading into ``data_load_s``, its local optimizer
+    steps (``use_local_updates``) into ``optimizer_s``, and its compute into ``forward_s`` and
+    ``backward_s`` in the profiled forward : backward proportion.
+    """
+    peers = cluster.peers[: s.workers] if cluster.peers else []
+    busy = s.workers if not cluster.peers else 1
+    slow = contention(cluster, min(busy, cluster.devices_per_node)) * scale
+    step = profile.step_at(s.batch_size)
+    if peers:
+        shares = [p.compute_share for p in peers]
+        bws = [p.bandwidth_gb_per_s for p in peers]
+        lats = [p.latency_s for p in peers]
+    else:
+        link = cluster.ring_link(s.workers)
+        shares, bws, lats = [1.0] * s.workers, [link.bandwidth_gb_per_s] * s.workers, [link.latency_s] * s.workers
+    compute = step.forward_s + step.backward_s
+    local_opt = step.optimizer_s if s.use_local_updates else 0.0
+    load = profile.data_load_s(s.batch_size, s.loader_workers)
+    peer_steps = [(compute + local_opt) * slow / share + load for share in shares]
+    throughput = sum(s.batch_size / t for t in peer_steps)
+    hm = cluster.hivemind
+    t_acc = s.target_batch_size / throughput + (hm.overshoot_steps * max(peer_steps) if hm else 0.0)
+    alone = len(shares) < 2
+    on_cpu = serial_comm(profile, cluster)
+    fixed = cluster.collective_fixed_s
+    one_round = 0.0 if alone else butterfly_allreduce_s(float(profile.param_bytes), bws, lats, fixed)
+    wait = 0.0 if alone else max(0.0, s.matchmaking_time_s - max(0.0, t_acc - max(peer_steps)))
+    grad_round = 0.0 if s.use_local_updates or alone else wait + one_round
+    state_round = one_round / s.average_state_every
+    state_exposed = state_round if on_cpu else max(0.0, state_round - t_acc)
+    averaging = grad_round + state_exposed
+    overhead = 0.0
+    if hm and not alone:  # measured on these devices: replaces the two rounds
+        reference = butterfly_allreduce_s(float(hm.reference_param_bytes), bws, lats, fixed)
+        beyond = 2 * max(0.0, one_round - reference)
+        # while a peer waits for matchmaking its cores are free for hivemind's own work: they overlap
+        overhead = hm.epoch_overhead_s + hm.overhead_steps * max(peer_steps)
+        averaging = (max(wait, overhead) if not s.use_local_updates else overhead) \
+            + beyond + (one_round if peers else 0.0)
+    notes = []
+    if hm is None and not alone:
+        notes.append("collaborative: no hivemind fit in the cluster file (calibrate --hivemind), so hivemind's own "
+                     "work and overshoot are left out; on CPU peers this predicts too fast")
+    elif hm is not None and not alone and (hm.matchmaking_time_s is None or
+                                           not math.isclose(hm.matchmaking_time_s, s.matchmaking_time_s, rel_tol=0.05)):
+        at = "an unrecorded matchmaking time" if hm.matchmaking_time_s is None else f"matchmaking {hm.matchmaking_time_s:g} s"
+        notes.append(f"collaborative: hivemind's overhead and overshoot were calibrated at {at}, this setting uses "
+                     f"{s.matchmaking_time_s:g} s; both depend on it (calibrate --hivemind --matchmaking-time "
+                     f"{s.matchmaking_time_s:g} measures them there)")
+    slowest = max(peer_steps)  # the accumulation split as the slowest peer's step is made
+    parts = split_compute(profile, s.batch_size, t_acc * (slowest - load - local_opt * slow / min(shares)) / slowest)
+    parts["data_load_s"] = t_acc * load / slowest
+    parts["optimizer_s"] = t_acc * local_opt * slow / min(shares) / slowest \
+        + (0.0 if s.use_local_updates else step.optimizer_s * slow / min(shares))
+    parts["averaging_s"] = averaging
+    return make_prediction(s, parts, throughput * t_acc,
+                           inputs={"peers": len(shares), "compute_shares": shares, "peer_step_s": peer_steps,
+                                   "swarm_samples_per_s": throughput, "accumulate_s": t_acc,
+                                   "samples_per_global_epoch": throughput * t_acc, "matchmaking_wait_s": wait,
+                                   "grad_round_s": grad_round, "state_round_s": state_round,
+                                   "state_round_on_cores": on_cpu, "hivemind_epoch_overhead_s": overhead,
+                                   "hivemind_fit_matchmaking_time_s": (hm.matchmaking_time_s or 0.0) if hm else 0.0,
+                                   "contention": slow / scale, "compute_scale": scale}, notes=notes)
+
+
+def memory_collaborative(profile: WorkloadProfile, s: Setting) -> list[MemoryEstimate]:
+    """The replica of ``single`` plus hivemind's copies (notation of :mod:`ddlscope.modeling.memory`).
+
+    ``hivemind.Optimizer`` as :mod:`ddlscope.strategies.collaborative` configures it: a pre-built
+    optimizer, so ``offload_optimizer=False``; no optimizer statistics or extra tensors averaged.
+    In ``comm``: the TrainingStateAverager's host copy of the parameters (``P``); without local
+    updates the GradientAverager's gradient accumulators (``G``, ``reuse_grad_buffers=False``) and
+    its averaged-gradient buffers (``G``, shared memory); with ``use_local_updates`` no gradient
+    averager, but the delta rule of background state averaging (``delay_state_averaging``
+    defaults to True) keeps a copy of the averaged tensors from before the round (``P``). Plus an
+    all-reduce's working set: the largest layer's parameter bytes plus one
+    :data:`HIVEMIND_PART_SIZE_BYTES` part in flight. So ``comm = P + 2G + w`` (default) or
+    ``2P + w`` (local updates), ``w = max p_l + 512 KiB``. The DHT and averager processes' own
+    interpreters are not counted (forked; their private memory is not profiled).
+    """
+    p = profile.param_bytes
+    work = max(layer.param_bytes for layer in profile.layers) + HIVEMIND_PART_SIZE_BYTES
+    if s.use_local_updates:
+        return replicas(profile, s, 2 * p + work,
+                        "replica + state averager's parameter copy + delta-rule copy (local updates)")
+    return replicas(profile, s, p + 2 * p + work,
+                    "replica + state averager's parameter copy + gradient accumulators + averaged gradients")
 
 
 MODEL = register(DistributionModel(
@@ -84,6 +235,12 @@ MODEL = register(DistributionModel(
     config_class=CollaborativeConfig,
     check_config=check_target_batch,
     global_batch=_global_batch,
-    cost_model=_cost,
-    memory_model=_memory,
+    candidate=collaborative_candidate,
+    uses_cluster_devices=False,
+    lockstep=False,
+    startup_steps=_startup_steps,
+    measured_steps=MEASURED_STEPS,
+    estimate_factor=ESTIMATE_FACTOR,
+    cost_model=predict_collaborative,
+    memory_model=memory_collaborative,
 ))

@@ -3,20 +3,138 @@
 
 from __future__ import annotations
 
+import math
+
 from ddlscope.distribution import DistributionModel, register
+from ddlscope.modeling.cluster import ClusterSpec
+from ddlscope.modeling.collectives import (busy_per_node, contention, exposed_loading_s, fsdp_unit_traffic_bytes,
+                                           ring_allgather_s, serial_comm)
+from ddlscope.modeling.memory import MemoryEstimate, activation_bytes
+from ddlscope.modeling.prediction import Prediction, Setting, make_prediction
+from ddlscope.modeling.profile import WorkloadProfile
 
 
-def _cost(profile, cluster, setting, compute_scale: float = 1.0):
-    from ddlscope.predict.costs import predict_fsdp
+def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scale: float = 1.0) -> Prediction:
+    """Fully sharded data parallel (FSDP2, one unit per top-level layer), simulated unit by unit.
 
-    return predict_fsdp(profile, cluster, setting, compute_scale)
+    Forward: unit i's parameters are all-gathered (:func:`ring_allgather_s` of its full bytes,
+    with the cluster's calibrated all-gather / reduce-scatter fits when it has them)
+    before its compute. Backward (reverse order): the parameters are gathered again (ZeRO-3,
+    ``reshard_after_forward``) and each unit's gradients are reduce-scattered after its
+    backward. The optimizer updates 1/W of the parameters, and every unit costs the cluster's
+    calibrated ``fsdp_unit_fixed_s`` of FSDP's own work per step (``inputs["fsdp_overhead_s"]``);
+    that work accompanies the unit's collectives, so it is split between ``forward_s`` and
+    ``backward_s`` like them (ZeRO-3: one all-gather in the forward, an all-gather and a
+    reduce-scatter in the backward, 1/3 : 2/3; ZeRO-2: 1/2 : 1/2).
+
+    On GPUs FSDP2 runs its collectives on their own streams and prefetches one unit ahead: the
+    all-gather of unit i+1 is issued when unit i starts computing, reduce-scatters queue behind
+    it on one communication stream, and overlapped communication costs ``(1 - comm_overlap)`` of
+    its time in compute, as for ddp (in ``backward_s``; ``inputs["comm_interference_s"]``). On
+    CPU devices (the profiled device is a CPU and the cluster's kind is ``local``) there are no
+    streams: each all-gather is waited for right before its unit computes, and the
+    reduce-scatter's copies and reduction run on the worker's own cores, so every collective adds
+    to the step (measured on this machine: the forward of an FSDP step is the profiled forward
+    plus the all-gathers). There, when the cluster has a calibrated ``fsdp_step_gb_per_s``, a
+    unit's collectives cost its :func:`fsdp_unit_traffic_bytes` at that rate, measured inside
+    real FSDP steps of 16 MiB units (FSDP's copies into and out of its flat buffers and fresh
+    allocations included: 1.4x the same collectives alone on this machine). Waiting for
+    collectives is ``comm_wait_s``.
+    """
+    w = s.workers
+    slow = contention(cluster, busy_per_node(cluster, w)) * scale
+    fwd, bwd = profile.layer_times_s(s.batch_size)
+    link, fixed = cluster.ring_link(w), cluster.collective_fixed_s
+    sizes = [layer.param_bytes for layer in profile.layers]
+    prefetch = not serial_comm(profile, cluster)
+    in_step = None if prefetch else cluster.fsdp_step_gb_per_s
+    per_call = 3 if s.reshard_after_forward else 2  # collectives per unit and step
+    if in_step:  # measured inside FSDP steps on these workers; a unit's collectives share its traffic
+        share = [fsdp_unit_traffic_bytes(b, w, s.reshard_after_forward) / (in_step * 1e9) for b in sizes]
+        ag = rs = [t / per_call for t in share]
+    else:
+        ag = [ring_allgather_s(b, w, link, fixed, cluster.all_gather) for b in sizes]
+        rs = [ring_allgather_s(b, w, link, fixed, cluster.reduce_scatter) for b in sizes]
+    comm_free, compute_t, comm_total = 0.0, 0.0, 0.0
+    gathered_at: dict[int, float] = {}
+
+    def gather(i: int, issue_at: float) -> None:
+        nonlocal comm_free, comm_total
+        if i in gathered_at or not (0 <= i < len(sizes)):
+            return
+        comm_free = max(comm_free, issue_at) + ag[i]
+        comm_total += ag[i]
+        gathered_at[i] = comm_free
+
+    for i in range(len(sizes)):  # forward
+        gather(i, compute_t)
+        start = max(compute_t, gathered_at[i])
+        if prefetch:
+            gather(i + 1, start)
+        compute_t = start + fwd[i] * slow
+    if s.reshard_after_forward:
+        gathered_at = {}
+    rs_end = 0.0
+    for i in reversed(range(len(sizes))):  # backward
+        gather(i, compute_t)
+        start = max(compute_t, gathered_at[i])
+        if s.reshard_after_forward and prefetch:
+            gather(i - 1, start)
+        compute_t = start + bwd[i] * slow
+        comm_free = max(comm_free, compute_t) + rs[i]
+        comm_total += rs[i]
+        rs_end = comm_free
+        if not prefetch:  # the worker's cores reduce it before the next unit's backward
+            compute_t = comm_free
+    compute_only = (sum(fwd) + sum(bwd)) * slow
+    waits = compute_t - compute_only
+    exposed = max(0.0, rs_end - compute_t)
+    overlapped = max(0.0, comm_total - exposed - waits)
+    step = profile.step_at(s.batch_size)
+    units = sum(1 for b in sizes if b > 0)  # the strategy shards every layer that has parameters
+    overhead = units * cluster.fsdp_unit_fixed_s
+    interference = (1.0 - cluster.comm_overlap) * overlapped
+    parts = {"forward_s": sum(fwd) * slow + overhead / per_call,
+             "backward_s": sum(bwd) * slow + interference + overhead * (per_call - 1) / per_call,
+             "comm_wait_s": waits + exposed,
+             "optimizer_s": step.optimizer_s * slow / w}
+    parts["data_load_s"] = exposed_loading_s(profile, s.batch_size, s.loader_workers, sum(parts.values()))
+    return make_prediction(s, parts, s.global_batch_size,
+                           inputs={"units": len(sizes), "comm_s": comm_total, "contention": slow / scale,
+                                   "prefetch": prefetch, "in_step_rate": bool(in_step), "fsdp_overhead_s": overhead,
+                                   "comm_interference_s": interference, "compute_scale": scale,
+                                   "link_gb_per_s": link.bandwidth_gb_per_s})
 
 
-def _memory(profile, setting):
-    from ddlscope.predict.memory import predict_memory
+def memory_fsdp(profile: WorkloadProfile, s: Setting) -> list[MemoryEstimate]:
+    """FSDP2 ``fully_shard`` on every top-level layer (notation of :mod:`ddlscope.modeling.memory`, ``N`` workers).
 
-    return predict_memory(profile, "fsdp", setting.workers, setting.batch_size,
-                          reshard_after_forward=setting.reshard_after_forward)
+    ``params = P / N + Bf`` (buffers are not sharded), ``grads = G / N``, ``optimizer = O / N``,
+    ``activations = A(b)``, and the gathered units in ``comm``. With ``reshard_after_forward``
+    (ZeRO-3): a unit's backward holds its unsharded parameters, their unsharded gradients and
+    the flat reduce-scatter input (``3 p_l``) while the previous unit's all-gather (its output
+    buffer, then its unsharded copy: ``2 p_(l-1)``) is prefetched, so ``gathered = max_l (3 p_l +
+    2 p_(l-1))``. Without it (ZeRO-2) every unit stays gathered from its forward to its backward:
+    ``gathered = P + max_l 2 p_l``. On CPU (gloo) ``comm = gathered + max_l p_l``: gloo's
+    all-gather and reduce-scatter each work on a flat copy of the whole unit (measured: a 40 MB
+    all-gather or reduce-scatter raises the resident peak by 40 MB, an all-reduce by 2 MB); NCCL
+    (CUDA) works in place, ``comm = gathered``.
+    """
+    n, p_all = s.workers, profile.param_bytes
+    layer_p = [layer.param_bytes for layer in profile.layers]
+    if s.reshard_after_forward:
+        gathered = max(3 * p + 2 * (layer_p[i - 1] if i else 0) for i, p in enumerate(layer_p))
+        note = "sharded state / N; one unit gathered (+ prefetch) at a time (reshard_after_forward)"
+    else:
+        gathered = p_all + max(2 * p for p in layer_p)
+        note = "sharded state / N; all units stay gathered between forward and backward (ZeRO-2)"
+    if profile.device.type == "cpu":
+        gathered += max(layer_p)
+        note += "; gloo's flat working copy of one unit"
+    return [MemoryEstimate(worker=w, params_bytes=math.ceil(p_all / n) + profile.buffer_bytes,
+                           grads_bytes=math.ceil(p_all / n), optimizer_bytes=math.ceil(profile.optimizer_state_bytes / n),
+                           activations_bytes=activation_bytes(profile, s.batch_size), comm_buffers_bytes=gathered,
+                           runtime_bytes=profile.device.runtime_bytes, notes=note) for w in range(n)]
 
 
 MODEL = register(DistributionModel(
@@ -28,6 +146,6 @@ MODEL = register(DistributionModel(
     predicts="per-unit all-gather / reduce-scatter with prefetch, simulated unit by unit",
     order=20,
     min_workers=1,
-    cost_model=_cost,
-    memory_model=_memory,
+    cost_model=predict_fsdp,
+    memory_model=memory_fsdp,
 ))

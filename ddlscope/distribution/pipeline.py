@@ -8,9 +8,17 @@ the global batch is the batch size. GPipe runs every micro-batch's forward befor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from ddlscope.distribution import DistributionModel, register
+from ddlscope.errors import UserError
+from ddlscope.modeling.cluster import ClusterSpec, LinkSpec
+from ddlscope.modeling.collectives import busy_per_node, contention, exposed_loading_s
+from ddlscope.modeling.memory import MemoryEstimate, activation_bytes
+from ddlscope.modeling.prediction import Prediction, Setting, make_prediction
+from ddlscope.modeling.profile import WorkloadProfile
 
 if TYPE_CHECKING:
     from ddlscope.config import RunConfig
@@ -33,17 +41,305 @@ def check_microbatches(cfg: "RunConfig") -> None:
                          f"every stage busy only with at least one micro-batch per stage; allowed: microbatches >= peers")
 
 
-def _cost(profile, cluster, setting, compute_scale: float = 1.0):
-    from ddlscope.predict.costs import predict_pipeline
-
-    return predict_pipeline(profile, cluster, setting, compute_scale)
+DEFAULT_MICROBATCHES = 4
+"""Micro-batches of a pipeline when none are given (``DistributedConfig.microbatches``' default)."""
 
 
-def _memory(profile, setting):
-    from ddlscope.predict.memory import predict_memory
+def microbatches_of(s: Setting) -> int:
+    """The setting's micro-batches, or :data:`DEFAULT_MICROBATCHES` when it gives none."""
+    return s.microbatches or DEFAULT_MICROBATCHES
 
-    return predict_memory(profile, setting.strategy, setting.workers, setting.batch_size,
-                          microbatches=setting.microbatches)
+
+def balanced_partition(costs: list[float], stages: int) -> list[int]:
+    """Contiguous split of layers into ``stages`` non-empty stages minimising the largest stage cost.
+
+    A pipeline runs as fast as its slowest stage; this is the classic linear-partition problem,
+    solved exactly by dynamic programming in O(S x L^2). GPipe's own partitioner balanced by
+    profiled layer times too (thesis 002 ch. 3.4.2). The strategy cuts its stages with it, and
+    the cost and memory models predict the same cut.
+
+    Args:
+        costs: cost of each layer, in order (seconds, or any non-negative unit), length L.
+        stages: number of stages S, 1 <= S <= L.
+
+    Returns:
+        boundaries ``[0, b1, ..., L]`` of length S + 1: stage s holds layers ``b[s]:b[s+1]``.
+
+    Raises:
+        UserError: more stages than layers (each stage needs at least one layer).
+    """
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise UserError(f"cannot split a network with {n} top-level layers into {stages} pipeline stages; "
+                        f"allowed: 1 <= stages (workers) <= {n}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    # best[s][i]: minimal largest-stage cost of splitting the first i layers into s stages
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                cand = max(best[s - 1][j], prefix[i] - prefix[j])
+                if cand < best[s][i]:
+                    best[s][i], cut[s][i] = cand, j
+    bounds = [n]
+    for s in range(stages, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    return bounds[::-1]
+
+
+def balanced_stage_bounds(profile: WorkloadProfile, stages: int, microbatch: float) -> list[int]:
+    """Stage boundaries as the pipeline strategies cut them: :func:`balanced_partition` of the
+    per-layer forward + backward seconds at the micro-batch."""
+    fwd, bwd = profile.layer_times_s(microbatch)
+    return balanced_partition([f + b for f, b in zip(fwd, bwd)], stages)
+
+
+def stage_bounds_of(profile: WorkloadProfile, s: Setting) -> list[int]:
+    """The setting's stage cut: ``s.stage_bounds``, or :func:`balanced_stage_bounds` at its micro-batch."""
+    if s.stage_bounds is not None:
+        return list(s.stage_bounds)
+    return balanced_stage_bounds(profile, s.workers, math.ceil(s.batch_size / microbatches_of(s)))
+
+
+def check_pipeline_setting(profile: WorkloadProfile, s: Setting) -> None:
+    """A pipeline setting's own checks: micro-batches that divide the batch, at most one stage per
+    layer, and a valid ``stage_bounds`` when one is given.
+
+    Raises:
+        UserError: the first problem, naming the field and what is allowed.
+    """
+    mb, b, layers = microbatches_of(s), s.batch_size, len(profile.layers)
+    if isinstance(mb, bool) or not isinstance(mb, int) or not 1 <= mb <= b or b % mb:
+        raise UserError(f"{s.strategy}: microbatches = {mb!r} does not divide batch_size = {b}; allowed: an integer "
+                        f"in 1..batch_size ({b}) that divides it")
+    if s.workers > layers:
+        raise UserError(f"{s.strategy}: {s.workers} stages but the network has {layers} layers ({profile.network}: "
+                        f"{layers} top-level layers, at least one per stage); allowed: workers <= {layers}")
+    bounds = s.stage_bounds
+    if bounds is not None and (len(bounds) != s.workers + 1 or bounds[0] != 0 or bounds[-1] != layers
+                               or any(b1 <= b0 for b0, b1 in zip(bounds, bounds[1:]))):
+        raise UserError(f"stage_bounds {list(bounds)}: allowed: {s.workers + 1} strictly increasing layer indices "
+                        f"from 0 to {layers} (one stage per worker)")
+
+
+def pipeline_candidate(s: Setting, global_batch_size: int, options: dict[str, Any]) -> Setting:
+    """A pipeline's candidate for a job: the global batch split into ``options["microbatches"]``
+    micro-batches (default ``2 x workers``), reduced until it divides the batch."""
+    m = options.get("microbatches") or 2 * s.workers
+    while global_batch_size % m:
+        m -= 1
+    return replace(s, microbatches=m)
+
+
+def boundary_link(cluster: ClusterSpec, boundary: int) -> LinkSpec:
+    """The link between pipeline stage ``boundary`` and the next (stages placed node-major): the
+    inter-node link where the boundary crosses nodes, else the point-to-point link of a node."""
+    if (boundary + 1) % cluster.devices_per_node == 0 and cluster.inter_node is not None:
+        return cluster.inter_node
+    return cluster.p2p_link or cluster.intra_node
+
+
+def pipeline_ops(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """The order in which one stage runs its forward (``"F"``) and backward (``"B"``) passes.
+
+    gpipe: every forward, then every backward (Huang et al. 2019). 1f1b: ``min(M, S - s - 1)``
+    warm-up forwards, then one forward and one backward alternately, then the remaining
+    backwards (Narayanan et al. 2019, PipeDream-Flush), as torch's ``Schedule1F1B`` runs them.
+
+    Returns:
+        ``[(kind, microbatch), ...]`` of length ``2 * microbatches``.
+    """
+    m = microbatches
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warm = min(m, stages - stage - 1)
+    ops = [("F", i) for i in range(warm)]
+    f, b = warm, 0
+    while f < m:
+        ops.append(("F", f))
+        f += 1
+        ops.append(("B", b))
+        b += 1
+    ops += [("B", i) for i in range(b, m)]
+    return ops
+
+
+def simulate_pipeline(schedule: str, fwd_s: list[float], bwd_s: list[float], transfer_s: list[float],
+                      microbatches: int, send_block_s: list[float] | None = None) -> tuple[float, list[float]]:
+    """Event simulation of one pipeline step.
+
+    Args:
+        fwd_s / bwd_s: forward / backward seconds of one micro-batch on each stage (length S).
+        transfer_s: seconds to move one micro-batch's activation (forward) or its gradient
+            (backward) across the boundary after stage s (length S - 1).
+        send_block_s: seconds the *sending* stage is blocked per transfer (default 0).
+
+    Returns:
+        ``(step_s, busy_s per stage)``: the time the last stage finishes, and each stage's compute.
+
+    A stage runs its :func:`pipeline_ops` in order; F(s, m) needs F(s-1, m) plus the transfer,
+    B(s, m) needs B(s+1, m) plus the transfer and F(s, m).
+    """
+    n = len(fwd_s)
+    send_block_s = send_block_s or [0.0] * max(0, n - 1)
+    orders = [pipeline_ops(schedule, s, n, microbatches) for s in range(n)]
+    pos, free = [0] * n, [0.0] * n
+    end: dict[tuple[str, int, int], float] = {}
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(n):
+            while pos[s] < len(orders[s]):
+                kind, m = orders[s][pos[s]]
+                if kind == "F":
+                    dep = 0.0 if s == 0 else end.get(("F", s - 1, m))
+                    dep = dep if s == 0 or dep is None else dep + transfer_s[s - 1]
+                    dur = fwd_s[s] + (send_block_s[s] if s < n - 1 else 0.0)
+                else:
+                    dep = end.get(("F", s, m)) if s == n - 1 else end.get(("B", s + 1, m))
+                    dep = dep if s == n - 1 or dep is None else dep + transfer_s[s]
+                    dur = bwd_s[s] + (send_block_s[s - 1] if s > 0 else 0.0)
+                if dep is None:
+                    break
+                start = max(free[s], dep)
+                free[s] = end[(kind, s, m)] = start + dur
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # cannot happen for valid schedules; guards against an endless loop
+            raise RuntimeError(f"pipeline simulation deadlocked ({schedule}, {n} stages, {microbatches} micro-batches)")
+    busy = [microbatches * (fwd_s[s] + bwd_s[s]) for s in range(n)]
+    return max(free), busy
+
+
+def predict_pipeline(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scale: float = 1.0) -> Prediction:
+    """GPipe or 1F1B: the schedule simulated with per-stage micro-batch times and activation transfers
+    (thesis 002 ch. 6).
+
+    Stages are cut like the strategies cut them (:func:`balanced_stage_bounds`, or the setting's
+    ``stage_bounds``); a stage's micro-batch forward/backward time is the sum of its layers'
+    profiled times at the micro-batch size (times contention). Each boundary moves ``microbatch *
+    output_bytes_per_sample`` bytes per micro-batch each way at ``p2p_fixed_s + latency + bytes /
+    bandwidth``; the sender is blocked for the fixed part and ``(1 - comm_overlap)`` of the rest.
+    The step ends when the slowest stage has run its :func:`pipeline_ops`, then every stage steps
+    its optimizer on its share of the parameters. ``forward_s`` and ``backward_s`` are the busiest
+    stage's own micro-batch forwards and backwards (its profiled split), ``bubble_s`` the step
+    minus that stage's compute.
+    """
+    w, m = s.workers, microbatches_of(s)
+    mb = s.batch_size / m
+    slow = contention(cluster, busy_per_node(cluster, w)) * scale
+    bounds = stage_bounds_of(profile, s)
+    fwd, bwd = profile.layer_times_s(mb)
+    f_stage = [sum(fwd[a:b]) * slow for a, b in zip(bounds, bounds[1:])]
+    b_stage = [sum(bwd[a:b]) * slow for a, b in zip(bounds, bounds[1:])]
+    transfer, block = [], []
+    for k in range(w - 1):
+        nbytes = mb * profile.layers[bounds[k + 1] - 1].output_bytes_per_sample
+        link = boundary_link(cluster, k)
+        wire = link.transfer_s(nbytes) - link.latency_s
+        transfer.append(cluster.p2p_fixed_s + link.latency_s + wire)
+        block.append(cluster.p2p_fixed_s + (1.0 - cluster.comm_overlap) * wire)
+    span, busy = simulate_pipeline(s.strategy, f_stage, b_stage, transfer, m, block)
+    step = profile.step_at(s.batch_size)
+    stage_params = [sum(layer.param_bytes for layer in profile.layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    opt = max(step.optimizer_s * slow * p / max(1, profile.param_bytes) for p in stage_params)
+    busiest = max(range(w), key=lambda k: busy[k])
+    parts = {"forward_s": m * f_stage[busiest], "backward_s": m * b_stage[busiest], "bubble_s": span - busy[busiest],
+             "optimizer_s": opt}
+    parts["data_load_s"] = exposed_loading_s(profile, s.batch_size, s.loader_workers, sum(parts.values()))
+    ref = eq_6_epoch_s(profile, cluster, s, bounds, scale)
+    return make_prediction(s, parts, s.batch_size, reference_epoch_s={"eq6.1+6.2": ref},
+                           inputs={"stage_bounds": bounds, "stage_forward_s": f_stage, "stage_backward_s": b_stage,
+                                   "transfer_s": transfer, "microbatch": mb, "busiest_stage": busiest,
+                                   "contention": slow / scale, "compute_scale": scale})
+
+
+def eq_6_epoch_s(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, bounds: list[int],
+                 scale: float = 1.0) -> float:
+    """Thesis 002 eq. 6.1 + eq. 6.2 (GPipe), per epoch — the reference model.
+
+    eq. 6.1: ``T_comp = T_seq * (W + #mb - 1) / (W * #mb)``, with ``T_seq`` the one-device time of
+    the batch as ``#mb`` micro-batches (``#mb`` x the profiled step at the micro-batch size), so
+    that one micro-batch gives ``T_seq`` as the thesis says.
+    eq. 6.2: ``T_comm = 2 * (sum_{i=1}^{W-2} max_{j<=i} c_j + (#mb - (W-2)) * max_j c_j
+    + sum_{i=2}^{W-1} max_{j>=i} c_j)`` with ``c_j = L_j + mb * A_j / BW_j`` over the stage
+    boundaries j (``A_j``: activation bytes per sample at boundary j).
+    """
+    w, m = s.workers, microbatches_of(s)
+    mb = s.batch_size / m
+    t_seq = m * profile.step_at(mb).step_s * scale
+    t_comp = t_seq * (w + m - 1) / (w * m)
+    c = []
+    for k in range(w - 1):
+        link = boundary_link(cluster, k)
+        c.append(link.transfer_s(mb * profile.layers[bounds[k + 1] - 1].output_bytes_per_sample))
+    fill = sum(max(c[:i]) for i in range(1, w - 1))
+    full = (m - (w - 2)) * max(c)
+    drain = sum(max(c[i - 1:]) for i in range(2, w))
+    t_comm = 2 * (fill + full + drain)
+    return (t_comp + t_comm) * s.epoch_samples / s.batch_size
+
+
+def memory_pipeline(profile: WorkloadProfile, s: Setting) -> list[MemoryEstimate]:
+    """Peak memory of each stage of a pipeline (notation of :mod:`ddlscope.modeling.memory`).
+
+    ``torch.distributed.pipelining``, one stage per worker, stage ``s`` holding layers ``[k_s,
+    k_(s+1))`` of the cut (:func:`stage_bounds_of`); ``M`` micro-batches of ``m = batch_size / M``
+    samples, ``b`` the whole batch. ``params = sum (p_l + bf_l)``, ``grads = sum p_l`` and
+    ``optimizer = O * sum p_l / P`` over the stage's own layers (the strategy frees the other
+    stages' layers in place). Micro-batches in flight: GPipe runs every forward before any
+    backward, so ``k = M`` (Huang et al. 2019); 1F1B holds at most ``k = min(M, S - s)``
+    (Narayanan et al. 2021, PipeDream-flush). ``activations = k * m * a_s + t_s + b *
+    sample_bytes``, where ``a_s = sum s_l`` (minus the first layer's saved input ``i_k``: that is
+    the receive buffer, counted below, or on the first stage a slice of the input batch; plus the
+    stage's output ``o_last`` when only the next stage saves it, since the stage keeps its
+    outputs until their backward), ``t_s`` the transient memory of one micro-batch's backward
+    (``m * (A(m) / m - sum_all s_l - sample_bytes)`` scaled by the stage's largest ``s_l`` over
+    the model's largest), and ``b * sample_bytes`` the whole input batch, which every stage
+    loads. ``comm = M * m * (i_in + o_out)``: torch allocates one receive buffer per micro-batch
+    for the activations coming in (stages after the first, ``i_in`` = previous layer's ``o``)
+    and for the gradients coming back (stages before the last, ``o_out`` = last layer's ``o``),
+    and keeps them. With ``M > 1`` the stage's gradients accumulate over micro-batches: autograd
+    computes a layer's weight gradients before adding them into ``.grad``, so ``grads`` adds the
+    stage's largest ``p_l``.
+    """
+    layers, stages, microbatches = profile.layers, s.workers, microbatches_of(s)
+    m = math.ceil(s.batch_size / microbatches)
+    bounds = stage_bounds_of(profile, s)
+    P, O, R = profile.param_bytes, profile.optimizer_state_bytes, profile.device.runtime_bytes
+    saved_all = sum(layer.saved_bytes_per_sample for layer in layers)
+    max_saved = max((layer.saved_bytes_per_sample for layer in layers), default=0) or 1
+    # backward transient per sample of the whole model: what the step's peak holds beyond saved activations
+    transient_per_sample = max(0.0, activation_bytes(profile, m) / m - saved_all - profile.sample_bytes)
+    out = []
+    for k in range(stages):
+        lo, hi = bounds[k], bounds[k + 1]
+        mine = layers[lo:hi]
+        p = sum(layer.param_bytes for layer in mine)
+        # the first layer's saved input is the receive buffer (or, on the first stage, the batch): counted apart
+        per_sample = sum(layer.saved_bytes_per_sample for layer in mine) - mine[0].input_saved_bytes_per_sample
+        if k < stages - 1 and layers[hi].input_saved_bytes_per_sample > 0:
+            per_sample += mine[-1].output_bytes_per_sample  # kept for backward; only the next stage saves it
+        in_flight = microbatches if s.strategy == "gpipe" else min(microbatches, stages - k)
+        transient = m * transient_per_sample * max(layer.saved_bytes_per_sample for layer in mine) / max_saved
+        activations = in_flight * m * per_sample + transient + s.batch_size * profile.sample_bytes
+        recv_in = layers[lo - 1].output_bytes_per_sample if k > 0 else 0
+        recv_grad = mine[-1].output_bytes_per_sample if k < stages - 1 else 0
+        comm = microbatches * m * (recv_in + recv_grad)
+        out.append(MemoryEstimate(
+            worker=k, params_bytes=p + sum(layer.buffer_bytes for layer in mine),
+            grads_bytes=p + (max(layer.param_bytes for layer in mine) if microbatches > 1 else 0),
+            optimizer_bytes=round(O * p / P) if P else 0, activations_bytes=round(activations),
+            comm_buffers_bytes=comm, runtime_bytes=R,
+            notes=f"stage {k}: layers {lo}..{hi - 1} ({mine[0].name}..{mine[-1].name}), {in_flight} of "
+                  f"{microbatches} micro-batches of {m} in flight"))
+    return out
 
 
 _COMMON = dict(
@@ -52,8 +348,10 @@ _COMMON = dict(
     data_parallel=False,
     min_workers=2,
     check_config=check_microbatches,
-    cost_model=_cost,
-    memory_model=_memory,
+    check_setting=check_pipeline_setting,
+    candidate=pipeline_candidate,
+    cost_model=predict_pipeline,
+    memory_model=memory_pipeline,
     reference_models=("eq6.1+6.2",),
 )
 
@@ -63,6 +361,8 @@ GPIPE = register(DistributionModel(
     strategy="pipeline:GPipeStrategy",
     predicts="the GPipe schedule simulated over per-stage micro-batch times (ddlscope) and eq. 6.1 + 6.2 (thesis 002)",
     order=30,
+    # thesis 002, Table 3.3: GPipe's batch (micro-batches) per dataset, its own column
+    table_3_3_batch={"mnist": (3072, 24), "cifar10": (2048, 32), "imagenet": (384, 12), "highres": (48, 12)},
     **_COMMON,
 ))
 
@@ -72,5 +372,6 @@ ONE_F_ONE_B = register(DistributionModel(
     strategy="pipeline:OneFOneBStrategy",
     predicts="the 1F1B schedule simulated over per-stage micro-batch times (ddlscope) and eq. 6.1 + 6.2 (thesis 002)",
     order=40,
+    min_microbatches_per_worker=1,
     **_COMMON,
 ))

@@ -1,13 +1,17 @@
 """Start a run's workers as local processes, watch them, and end them all together.
 
-Each worker is ``python -m ddlscope.train.worker`` in its own session/process group, pinned to
-its own cores (the thesis's vCPUs per peer), with its DataLoader workers and, for collaborative
-runs, hivemind's averager and p2pd daemon inside the same group. For a collaborative run the
-first peer starts first and bootstraps the swarm; the others get its multiaddrs as initial peers
-(or everyone joins ``collaborative.initial_peers``, e.g. a ``ddlscope bootstrap`` messenger).
+How the workers start is the distribution model's ``launcher`` (:mod:`ddlscope.distribution`):
 
-For ``ddp``, ``fsdp``, ``gpipe`` and ``1f1b`` one torchrun agent starts the workers instead
-(:mod:`ddlscope.launch.torchrun`); each worker pins itself to its core set by its local rank.
+- ``process``: each worker is ``python -m ddlscope.train.worker`` in its own session/process
+  group (:mod:`ddlscope.launch.processes`), pinned to its own cores (the thesis's vCPUs per peer),
+  with its DataLoader workers inside the same group;
+- ``swarm``: the same worker processes, hivemind's averager and p2pd daemon inside each group,
+  joined into one swarm by the swarm protocol (:data:`ddlscope.distribution.SWARM_OPTIONS`): with
+  the model's ``initial_peers`` option empty the first peer starts first and bootstraps the swarm,
+  and the others get the multiaddrs it recorded in the store (waiting at most ``join_timeout_s``);
+  else everyone joins ``initial_peers`` (e.g. a ``ddlscope bootstrap`` messenger);
+- ``torchrun``: one torchrun agent starts the workers (:mod:`ddlscope.launch.torchrun`); each
+  worker pins itself to its core set by its local rank.
 
 The run ends when every worker has ended. If a worker fails, the others are stopped and the run
 is stored as ``failed`` with that worker's reason; Ctrl-C stores it as ``interrupted``. Either
@@ -18,24 +22,27 @@ peer or daemon outlives the run.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddlscope import distribution
 from ddlscope.config import RunConfig
 from ddlscope.errors import UserError
+from ddlscope.launch.processes import log_tail, start_process, stop_processes
 from ddlscope.launch.torchrun import preflight, torchrun_command
 from ddlscope.store.db import ResultsStore
 
 GRACE_S = 8.0
+"""Seconds a stopped worker gets to end its children and record its status before SIGKILL."""
 
 
 @dataclass
 class WorkerProcess:
+    """One process this launcher started: a worker (``index`` >= 0) or the torchrun agent (-1)."""
+
     index: int
     cores: list[int]
     popen: subprocess.Popen
@@ -119,7 +126,8 @@ class LocalLauncher:
         if self.nnodes == 1:
             return self.local_workers or self.cfg.peers
         if self.cfg.distribution_model.launcher != "torchrun" or self.cfg.peers % self.nnodes:
-            raise UserError(f"--nnodes {self.nnodes}: needs a torch.distributed model (ddp, fsdp, gpipe, 1f1b) and "
+            raise UserError(f"--nnodes {self.nnodes}: needs a torch.distributed model "
+                            f"({', '.join(distribution.with_launcher('torchrun'))}) and "
                             f"peers = {self.cfg.peers} divisible by the number of nodes")
         return self.cfg.peers // self.nnodes
 
@@ -132,10 +140,7 @@ class LocalLauncher:
         return self._popen(cmd, -1, core_sets[0], log_dir / "torchrun.log")
 
     def _popen(self, cmd: list[str], index: int, cores: list[int], log_path: Path) -> WorkerProcess:
-        env = dict(os.environ, OMP_NUM_THREADS=str(len(cores)), MKL_NUM_THREADS=str(len(cores)), PYTHONUNBUFFERED="1")
-        with open(log_path, "ab") as log:
-            popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        wp = WorkerProcess(index, cores, popen, log_path)
+        wp = WorkerProcess(index, cores, start_process(cmd, log_path, threads=len(cores)), log_path)
         self.workers.append(wp)
         return wp
 
@@ -146,20 +151,27 @@ class LocalLauncher:
             self._spawn_torchrun(run_id, core_sets, log_dir)
             return self._watch(store, run_id)
         n_local = self.local_workers or cfg.peers
-        initial = list(cfg.collaborative.initial_peers) if cfg.strategy == "collaborative" else []
+        swarm = cfg.distribution_model.launcher == "swarm"
+        initial = list(cfg.model_options()["initial_peers"]) if swarm else []
         first = self._spawn(run_id, 0, core_sets[0], initial, log_dir)
-        if cfg.strategy == "collaborative" and not initial:
+        if swarm and not initial:
             initial = self._wait_for_maddrs(store, run_id, first)
             if n_local < cfg.peers:
                 print(f"waiting for {cfg.peers - n_local} remote peer(s); join with:\n  ddlscope peer --run-id {run_id} "
-                      f"--index {n_local} --peers {cfg.peers} --initial-peers {' '.join(initial)} "
+                      f"--strategy {cfg.strategy} --index {n_local} --peers {cfg.peers} --initial-peers {' '.join(initial)} "
                       f"--config <the same run config>", file=sys.stderr)
         for i in range(1, n_local):
             self._spawn(run_id, i, core_sets[i], initial, log_dir)
         return self._watch(store, run_id)
 
     def _wait_for_maddrs(self, store: ResultsStore, run_id: str, first: WorkerProcess) -> list[str]:
-        deadline = time.monotonic() + self.cfg.collaborative.join_timeout_s
+        """The multiaddrs the first peer of a swarm recorded in the store once it listens.
+
+        Raises:
+            RuntimeError: it exited first, or did not listen within the model's ``join_timeout_s``.
+        """
+        join_timeout_s = float(self.cfg.model_options()["join_timeout_s"])
+        deadline = time.monotonic() + join_timeout_s
         while time.monotonic() < deadline:
             rows = [r for r in store.workers(run_id) if r["worker_index"] == 0]
             if rows and rows[0]["maddrs"]:
@@ -169,7 +181,7 @@ class LocalLauncher:
                                    f"{_log_tail(first.log_path)}")
             time.sleep(0.1)
         raise RuntimeError(f"the first peer did not start listening within join_timeout_s = "
-                           f"{self.cfg.collaborative.join_timeout_s:g} s; see {first.log_path}")
+                           f"{join_timeout_s:g} s; see {first.log_path}")
 
     # ------------------------------------------------------------------ watch
     def _watch(self, store: ResultsStore, run_id: str) -> tuple[str, str | None]:
@@ -212,49 +224,17 @@ class LocalLauncher:
         """End every worker: SIGTERM to the worker, wait up to GRACE_S, then SIGKILL its whole group.
 
         SIGTERM goes to the worker process alone so it can stop its DataLoader workers and
-        hivemind itself and record its status; the group kill afterwards catches what is left.
+        hivemind itself and record its status; the group kill afterwards catches what is left
+        (p2pd, loader workers, hivemind's averager, stuck leaders). Workers torchrun started lead
+        sessions of their own: they are ended by the pids they recorded.
         """
-        for w in self.workers:
-            if w.popen.poll() is None:
-                w.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
-        for w in self.workers:
-            try:
-                w.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for w in self.workers:  # leftovers (p2pd, loader workers, hivemind's averager) and stuck leaders
-            _signal_group(w.popen.pid, signal.SIGKILL)
-            try:
-                w.popen.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        groups = [w.popen.pid for w in self.workers] + sorted(self.worker_pids)
-        for pid in self.worker_pids:  # workers torchrun started: SIGTERM reached them via the agent
-            if _group_alive(pid) and not _wait_group_gone(pid, GRACE_S):
-                _signal_group(pid, signal.SIGKILL)
-        for pgid in groups:  # SIGKILL is asynchronous: return only once every group is gone
-            _wait_group_gone(pgid, 10)
+        stop_processes([w.popen for w in self.workers], GRACE_S, other_groups=self.worker_pids)
 
     def _mark_unfinished_workers(self, store: ResultsStore, run_id: str, status: str, reason: str | None) -> None:
         for row in store.workers(run_id):
             if row["status"] in ("starting", "training"):
                 store.upsert_worker(run_id, row["worker_index"], status=status if status != "completed" else "failed",
                                     reason=reason or "ended without reporting a status")
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while _group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not _group_alive(pgid)
 
 
 def _first_failure(rows, peers: int, agent: WorkerProcess) -> str:
@@ -272,20 +252,9 @@ def _first_failure(rows, peers: int, agent: WorkerProcess) -> str:
     return f"torchrun exited with code {agent.popen.returncode}: {_log_tail(agent.log_path)}"
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def _log_tail(path: Path, lines: int = 3) -> str:
-    try:
-        text = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return f"(no log at {path})"
-    return " | ".join(text[-lines:]) + f" (log: {path})"
+def _log_tail(path: Path) -> str:
+    """The last lines of a worker's log and where it is, for a run's failure reason."""
+    return f"{log_tail(path) or '(empty or no log)'} (log: {path})"
 
 
 def prepare_dataset(cfg: RunConfig) -> None:

@@ -7,7 +7,7 @@ Two figures on CPU (Linux):
 * the *training* peak: :func:`reset_peak_rss` at the start of training resets the kernel's
   resident high-water mark (``echo 5 > /proc/self/clear_refs``), and :func:`peak_rss_bytes`
   (VmHWM) read at the end is the peak during training only, comparable with the predicted
-  per-worker totals of :mod:`ddlscope.predict.memory`. Resetting does not lower what
+  per-worker totals of :mod:`ddlscope.modeling.memory`. Resetting does not lower what
   :func:`peak_memory_bytes` reports: the lifetime peak before the reset is remembered.
 """
 

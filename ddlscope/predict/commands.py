@@ -12,8 +12,9 @@ from typing import Optional
 
 import typer
 
+from ddlscope import distribution
+from ddlscope.distribution.collaborative import DEFAULT_MATCHMAKING_TIME_S
 from ddlscope.errors import UserError
-from ddlscope.predict.costs import MODELS
 
 
 def parse_worker_counts(text: str) -> tuple[int, ...]:
@@ -33,7 +34,7 @@ def parse_worker_counts(text: str) -> tuple[int, ...]:
 
 
 def print_profile(profile, path: Path | None = None, console=None) -> None:
-    """Print a :class:`~ddlscope.predict.profile.WorkloadProfile` as rich tables.
+    """Print a :class:`~ddlscope.modeling.profile.WorkloadProfile` as rich tables.
 
     Per layer at the requested (largest) batch size: forward/backward ms, parameter MB,
     output / saved KB per sample, forward MFLOP per sample; then the whole step per batch size,
@@ -52,7 +53,8 @@ def print_profile(profile, path: Path | None = None, console=None) -> None:
                        f"{layer.param_bytes / 1e6:.2f}", f"{layer.output_bytes_per_sample / 1e3:.1f}",
                        f"{layer.saved_bytes_per_sample / 1e3:.1f}", f"{layer.forward_flops_per_sample / 1e6:.1f}")
     console.print(layers)
-    steps = Table(title="training step (SGD, momentum 0.9; median)")
+    trained = profile.optimizer_setting.label() if profile.optimizer_setting else profile.optimizer
+    steps = Table(title=f"training step ({trained}; median)")
     for col in ("batch", "fwd ms", "bwd ms", "optimizer ms", "step ms", "samples/s", "activations MB (fake)",
                 "activations MB (measured)"):
         steps.add_column(col, justify="right")
@@ -76,9 +78,13 @@ def print_profile(profile, path: Path | None = None, console=None) -> None:
         console.print(f"cache: {path}")
 
 
+OPTIMIZER_HELP = ("sgd, adam or adamw, with the run config's default hyperparameters (the optimizer's state, "
+                  "e.g. Adam's two moments, counts in the memory estimate)")
+
+
 def register(app: typer.Typer) -> None:
     """Add the predictor's commands to ``app``."""
-    # ---- profile (predict/profile.py)
+    # ---- profile (profiling/profile.py)
     @app.command("profile")
     def profile(
         model: str = typer.Option(..., "--model", help="zoo network, e.g. resnet18"),
@@ -91,19 +97,20 @@ def register(app: typer.Typer) -> None:
         json_: bool = typer.Option(False, "--json", help="print the profile as JSON only"),
         cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="profile cache (default ./ddlscope-results/profiles)"),
         data_root: Optional[Path] = typer.Option(None, "--data-root", help="where a local dataset copy is looked for"),
+        optimizer: str = typer.Option("sgd", "--optimizer", help=OPTIMIZER_HELP),
     ):
         """Measure a workload on this device (per-layer times and bytes, steps, data loading); cached."""
-        from ddlscope.predict.profile import load_or_profile, profile_path
+        from ddlscope.profiling.profile import load_or_profile, profile_path
 
         workers = parse_worker_counts(loader_workers)
         prof = load_or_profile(model, dataset, batch_size, device, threads, workers, data_root=data_root,
-                               cache_dir=cache_dir, refresh=refresh, progress=not json_)
+                               cache_dir=cache_dir, refresh=refresh, progress=not json_, optimizer=optimizer)
         if json_:
             typer.echo(prof.model_dump_json(indent=2))
         else:
-            print_profile(prof, profile_path(model, dataset, batch_size, device, threads, workers, cache_dir))
+            print_profile(prof, profile_path(model, dataset, batch_size, device, threads, workers, cache_dir, optimizer))
 
-    # ---- calibrate (predict/calibrate.py)
+    # ---- calibrate (profiling/calibrate.py)
     @app.command("calibrate")
     def calibrate_cmd(
         workers: int = typer.Option(2, "--workers", help="local worker processes (>= 2), one device each"),
@@ -124,8 +131,8 @@ def register(app: typer.Typer) -> None:
         Writes a cluster description (one node of WORKERS devices of kind 'local') that the
         predictor reads; thesis 002 used NVIDIA's p2pBandwidthLatencyTest for the same purpose.
         """
-        from ddlscope.predict import calibrate as cal
-        from ddlscope.predict.cluster import write_cluster
+        from ddlscope.profiling import calibrate as cal
+        from ddlscope.modeling.cluster import write_cluster
 
         if out.exists() and out.is_dir():
             raise UserError(f"--out {out} is a folder; allowed: a file path, e.g. {out / 'cluster.toml'}")
@@ -158,23 +165,26 @@ def register(app: typer.Typer) -> None:
         cluster: Path = typer.Option(..., "--cluster", help="cluster TOML (see examples/cluster-*.toml, ddlscope calibrate)"),
         batch_size: int = typer.Option(64, "--batch-size", min=1, help="global batch: samples per optimizer step"),
         workers: Optional[int] = typer.Option(None, "--workers", min=2, help="workers/peers (default: the cluster's devices or peers)"),
-        strategies: str = typer.Option(",".join(MODELS), "--strategies", help="distribution models to consider, comma-separated"),
+        strategies: str = typer.Option(",".join(m.name for m in distribution.all_models() if m.cost_model),
+                                       "--strategies", help="distribution models to consider, comma-separated"),
         microbatches: Optional[int] = typer.Option(None, "--microbatches", min=1, help="gpipe/1f1b (default 2 x workers)"),
         target_batch_size: Optional[int] = typer.Option(None, "--target-batch-size", min=1, help="collaborative (default: the global batch)"),
         matchmaking_time_s: Optional[float] = typer.Option(
             None, "--matchmaking-time", min=0.01,
-            help="collaborative: seconds (default: the cluster's hivemind calibration's, else 2)"),
+            help="collaborative: seconds (default: the matchmaking time the cluster's hivemind calibration was "
+                 f"measured at, else a run's default, {DEFAULT_MATCHMAKING_TIME_S:g} s)"),
         local_updates: bool = typer.Option(False, "--local-updates", help="collaborative: use_local_updates"),
         loader_workers: int = typer.Option(0, "--loader-workers", min=0),
         threads: int = typer.Option(1, "--threads", min=1, help="cores of the profiled device (CPU)"),
         cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="profile cache (default <results>/profiles)"),
         as_json: bool = typer.Option(False, "--json", help="print JSON only"),
+        optimizer: str = typer.Option("sgd", "--optimizer", help=OPTIMIZER_HELP),
     ):
         """Rank the distribution models for a job on a cluster and recommend the fastest that fits."""
-        from ddlscope.predict.cluster import load_cluster
-        from ddlscope.predict.devices import compute_scale
-        from ddlscope.predict.profile import load_or_profile
-        from ddlscope.predict.recommend import candidate_settings, recommend
+        from ddlscope.modeling.cluster import load_cluster
+        from ddlscope.modeling.devices import compute_scale
+        from ddlscope.modeling.recommend import candidate_settings, recommend
+        from ddlscope.profiling.profile import load_or_profile
         from ddlscope.workloads.datasets import DATASETS
 
         spec = load_cluster(cluster)
@@ -183,10 +193,10 @@ def register(app: typer.Typer) -> None:
         n = workers or (len(spec.peers) if spec.peers and spec.workers == 1 else spec.workers)
         if n < 2:
             raise UserError(f"the cluster {spec.name!r} has one device; describe at least 2 devices or peers, or pass --workers")
-        if matchmaking_time_s is None:
-            matchmaking_time_s = (spec.hivemind and spec.hivemind.matchmaking_time_s) or 2.0
+        if matchmaking_time_s is None and spec.hivemind is not None:  # predict where the overhead was measured
+            matchmaking_time_s = spec.hivemind.matchmaking_time_s  # None (unrecorded): the run default
         profile = load_or_profile(model, dataset, batch_size, threads=threads, loader_workers=(loader_workers,),
-                                  cache_dir=cache_dir, progress=not as_json)
+                                  cache_dir=cache_dir, progress=not as_json, optimizer=optimizer)
         scale = compute_scale(profile, batch_size, spec.device.kind)
         settings = candidate_settings([x.strip() for x in strategies.split(",") if x.strip()], n, batch_size,
                                       DATASETS[dataset].train_size, microbatches=microbatches,
@@ -201,7 +211,7 @@ def register(app: typer.Typer) -> None:
         else:
             print_recommendation(rec, f"{model} on {dataset}, global batch {batch_size}, cluster {spec.name}")
 
-    # ---- validate (predict/validate.py)
+    # ---- validate (experiments/validate.py)
     @app.command("validate")
     def validate_cmd(
         grid: str = typer.Argument("local", metavar="[GRID]", help="grid TOML ([validation] table) or preset: local, tiny"),
@@ -213,7 +223,7 @@ def register(app: typer.Typer) -> None:
         progress: bool = typer.Option(True, "--progress/--no-progress"),
     ):
         """Predict every cell of a grid, run it for real here, and report error, recommendation correctness and regret."""
-        from ddlscope.predict.validate import load_grid, run_validation
+        from ddlscope.experiments.validate import load_grid, run_validation
         from ddlscope.predict.validation_report import print_validation, write_validation_report
         from ddlscope.store.db import default_db_path
 
@@ -235,14 +245,14 @@ def register(app: typer.Typer) -> None:
 def _local_cluster(path: Path | None, db_path: Path, workers: int, threads: int, matchmaking_time_s: float):
     """The cluster file given, or this machine calibrated once (hivemind at ``matchmaking_time_s``) and kept
     next to the database."""
-    from ddlscope.predict.cluster import load_cluster, write_cluster
+    from ddlscope.modeling.cluster import load_cluster, write_cluster
 
     if path is not None:
         return load_cluster(path)
     kept = db_path.parent / f"cluster-calibrated-{workers}x{threads}-mm{matchmaking_time_s:g}s.toml"
     if kept.exists():
         return load_cluster(kept)
-    from ddlscope.predict.calibrate import calibrate
+    from ddlscope.profiling.calibrate import calibrate
 
     typer.echo(f"calibrating this machine ({workers} workers x {threads} threads) ...", err=True)
     spec = calibrate(workers=workers, threads=threads, hivemind=True, matchmaking_time_s=matchmaking_time_s).cluster

@@ -11,6 +11,9 @@ Definitions (all times are seconds per epoch):
   overestimates, the sign convention of thesis 002 Figures 4.1 and 5.1;
 - recommended model: the lowest predicted time among the models predicted to fit in memory
   (thesis 002 ch. 8: models that do not fit are filtered out first); ``single`` is a candidate;
+  the recommender's own rule (:func:`ddlscope.modeling.recommend.fastest_that_fits`);
+- step parts: the prediction's parts next to the run's (:mod:`ddlscope.measure.parts`), each
+  scaled to seconds per epoch by its own side's steps per epoch (:func:`epoch_parts`);
 - actual fastest: the lowest measured time among the completed real runs;
 - regret ``(T_recommended - T_fastest) / T_fastest``, measured times — the third line of each cell
   of thesis 002 Table 8.1 ("the relative difference in training time between these two");
@@ -44,6 +47,8 @@ from scipy.stats import kendalltau as _scipy_kendalltau  # noqa: E402
 from ddlscope.analyze.report import markdown_to_html  # noqa: E402
 from ddlscope.analyze.sweep_report import markdown_table  # noqa: E402
 from ddlscope.errors import UserError  # noqa: E402
+from ddlscope.measure.parts import side_by_side  # noqa: E402
+from ddlscope.modeling.recommend import fastest_that_fits  # noqa: E402
 
 #: Issue 4 item 7: the median |relative error| of every distribution model must be at most this.
 TARGET_MAX_MEDIAN_ABS_ERROR = 0.10
@@ -65,7 +70,10 @@ class StrategyOutcome:
     prediction; the run failed or did not run). ``status`` is the real run's: "completed" (then
     ``measured_epoch_s`` is set), "failed" or "not-run" (then it is None, ``reason`` says why).
     ``reference_epoch_s`` holds the thesis's closed forms for the same setting, keyed by name
-    (e.g. ``{"eq5.1": ...}`` for ddp, ``{"eq6.1+6.2": ...}`` for gpipe).
+    (e.g. ``{"eq5.1": ...}`` for ddp, ``{"eq6.1+6.2": ...}`` for gpipe). ``predicted_parts_s`` is
+    the prediction's ``breakdown_s`` (seconds per predicted step, by step part) and
+    ``measured_parts_s`` the run's (:func:`ddlscope.measure.parts.measured_parts` of its measured
+    steps: seconds per step of one worker, by part, with ``step_s``); empty when absent.
     """
 
     strategy: str                      # "single", "ddp", "fsdp", "gpipe", "1f1b", "collaborative"
@@ -76,8 +84,10 @@ class StrategyOutcome:
     status: str                        # the real run: "completed", "failed", "not-run"
     reason: str | None = None          # why it failed / was not run
     reference_epoch_s: dict[str, float] = field(default_factory=dict)  # thesis closed forms
-    dominant_cost: str | None = None   # e.g. "compute", "all-reduce", "bubble", "averaging"
+    dominant_cost: str | None = None   # the largest predicted step part, e.g. "backward_s", "comm_wait_s"
     measured_memory_bytes: int | None = None  # the real run's largest per-worker peak (CPU: peak RSS)
+    predicted_parts_s: dict[str, float] = field(default_factory=dict)  # per predicted step, by step part
+    measured_parts_s: dict[str, float] = field(default_factory=dict)   # per measured step, by part, + step_s
 
     @property
     def measured(self) -> bool:
@@ -209,14 +219,15 @@ def relative_error(predicted: float, measured: float) -> float:
 
 
 def recommended(cell: ValidationCell) -> str | None:
-    """The model with the lowest predicted seconds per epoch among those predicted to fit.
+    """The model with the lowest predicted seconds per epoch among those predicted to fit: the
+    recommender's rule (:func:`ddlscope.modeling.recommend.fastest_that_fits`) over the cell's outcomes.
 
     Only outcomes with ``fits is True`` and a prediction are candidates — never one that does not
     fit or whose fit is unknown (thesis 002 ch. 8). ``single`` is a candidate like any other. Ties
     go to the first outcome in the cell's order. None when no model is predicted to fit.
     """
-    candidates = [o for o in cell.outcomes if o.fits is True and o.predicted_epoch_s is not None]
-    return min(candidates, key=lambda o: o.predicted_epoch_s).strategy if candidates else None
+    best = fastest_that_fits(cell.outcomes, lambda o: o.predicted_epoch_s, lambda o: o.fits)
+    return best.strategy if best else None
 
 
 def actual_fastest(cell: ValidationCell) -> str | None:
@@ -537,6 +548,40 @@ def table_8_2(cells: list[ValidationCell], workers: int) -> list[dict]:
     return rows + [{"network": "correct", **rate}]
 
 
+def epoch_parts(outcome: StrategyOutcome) -> list[tuple[str, float | None, float | None]]:
+    """The outcome's step parts, predicted next to measured, in seconds per epoch.
+
+    Rows ``(part, predicted, measured)`` of :func:`ddlscope.measure.parts.side_by_side` (parts in
+    :data:`~ddlscope.measure.parts.STEP_PARTS` order, then ``"step_s"``, here the whole epoch).
+    A prediction's parts are per predicted step and a run's per measured step of one worker
+    (a collaborative prediction's step is a global epoch, a run's a peer's local step), so each
+    side is scaled by its own steps per epoch: ``part x epoch_s / step_s``. A side without parts
+    or without an epoch time is None. Empty when neither side has parts.
+    """
+    pred, meas = outcome.predicted_parts_s, outcome.measured_parts_s
+    if not pred and not meas:
+        return []
+    pred_step = sum(pred.values())
+    meas_step = meas.get("step_s") or sum(meas.values())
+    pred_scale = outcome.predicted_epoch_s / pred_step if pred and outcome.predicted_epoch_s and pred_step > 0 else None
+    meas_scale = outcome.measured_epoch_s / meas_step if meas and outcome.measured and meas_step > 0 else None
+    return [(part, None if pred_scale is None else p * pred_scale,
+             None if meas_scale is None or m is None else m * meas_scale) for part, p, m in side_by_side(pred, meas)]
+
+
+def parts_table(cells: list[ValidationCell], only: ValidationCell | None = None) -> list[dict]:
+    """One row per cell, distribution model and step part: predicted and measured seconds per epoch
+    (:func:`epoch_parts`) and the part's relative difference; ``only``: the rows of one cell."""
+    rows = []
+    for c in cells if only is None else [only]:
+        for o in c.outcomes:
+            for part, p, m in epoch_parts(o):
+                diff = relative_error(p, m) if p is not None and m is not None and m > 0 else None
+                rows.append({"cell": c.label, "model": o.strategy, "part": "epoch" if part == "step_s" else part,
+                             "predicted s/epoch": p, "measured s/epoch": m, "difference": _pct(diff)})
+    return rows
+
+
 def cells_table(cells: list[ValidationCell]) -> list[dict]:
     """One row per cell and distribution model: prediction, measurement, errors, memory, fit, status."""
     rows = []
@@ -716,6 +761,11 @@ def validation_markdown(cells: list[ValidationCell], summary: ValidationSummary,
                "or the recommended model was not run).", "", markdown_table(table_8_2(cells, w)), ""]
     if "correctness.png" in images:
         md += ["![correctness](correctness.png)", ""]
+    parts = parts_table(cells)
+    if parts:
+        md += ["## Step parts, predicted vs measured", "",
+               "Each side's parts of a step (ddlscope.measure.parts), scaled to seconds per epoch by its own steps "
+               "per epoch; difference = (predicted - measured) / measured.", "", markdown_table(parts), ""]
     md += ["## All cells", "", markdown_table(cells_table(cells)), ""]
     return "\n".join(md)
 
@@ -724,7 +774,7 @@ def write_validation_report(cells: list[ValidationCell], out_dir: Path, title: s
     """Write the validation report folder; return the path of ``validation.md``.
 
     Files: ``validation.md`` (summary with targets, per-model errors, Tables 8.1 and 8.2 layouts
-    per worker count, all cells), ``validation.html`` (the same), ``validation.json`` (title,
+    per worker count, the step parts predicted vs measured, all cells), ``validation.html`` (the same), ``validation.json`` (title,
     ``extra``, the summary and every cell with its derived figures; :func:`load_validation` reads
     it back), ``error.png`` (:func:`plot_error`) and ``correctness.png`` (:func:`plot_correctness`).
     ``extra`` is a flat dict of settings shown at the top (e.g. the cluster, the preset).
@@ -747,7 +797,8 @@ def write_validation_report(cells: list[ValidationCell], out_dir: Path, title: s
 
 
 def print_validation(cells: list[ValidationCell]) -> None:
-    """Compact rich tables in the terminal: summary and targets, per-model errors, Table 8.1 layout.
+    """Compact rich tables in the terminal: summary and targets, per-model errors, Table 8.1 layout, and
+    each cell's step parts, predicted vs measured (:func:`parts_table`).
 
     Raises:
         UserError: inconsistent records (:func:`check_cells`).
@@ -773,3 +824,6 @@ def print_validation(cells: list[ValidationCell]) -> None:
     show("error per distribution model", model_error_table(summary))
     for w in summary.worker_counts:
         show(f"recommended / fastest / regret, {w} workers (Table 8.1 layout)", table_8_1(cells, w))
+    for cell in cells:
+        show(f"{cell.label}: step parts, predicted vs measured (s/epoch)",
+             [{k: v for k, v in r.items() if k != "cell"} for r in parts_table(cells, only=cell)])

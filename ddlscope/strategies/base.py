@@ -37,9 +37,9 @@ class WorkerContext:
         worker_index: 0 .. peers-1; worker 0 bootstraps the swarm.
         num_workers: workers expected in the run.
         cores: CPU core ids the worker is pinned to.
-        initial_peers: multiaddrs of peers already in the swarm (collaborative only).
+        initial_peers: multiaddrs of peers already in the swarm (models launched as a swarm only).
         announce: callback the strategy calls with its own multiaddrs once it listens.
-        listen_maddrs: multiaddrs to listen on (collaborative); default loopback, any free port.
+        listen_maddrs: multiaddrs to listen on (swarm models); default loopback, any free port.
         local_rank: the worker's index on its host (selects ``cuda:<local_rank>``).
     """
 
@@ -98,6 +98,8 @@ class StepOutcome:
         global_epoch: the swarm's epoch after the step (collaborative), else None.
         background_cpu_s: CPU seconds of the worker's background work (other threads, child
             processes: hivemind's) since the previous step's end, None if not measured.
+        comm_s / comm_bytes: collectives the step itself ran (diloco's outer all-reduce): seconds
+            in flight and payload bytes, added to the step's :class:`BatchResult` figures.
     """
 
     averaging_s: float = 0.0
@@ -106,6 +108,8 @@ class StepOutcome:
     succeeded: bool | None = None
     global_epoch: int | None = None
     background_cpu_s: float | None = None
+    comm_s: float = 0.0
+    comm_bytes: int = 0
 
 
 class Strategy:

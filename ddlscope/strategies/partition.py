@@ -13,44 +13,8 @@ import time
 
 import torch
 
+from ddlscope.distribution.pipeline import balanced_partition  # noqa: F401  (pure: the cost model cuts the same way)
 from ddlscope.errors import UserError
-
-
-def balanced_partition(costs: list[float], stages: int) -> list[int]:
-    """Contiguous split of layers into ``stages`` non-empty stages minimising the largest stage cost.
-
-    Args:
-        costs: cost of each layer, in order (seconds, or any non-negative unit), length L.
-        stages: number of stages S, 1 <= S <= L.
-
-    Returns:
-        boundaries ``[0, b1, ..., L]`` of length S + 1: stage s holds layers ``b[s]:b[s+1]``.
-
-    Raises:
-        UserError: more stages than layers (each stage needs at least one layer).
-    """
-    n = len(costs)
-    if not 1 <= stages <= n:
-        raise UserError(f"cannot split a network with {n} top-level layers into {stages} pipeline stages; "
-                        f"allowed: 1 <= stages (workers) <= {n}")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    inf = float("inf")
-    # best[s][i]: minimal largest-stage cost of splitting the first i layers into s stages
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, stages + 1):
-        for i in range(s, n - (stages - s) + 1):
-            for j in range(s - 1, i):
-                cand = max(best[s - 1][j], prefix[i] - prefix[j])
-                if cand < best[s][i]:
-                    best[s][i], cut[s][i] = cand, j
-    bounds = [n]
-    for s in range(stages, 0, -1):
-        bounds.append(cut[s][bounds[-1]])
-    return bounds[::-1]
 
 
 def equal_layer_partition(n_layers: int, stages: int) -> list[int]:

@@ -6,7 +6,8 @@ Written into one folder: ``suite.md``, ``suite.html``, ``suite.json`` and
   datasets along the x axis, one bar per network, speedup over the one-device baseline on the
   y axis (the dashed line is linear speedup, N); failed cells are marked with a red x;
 - ``breakdown.png``: the mean step of every cell split into data loading, forward, backward,
-  communication waited for, pipeline bubble, optimizer and the rest, grouped by distribution model.
+  communication waited for, pipeline bubble, optimizer, averaging and the rest
+  (:data:`ddlscope.measure.parts.STEP_PARTS`), grouped by distribution model.
 """
 
 from __future__ import annotations
@@ -19,11 +20,18 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ddlscope.analyze.report import PHASE_LABELS, markdown_to_html  # noqa: E402
+from ddlscope import distribution  # noqa: E402
+from ddlscope.analyze.report import markdown_to_html  # noqa: E402
 from ddlscope.analyze.sweep_report import markdown_table  # noqa: E402
-from ddlscope.suite.runner import BREAKDOWN, CellResult  # noqa: E402
+from ddlscope.experiments.results import BREAKDOWN  # noqa: E402
+from ddlscope.measure.parts import PART_LABELS  # noqa: E402
+from ddlscope.suite.runner import CellResult  # noqa: E402
 
-BREAKDOWN_LABELS = {**PHASE_LABELS, "optimizer_s": "optimizer", "other_s": "other"}
+BREAKDOWN_LABELS = {**PART_LABELS, "other_s": "other"}
+
+
+def _is_baseline(r: CellResult) -> bool:
+    return distribution.get(r.strategy).baseline
 
 
 def _ms(v: float | None) -> float | None:
@@ -49,7 +57,7 @@ def breakdown_table(results: list[CellResult]) -> list[dict]:
 
 def plot_speedup(results: list[CellResult], workers: int, path: Path) -> None:
     """Figure 3.1 layout for one worker count (see the module docstring)."""
-    cells = [r for r in results if r.workers == workers and r.strategy != "single"]
+    cells = [r for r in results if r.workers == workers and not _is_baseline(r)]
     strategies = list(dict.fromkeys(r.strategy for r in cells))
     datasets = list(dict.fromkeys(r.dataset for r in results))
     networks = list(dict.fromkeys(r.network for r in results))
@@ -100,7 +108,7 @@ def plot_breakdown(results: list[CellResult], path: Path) -> None:
 def write_suite_report(results: list[CellResult], out_dir: Path, suite_name: str) -> Path:
     """Write the report folder (see the module docstring); return the path of ``suite.html``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    worker_counts = sorted({r.workers for r in results if r.strategy != "single"})
+    worker_counts = sorted({r.workers for r in results if not _is_baseline(r)})
     for w in worker_counts:
         plot_speedup(results, w, out_dir / f"speedup_{w}w.png")
     plot_breakdown(results, out_dir / "breakdown.png")
@@ -108,7 +116,8 @@ def write_suite_report(results: list[CellResult], out_dir: Path, suite_name: str
     md = [f"# Benchmark suite `{suite_name}`", "",
           f"{len(results)} cells, {len(results) - len(failed)} completed, {len(failed)} failed or unfinished. "
           "Seconds per epoch are extrapolated to the real dataset's size from the measured batches "
-          "(thesis 002 ch. 3.4); speedup is against the single-device baseline of the same network and dataset.", ""]
+          f"(thesis 002 ch. 3.4); speedup is against the one-device baseline ({distribution.baseline().name}) "
+          "of the same network and dataset.", ""]
     for w in worker_counts:
         md += [f"## Speedup with {w} workers", "", f"![speedup]({f'speedup_{w}w.png'})", ""]
     md += ["## All cells", "", markdown_table(cells_table(results)), "## Step-time breakdown", "",

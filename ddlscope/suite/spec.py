@@ -9,8 +9,12 @@ extrapolates seconds per epoch to the real dataset's size.
 
 Presets:
 
-- ``local``: MNIST and CIFAR-10 shapes, ResNet-18, VGG-11 and MobileNetV2, every distribution
-  model on 2 workers, small batches — sized to finish within 30 minutes on a 2-core machine.
+- ``local``: MNIST and CIFAR-10 shapes, ResNet-18, VGG-11 and MobileNetV2, every suite model
+  (:func:`suite_models`) on 2 workers, small batches — sized to finish within 30 minutes on a
+  2-core machine.
+
+A suite's cells are :class:`ddlscope.experiments.runner.Cell` s (key and label
+``<model>-<network>-<dataset>-<N>w``), run by the experiment runner.
 - ``thesis``: the full thesis suite (4 datasets, 6 networks, 2 and 4 workers, Table 3.3 batch
   sizes, on GPUs) for a real cluster.
 """
@@ -18,22 +22,29 @@ Presets:
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ddlscope import distribution
-from ddlscope.config import RunConfig, _format_validation_error, available_cores
+from ddlscope.config import _format_validation_error, available_cores
 from ddlscope.errors import UserError
+from ddlscope.experiments import check_known
+from ddlscope.experiments.runner import Cell
 
 SUITE_DATASETS = ("mnist", "cifar10", "imagenet", "highres")
-SUITE_STRATEGIES = ("ddp", "fsdp", "gpipe", "1f1b")
 
-# thesis 002, Table 3.3: batch size per dataset (PyTorch = Horovod = PipeDream), and GPipe's batch (micro-batches)
+# thesis 002, Table 3.3: batch size per dataset (PyTorch = Horovod = PipeDream); a model with its own
+# column (GPipe) gives it as its descriptor's table_3_3_batch
 TABLE_3_3_BATCH_SIZE = {"mnist": 128, "cifar10": 64, "imagenet": 32, "highres": 32}
-TABLE_3_3_GPIPE = {"mnist": (3072, 24), "cifar10": (2048, 32), "imagenet": (384, 12), "highres": (48, 12)}
+
+
+def suite_models() -> list[str]:
+    """The distribution models a suite compares with the baseline: every registered model that runs
+    on several workers stepping together (thesis 002's synchronous models; swarms whose peers step on
+    their own are measured by sweeps and ``validate``). A newly registered model joins by itself."""
+    return [m.name for m in distribution.all_models() if m.multi_worker and m.lockstep and not m.baseline]
 
 
 class SuiteSpec(BaseModel):
@@ -41,13 +52,15 @@ class SuiteSpec(BaseModel):
 
     Attributes:
         name: the suite's name; its runs are stored under this group name.
-        datasets / networks / strategies: the grid (the one-device ``single`` baseline of each
-            dataset x network is always included).
+        datasets / networks / strategies: the grid (the one-device baseline of each
+            dataset x network is always included; ``strategies`` default: :func:`suite_models`).
         workers: worker counts for every distribution model (pipelines: number of stages).
         warmup_batches / measured_batches: batches per cell; warm-up batches are excluded from
             the timing.
         batch_size / gpipe_batch_size / microbatches: per-dataset overrides of Table 3.3
-            (``microbatches`` applies to gpipe and 1f1b; 1f1b uses at least one per stage).
+            (``gpipe_batch_size``: the batch of models with their own Table 3.3 column, GPipe;
+            ``microbatches`` applies to the pipelines, each using at least the micro-batches per
+            stage its descriptor asks for: 1F1B one).
         device: ``cpu`` (a device is a set of cores: all cores / the largest worker count) or ``cuda``.
         data_root: where the synthetic copies are written (default: ``<results>/suite-data``).
         synthetic_train_size: images written per synthetic training split.
@@ -58,7 +71,7 @@ class SuiteSpec(BaseModel):
     name: str = "suite"
     datasets: list[str] = Field(default_factory=lambda: list(SUITE_DATASETS), min_length=1)
     networks: list[str] = Field(default_factory=lambda: ["resnet18"], min_length=1)
-    strategies: list[str] = Field(default_factory=lambda: list(SUITE_STRATEGIES))
+    strategies: list[str] = Field(default_factory=suite_models)
     workers: list[int] = Field(default_factory=lambda: [2], min_length=1)
     warmup_batches: int = Field(2, ge=0, le=1000)
     measured_batches: int = Field(5, ge=1, le=100_000)
@@ -73,10 +86,7 @@ class SuiteSpec(BaseModel):
     @field_validator("datasets")
     @classmethod
     def _known_datasets(cls, v: list[str]) -> list[str]:
-        bad = [d for d in v if d not in SUITE_DATASETS]
-        if bad:
-            raise ValueError(f"unknown dataset(s) {bad}; allowed: {', '.join(SUITE_DATASETS)}")
-        return v
+        return check_known(v, SUITE_DATASETS, "dataset")
 
     @field_validator("networks")
     @classmethod
@@ -91,17 +101,14 @@ class SuiteSpec(BaseModel):
     @field_validator("strategies")
     @classmethod
     def _known_strategies(cls, v: list[str]) -> list[str]:
-        bad = [s for s in v if s not in SUITE_STRATEGIES]
-        if bad:
-            raise ValueError(f"unknown distribution model(s) {bad}; allowed: {', '.join(SUITE_STRATEGIES)} "
-                             f"(the single baseline is always included)")
-        return v
+        return check_known(v, suite_models(), "distribution model",
+                           f" (the {distribution.baseline().name} baseline is always included)")
 
     @field_validator("workers")
     @classmethod
     def _worker_counts(cls, v: list[int]) -> list[int]:
         if any(w < 2 for w in v):
-            raise ValueError(f"worker counts {v}; allowed: integers >= 2 (one worker is the single baseline)")
+            raise ValueError(f"worker counts {v}; allowed: integers >= 2 (one worker is the one-device baseline)")
         return sorted(set(v))
 
     @field_validator("batch_size", "gpipe_batch_size", "microbatches")
@@ -113,88 +120,60 @@ class SuiteSpec(BaseModel):
         return v
 
 
-@dataclass(frozen=True)
-class Cell:
-    """One suite cell: a network trained on a dataset under a distribution model by ``workers`` workers."""
-
-    dataset: str
-    network: str
-    strategy: str
-    workers: int
-    batch_size: int
-    microbatches: int | None
-
-    @property
-    def label(self) -> str:
-        return f"{self.strategy}-{self.network}-{self.dataset}-{self.workers}w"
-
-    @property
-    def global_batch_size(self) -> int:
-        """Samples per optimizer step over all workers (pipelines: the batch, shared by the stages)."""
-        return distribution.get(self.strategy).global_batch_size(self.batch_size, self.workers)
-
-
 def cell_batch(spec: SuiteSpec, dataset: str, strategy: str, workers: int) -> tuple[int, int | None]:
-    """Batch size per worker and micro-batches of a cell (Table 3.3 unless the suite overrides it)."""
+    """Batch size per worker and micro-batches (None: not a pipeline) of a cell: Table 3.3 unless
+    the suite overrides it. Pipelines (models whose workers share one batch) default to
+    ``2 x workers`` micro-batches, or their own Table 3.3 column's."""
+    model = distribution.get(strategy)
     base = spec.batch_size.get(dataset, TABLE_3_3_BATCH_SIZE[dataset])
-    if strategy == "gpipe":
-        gpipe_bs, gpipe_mb = TABLE_3_3_GPIPE[dataset]
-        return spec.gpipe_batch_size.get(dataset, gpipe_bs), spec.microbatches.get(dataset, gpipe_mb)
-    if strategy == "1f1b":
-        mb = max(spec.microbatches.get(dataset, 2 * workers), workers)
-        return base, mb
-    return base, None
+    if model.data_parallel:
+        return base, None
+    batch, microbatches = base, 2 * workers
+    if dataset in model.table_3_3_batch:
+        own_batch, microbatches = model.table_3_3_batch[dataset]
+        batch = spec.gpipe_batch_size.get(dataset, own_batch)
+    return batch, max(spec.microbatches.get(dataset, microbatches), model.min_microbatches_per_worker * workers)
 
 
-def expand(spec: SuiteSpec) -> list[Cell]:
-    """All cells, the single baselines first, then dataset x network x strategy x workers in order."""
-    cells = []
-    for ds in spec.datasets:
-        for net in spec.networks:
-            cells.append(Cell(ds, net, "single", 1, cell_batch(spec, ds, "single", 1)[0], None))
-    for ds in spec.datasets:
-        for net in spec.networks:
-            for strategy in spec.strategies:
-                for w in spec.workers:
-                    bs, mb = cell_batch(spec, ds, strategy, w)
-                    cells.append(Cell(ds, net, strategy, w, bs, mb))
-    return cells
+def expand(spec: SuiteSpec, data_root: Path | None = None) -> list[Cell]:
+    """All cells, the baselines first, then dataset x network x model x workers in order.
 
-
-def cell_config(spec: SuiteSpec, cell: Cell, data_root: Path) -> RunConfig:
-    """The run config of a cell.
-
-    Raises:
-        UserError: the cell's settings are invalid (e.g. micro-batches that do not divide the batch);
-            the suite stores that cell as failed with this message.
+    Args:
+        data_root: where the cells read their synthetic datasets (None: the run config's default).
     """
+    combos = [(ds, net, distribution.baseline().name, 1) for ds in spec.datasets for net in spec.networks]
+    combos += [(ds, net, strategy, w) for ds in spec.datasets for net in spec.networks
+               for strategy in spec.strategies for w in spec.workers]
     cores_per_device = max(1, len(available_cores()) // max(spec.workers)) if spec.device == "cpu" else None
-    values = dict(
-        name=cell.label, strategy=cell.strategy, model=cell.network, dataset=cell.dataset, data_root=str(data_root),
-        batch_size=cell.batch_size, peers=cell.workers, vcpus_per_peer=cores_per_device, device=spec.device,
-        loader_workers=spec.loader_workers, augment=False, final_eval=False,
-        warmup_steps=spec.warmup_batches,
-        sample_budget=(spec.warmup_batches + spec.measured_batches) * cell.global_batch_size,
-    )
-    if cell.microbatches is not None:
-        values["distributed"] = dict(microbatches=cell.microbatches)
-    try:
-        return RunConfig(**values)
-    except ValidationError as err:
-        raise UserError(_format_validation_error(err)) from None
+    cells = []
+    for ds, net, strategy, workers in combos:
+        batch, microbatches = cell_batch(spec, ds, strategy, workers)
+        label = f"{strategy}-{net}-{ds}-{workers}w"
+        values = dict(
+            name=label, strategy=strategy, model=net, dataset=ds, batch_size=batch, peers=workers,
+            vcpus_per_peer=cores_per_device, device=spec.device, loader_workers=spec.loader_workers, augment=False,
+            final_eval=False, warmup_steps=spec.warmup_batches,
+            sample_budget=(spec.warmup_batches + spec.measured_batches)
+            * distribution.get(strategy).global_batch_size(batch, workers))
+        if data_root is not None:
+            values["data_root"] = str(data_root)
+        if microbatches is not None:
+            values["distributed"] = dict(microbatches=microbatches)
+        cells.append(Cell(key=label, label=label, values=values))
+    return cells
 
 
 PRESETS: dict[str, dict] = {
     "local": dict(
         name="local", datasets=["mnist", "cifar10"], networks=["resnet18", "vgg11", "mobilenet_v2"],
-        strategies=list(SUITE_STRATEGIES), workers=[2], warmup_batches=2, measured_batches=8,
+        workers=[2], warmup_batches=2, measured_batches=8,
         batch_size={"mnist": 32, "cifar10": 32}, gpipe_batch_size={"mnist": 32, "cifar10": 32},
         microbatches={"mnist": 4, "cifar10": 4}, device="cpu", synthetic_train_size=128,
     ),
     "thesis": dict(
         name="thesis", datasets=list(SUITE_DATASETS),
         networks=["resnet18", "resnet50", "resnet152", "vgg11", "vgg16", "mobilenet_v2"],
-        strategies=list(SUITE_STRATEGIES), workers=[2, 4], warmup_batches=5, measured_batches=50,
+        workers=[2, 4], warmup_batches=5, measured_batches=50,
         device="cuda", loader_workers=4, synthetic_train_size=4096,
     ),
 }

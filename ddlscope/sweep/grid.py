@@ -21,15 +21,19 @@ table's cross product (thesis 000's Table 5.2 is two such sub-grids).
 Rules applied to every cell, in order:
 
 1. ``peers`` (when an axis): ``vcpus_per_peer = total_vcpus // peers`` (``total_vcpus`` must be a
-   multiple of every peer count); ``peers = 1`` is the baseline ``single`` strategy, ``peers > 1``
-   uses the base strategy, or ``collaborative`` when the base is ``single`` (thesis 000, ch. 5:
-   one node with all vCPUs vs. N peers whose vCPUs sum to the baseline's).
-2. A ``single`` cell ignores ``collaborative.*`` axes (they do not apply), so it is kept once.
+   multiple of every peer count); ``peers = 1`` is the registry's baseline model (``single``),
+   ``peers > 1`` uses the base strategy, or, when the base strategy runs on one worker only, the
+   model whose config table the grid sets (``[base.collaborative]`` or ``collaborative.*`` axes:
+   ``collaborative``) (thesis 000, ch. 5: one node with all vCPUs vs. N peers whose vCPUs sum to
+   the baseline's).
+2. A cell ignores the axes of other models' config tables (a ``single`` cell ignores
+   ``collaborative.*`` axes: they do not apply), so it is kept once.
 3. ``repeats``: ``seed = base seed + repeat index`` and the index is part of the cell.
 4. Cells with the same effective config are kept once.
 
-A cell's **key** is the canonical JSON (sorted keys, no spaces) of its overrides; the sweep runner
-stores it with the cell's run so that a rerun of the same sweep skips finished cells.
+A cell (:class:`ddlscope.experiments.runner.Cell`) has as its **key** the canonical JSON (sorted
+keys, no spaces) of its overrides; the experiment runner stores it with the cell's run so that a
+rerun of the same sweep skips finished cells.
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ from pathlib import Path
 from typing import Any
 
 from ddlscope import distribution
-from ddlscope.config import RunConfig, available_cores, read_toml, validate_config
+from ddlscope.config import RunConfig, available_cores, read_toml
 from ddlscope.errors import UserError
+from ddlscope.experiments.runner import Cell
 
 DEFAULT_MAX_CELLS = 200
 REPEAT_KEY = "repeat"
@@ -64,28 +69,15 @@ def allowed_axes() -> list[str]:
     return fields + list(SPECIAL_AXES)
 
 
-@dataclass(frozen=True)
-class Cell:
-    """One run of a sweep.
-
-    Attributes:
-        key: canonical JSON of ``overrides`` (what identifies the cell across reruns).
-        overrides: field path -> value for what this cell sets on top of the base (derived
-            fields such as ``vcpus_per_peer`` and ``strategy`` of a peers axis included;
-            ``repeat`` is the repeat index).
-        label: short human name, e.g. ``bs32-lr0.01-p2-v1-r0``.
-        config: the validated run config (its ``name`` is ``<sweep>/<label>``).
-    """
-
-    key: str
-    overrides: dict[str, Any]
-    label: str
-    config: RunConfig
-
-
 @dataclass
 class Sweep:
-    """A named, expanded and validated grid."""
+    """A named, expanded and validated grid.
+
+    Each cell's ``key`` is :func:`cell_key` of its overrides (field path -> value set on top of
+    the base, derived fields such as ``vcpus_per_peer`` and ``strategy`` of a peers axis included;
+    ``repeat`` is the repeat index), its label e.g. ``bs32-lr0.01-p2-v1-r0``, its config's
+    ``name`` ``<sweep>/<label>``; every cell's config is validated.
+    """
 
     name: str
     base: dict[str, Any]
@@ -151,6 +143,7 @@ def expand_grid(data: dict[str, Any], name: str, max_cells: int = DEFAULT_MAX_CE
         raise UserError("grid: [axes] must be a table, or an array of tables [[axes]]")
     cores = cores if cores is not None else available_cores()
     parsed = [_parse_axes(t, i, len(tables), len(cores)) for i, t in enumerate(tables or [{}])]
+    many_peers = _many_peers_model(base, [axes for axes, _ in parsed])
     total = sum(math.prod(len(v) for v in axes.values()) for axes, _ in parsed)
     if total == 0:
         empty = sorted({k for axes, _ in parsed for k, v in axes.items() if not v})
@@ -162,7 +155,7 @@ def expand_grid(data: dict[str, Any], name: str, max_cells: int = DEFAULT_MAX_CE
     cells, seen = [], set()
     for axes, total_vcpus in parsed:
         for combo in itertools.product(*axes.values()):
-            overrides = _derive(dict(zip(axes, combo)), base, total_vcpus)
+            overrides = _derive(dict(zip(axes, combo)), base, total_vcpus, many_peers)
             values = _apply(base, overrides)
             identity = cell_key(dict(values, **{REPEAT_KEY: overrides.get(REPEAT_KEY)}))
             if identity in seen:
@@ -234,18 +227,41 @@ def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _derive(overrides: dict[str, Any], base: dict[str, Any], total_vcpus: int | None) -> dict[str, Any]:
-    """Apply rules 1-3 of the module docstring to one combination of axis values."""
+def _many_peers_model(base: dict[str, Any], axes: list[dict[str, list]]) -> str | None:
+    """The model a coupled peers axis runs at ``peers > 1`` when the base strategy runs on one worker
+    only (rule 1): the one multi-worker model whose config table the grid sets; None if not exactly one."""
+    tables = {t for t in distribution.config_tables() if t in base or any(k.startswith(f"{t}.") for a in axes for k in a)}
+    models = [m.name for m in distribution.all_models() if m.multi_worker and m.config_table in tables]
+    return models[0] if len(models) == 1 else None
+
+
+def _derive(overrides: dict[str, Any], base: dict[str, Any], total_vcpus: int | None,
+            many_peers: str | None) -> dict[str, Any]:
+    """Apply rules 1-3 of the module docstring to one combination of axis values.
+
+    Raises:
+        UserError: a peers value > 1 with a one-worker base strategy and no model to run it (rule 1).
+    """
     out = dict(overrides)
+    default = RunConfig.model_fields["strategy"].default
     if "peers" in out:
         peers = out["peers"]
         out["vcpus_per_peer"] = total_vcpus // peers
-        base_strategy = out.get("strategy", base.get("strategy", "single"))
-        out["strategy"] = "single" if peers == 1 else (base_strategy if base_strategy != "single" else "collaborative")
-    strategy = out.get("strategy", base.get("strategy", "single"))
-    if strategy == "single":
-        out = {k: v for k, v in out.items() if not k.startswith("collaborative.")}
-    return out
+        base_strategy = out.get("strategy", base.get("strategy", default))
+        if peers == 1:
+            out["strategy"] = distribution.baseline().name
+        elif distribution.get(base_strategy).multi_worker:
+            out["strategy"] = base_strategy
+        elif many_peers is not None:
+            out["strategy"] = many_peers
+        else:
+            allowed = [m.name for m in distribution.all_models() if m.multi_worker]
+            raise UserError(f"grid: peers = {peers} but strategy {base_strategy!r} runs on one worker; set [base] "
+                            f"strategy to a multi-worker model ({', '.join(allowed)}) or a model's table "
+                            f"(e.g. [base.collaborative])")
+    model = distribution.get(out.get("strategy", base.get("strategy", default)))
+    others = [t for t in distribution.config_tables() if t != model.config_table]
+    return {k: v for k, v in out.items() if not any(k.startswith(f"{t}.") for t in others)}
 
 
 def _apply(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -266,8 +282,10 @@ def _apply(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
 def _validate_cells(cells: list[tuple[dict, str, dict]]) -> list[Cell]:
     out, errors = [], []
     for overrides, label, values in cells:
+        cell = Cell(cell_key(overrides), label, values)
         try:
-            out.append(Cell(cell_key(overrides), overrides, label, validate_config(values)))
+            cell.config  # noqa: B018 -- validates the values (cached on the cell)
+            out.append(cell)
         except UserError as e:
             errors.append(f"cell {label} {cell_key(overrides)}: {e}")
     if errors:

@@ -10,7 +10,7 @@ the format of :mod:`ddlscope.sweep.grid` (``base`` and ``axes`` tables).
   peers x 4/2/1 vCPUs at target batch size 1,250 over batch size x learning rate x local updates.
   Peer counts are kept where they divide this machine's cores (on 2 cores: only 2 peers, 90 cells).
 - ``local``: a small study that ends in under an hour on 2 cores (estimated with
-  :mod:`ddlscope.sweep.estimate`): baselines over batch size, learning rate and GAS (2 repeats),
+  :mod:`ddlscope.experiments.estimate`): baselines over batch size, learning rate and GAS (2 repeats),
   2 peers over learning rate, target batch size and local updates, and a matchmaking-time axis.
 
 Scaling (thesis -> here): the thesis used 16 vCPUs and a budget of 320,000 samples shared by all

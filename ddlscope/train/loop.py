@@ -33,6 +33,7 @@ from ddlscope.strategies import WorkerContext, strategy_class
 from ddlscope.workloads.datasets import default_data_root, open_dataset
 from ddlscope.workloads.models import build_model
 from ddlscope.workloads.preprocessing import eval_transform, train_transform
+from ddlscope.workloads.step import loss_function, optimizer_for
 
 
 @dataclass
@@ -64,11 +65,7 @@ def build_workload(cfg: RunConfig, worker_index: int = 0, local_rank: int = 0) -
     device = torch.device(f"cuda:{local_rank}") if cfg.device == "cuda" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, spec.family, num_classes=spec.num_classes).to(device)
-    if cfg.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.learning_rate, momentum=cfg.momentum,
-                                    weight_decay=cfg.weight_decay)
-    else:
-        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer = optimizer_for(cfg, model.parameters())
     gen = torch.Generator().manual_seed(cfg.seed + cfg.data_rank(worker_index))
     loader_kw = dict(num_workers=cfg.loader_workers, persistent_workers=cfg.loader_workers > 0,
                      pin_memory=device.type == "cuda")
@@ -160,7 +157,7 @@ class _EvalClock:
 def _train(cfg, ctx, store, wl: Workload, model, strategy) -> str:
     run_id, wi, gas = ctx.run_id, ctx.worker_index, cfg.gradient_accumulation_steps
     max_steps = cfg.max_steps_per_peer()
-    loss_fn = torch.nn.CrossEntropyLoss()
+    loss_fn = loss_function()
     watch = Stopwatch(wl.device)
     batches = batches_forever(wl.train_loader)
     train_start = time.time()
@@ -196,7 +193,9 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy) -> str:
         store.add_step(run_id, wi, dict(
             step=step, wall_time=wall, samples=res.samples, data_load_s=data_load_s, forward_s=res.forward_s,
             backward_s=res.backward_s, comm_wait_s=res.comm_wait_s, bubble_s=res.bubble_s, optimizer_s=optimizer_s,
-            averaging_s=outcome.averaging_s if outcome else 0.0, comm_s=res.comm_s, comm_bytes=res.comm_bytes,
+            averaging_s=outcome.averaging_s if outcome else 0.0,
+            comm_s=res.comm_s + (outcome.comm_s if outcome else 0.0),
+            comm_bytes=res.comm_bytes + (outcome.comm_bytes if outcome else 0),
             step_s=step_s, loss=res.loss, accuracy=None if res.correct is None else res.correct / res.samples,
             samples_per_s=res.samples / step_s if step_s > 0 else None, warmup=int(step < cfg.warmup_steps),
             optimizer_stepped=int(stepped), global_epoch=outcome.global_epoch if outcome else None,

@@ -15,7 +15,6 @@ Exit codes: 0 completed, 1 failed, 2 bad input (UserError), 130 interrupted.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
@@ -24,6 +23,7 @@ import sys
 import threading
 import traceback
 
+from ddlscope.launch.processes import die_with_parent
 
 GRACE_S = 5.0
 
@@ -63,15 +63,6 @@ def _stop_handler(on_deadline):
 
     handler.stop_requested = fired
     return handler
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to send SIGTERM to this process when the launcher dies (no orphans)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -137,8 +128,8 @@ def serve_worker(db: str, run_id: str, worker_index: int, num_workers: int, core
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.die_with_parent:
-        _die_with_parent()
+    if args.die_with_parent:  # SIGTERM when the launcher dies: the worker records its status and stops (no orphans)
+        die_with_parent(signal.SIGTERM)
     env = os.environ
     local_rank = int(env.get("LOCAL_RANK", 0))
     index = args.worker_index if args.worker_index is not None else int(env["RANK"])

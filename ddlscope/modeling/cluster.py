@@ -6,7 +6,7 @@ Units are in the field names: seconds, GB/s (1e9 bytes/s), GiB.
 - :func:`load_cluster` reads a file (errors name the field path, e.g.
   ``cluster.intra_node.bandwidth_gb_per_s: field required``); :func:`parse_cluster` validates a
   ``[cluster]`` table already in memory; :func:`write_cluster` writes one atomically.
-- Device kinds and their datasheet figures: :mod:`ddlscope.predict.devices`.
+- Device kinds and their datasheet figures: :mod:`ddlscope.modeling.devices`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class LinkSpec(BaseModel):
 
 class DeviceSpec(BaseModel):
     """One device (a GPU, or on CPU clusters a set of cores). ``kind`` must be a known kind
-    (:data:`ddlscope.predict.devices.DEVICE_KINDS`); ``local`` is the device the profile ran on."""
+    (:data:`ddlscope.modeling.devices.DEVICE_KINDS`); ``local`` is the device the profile ran on."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -49,7 +49,7 @@ class DeviceSpec(BaseModel):
     @field_validator("kind")
     @classmethod
     def _known_kind(cls, kind: str) -> str:
-        from ddlscope.predict.devices import DEVICE_KINDS, known_kinds
+        from ddlscope.modeling.devices import DEVICE_KINDS, known_kinds
 
         if kind not in DEVICE_KINDS:
             raise ValueError(f"unknown device kind {kind!r}; allowed: {known_kinds()}")
@@ -58,7 +58,7 @@ class DeviceSpec(BaseModel):
     def memory_bytes(self, profile_device_memory_bytes: int) -> int:
         """Capacity of one device in bytes: ``memory_gib`` if given, else the kind's datasheet
         capacity, else (kind ``local``) the profiled device's ``profile_device_memory_bytes``."""
-        from ddlscope.predict.devices import DEVICE_KINDS
+        from ddlscope.modeling.devices import DEVICE_KINDS
 
         if self.memory_gib is not None:
             return int(self.memory_gib * GIB)
@@ -93,7 +93,7 @@ class CollectiveFit(BaseModel):
 
 class HivemindFit(BaseModel):
     """What hivemind's own machinery adds on these peers, measured by training a reference network
-    in a short local swarm (``ddlscope calibrate --hivemind``, :mod:`ddlscope.predict.swarm`).
+    in a short local swarm (``ddlscope calibrate --hivemind``, :mod:`ddlscope.profiling.swarm`).
 
     Attributes:
         epoch_overhead_s, overhead_steps: a peer's global epoch lasts ``epoch_overhead_s +
@@ -104,7 +104,7 @@ class HivemindFit(BaseModel):
         epoch_cpu_s: CPU seconds hivemind's processes and threads used per epoch (for the record).
         reference: what was trained; reference_param_bytes: its parameter bytes.
         matchmaking_time_s: the swarm's hivemind ``matchmaking_time`` (seconds). Overhead and
-            overshoot depend on it (:mod:`ddlscope.predict.swarm`); a prediction at another
+            overshoot depend on it (:mod:`ddlscope.profiling.swarm`); a prediction at another
             matchmaking time says so in its notes. ``None``: a file from before it was recorded.
     """
 
@@ -144,7 +144,7 @@ class ClusterSpec(BaseModel):
         fsdp_step_gb_per_s / ddp_step_gb_per_s: bytes each worker moves per second of step time
             that FSDP units / DDP buckets add to a training step on these devices, measured by
             ``calibrate`` inside real steps; used where communication cannot overlap compute
-            (CPU workers of the profiled machine, :func:`ddlscope.predict.costs.serial_comm`).
+            (CPU workers of the profiled machine, :func:`ddlscope.modeling.collectives.serial_comm`).
         hivemind: what hivemind's own machinery adds per global epoch on these peers, and their
             overshoot of the target batch (collaborative; measured by ``calibrate --hivemind``).
     """

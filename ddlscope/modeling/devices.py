@@ -1,6 +1,6 @@
 """Known device kinds, and scaling a profile measured on one device to another.
 
-A profile (:class:`~ddlscope.predict.profile.WorkloadProfile`) is measured on the device at
+A profile (:class:`~ddlscope.modeling.profile.WorkloadProfile`) is measured on the device at
 hand. A cluster description may name another kind of device (``[cluster.device] kind =
 "v100-16gb"``); :func:`compute_scale` then estimates how much faster or slower that device runs
 the same training step, from a per-layer roofline model, and states how uncertain that is.
@@ -17,7 +17,7 @@ import math
 from typing import NamedTuple
 
 from ddlscope.errors import UserError
-from ddlscope.predict.profile import WorkloadProfile
+from ddlscope.modeling.profile import WorkloadProfile
 
 
 class DeviceKind(NamedTuple):
@@ -120,7 +120,7 @@ def compute_scale(profile: WorkloadProfile, batch_size: int, target_kind: str) -
       forward and read back in backward);
     - roofline time on a device ``r(d) = max(F_i / peak_flops(d), B_i / bandwidth(d))``
       (Williams et al. 2009), with the profiled device's MEASURED ``peak_tflops`` and
-      ``memory_bandwidth_gb_per_s`` (:class:`~ddlscope.predict.profile.DeviceProfile`) and the
+      ``memory_bandwidth_gb_per_s`` (:class:`~ddlscope.modeling.profile.DeviceProfile`) and the
       target's datasheet peaks (:data:`DEVICE_KINDS`);
     - the layer's factor is ``r(target) / r(profiled)``.
 

@@ -24,13 +24,13 @@ every size equally in relative terms (robust least squares on log times, :func:`
 that the small sizes that set the intercept are not drowned by the large ones, and a size disturbed
 by other load on the machine does not drag the fit.
 
-Every figure is a 10 %-trimmed mean of the repeats (:data:`TRIM`; a repeat of a collective lasts as
-long as its slowest worker). Not the median: with gloo over loopback, mid-size messages (64 KiB to
+Every figure is a 10 %-trimmed mean of the repeats (:func:`ddlscope.measure.stats.trimmed_mean`; a
+repeat of a collective lasts as long as its slowest worker). Not the median: with gloo over loopback, mid-size messages (64 KiB to
 1 MiB) take one of two times, ~0.5 or ~3.5 ms for 1 MiB, in varying proportions even on an idle
 machine; a prediction sums many calls, so it needs the mean, and the median flips between the two
 modes from run to run. The trimming drops single wild repeats (a preemption).
 
-Every worker is a child process (``python -m ddlscope.predict.calibrate --rank R``) that dies with
+Every worker is a child process (``python -m ddlscope.profiling.calibrate --rank R``) that dies with
 its parent (Linux ``PR_SET_PDEATHSIG``) and is terminated, then killed, when calibration ends,
 fails or is interrupted. Workers exchange nothing with the parent but files in a temporary folder
 (plan, progress, results, errors).
@@ -53,7 +53,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from ddlscope.errors import UserError
-from ddlscope.predict.cluster import ClusterSpec, CollectiveFit, DeviceSpec, LinkSpec
+from ddlscope.launch.processes import die_with_parent, log_tail, start_process, stop_processes
+from ddlscope.measure.stats import time_call, trimmed_mean
+from ddlscope.modeling.cluster import ClusterSpec, CollectiveFit, DeviceSpec, LinkSpec
 
 KIB = 1024
 MIB = 1024**2
@@ -75,8 +77,6 @@ DDP_UNITS, DDP_WIDTH, DDP_BATCH = 8, 1024, 256
 #: difference of two step times, and with 20 repeats three calibrations' FSDP rate spread by
 #: +-7 %, with 60 by +-3 %
 IN_STEP_REPEATS_FACTOR = 3
-#: fraction of repeats cut from each end before averaging
-TRIM = 0.1
 
 
 class CalibrationError(RuntimeError):
@@ -274,9 +274,9 @@ def fit_in_step_rates(workers: int, fsdp_unit_fixed_s: float, collective_fixed_s
     divided into the bytes each worker moves:
 
     * fsdp: ``(wrapped - plain) / FSDP_LARGE_UNITS - fsdp_unit_fixed_s`` seconds per unit for
-      :func:`~ddlscope.predict.costs.fsdp_unit_traffic_bytes` (two all-gathers and a reduce-scatter);
+      :func:`~ddlscope.modeling.collectives.fsdp_unit_traffic_bytes` (two all-gathers and a reduce-scatter);
     * ddp: ``wrapped - plain - buckets x collective_fixed_s`` seconds per step for
-      :func:`~ddlscope.predict.costs.ddp_step_traffic_bytes` of the 32 MiB of gradients.
+      :func:`~ddlscope.modeling.collectives.ddp_step_traffic_bytes` of the 32 MiB of gradients.
 
     Args:
         fsdp_large / ddp: (plain, wrapped) seconds per step of the reference stacks.
@@ -285,7 +285,8 @@ def fit_in_step_rates(workers: int, fsdp_unit_fixed_s: float, collective_fixed_s
     Returns:
         ``(fsdp_step_gb_per_s, ddp_step_gb_per_s)``, each None when it cannot be fitted.
     """
-    from ddlscope.predict.costs import DDP_DEFAULT_BUCKET_CAP_BYTES, ddp_buckets, ddp_step_traffic_bytes, fsdp_unit_traffic_bytes
+    from ddlscope.distribution.ddp import DDP_DEFAULT_BUCKET_CAP_BYTES, ddp_buckets
+    from ddlscope.modeling.collectives import ddp_step_traffic_bytes, fsdp_unit_traffic_bytes
 
     fsdp_extra = (fsdp_large[1] - fsdp_large[0]) / FSDP_LARGE_UNITS - fsdp_unit_fixed_s
     buckets = ddp_buckets([_linear_bytes(DDP_WIDTH)] * DDP_UNITS, DDP_DEFAULT_BUCKET_CAP_BYTES)
@@ -320,7 +321,7 @@ class CalibrationResult(BaseModel):
             FSDP2 (tiny units: :data:`FSDP_UNITS`; large: :data:`FSDP_LARGE_UNITS`) or DDP
             (:data:`DDP_UNITS`), from which :func:`fit_in_step_rates` fits the in-step rates.
         hivemind_swarms: with ``hivemind``, every timed global epoch of each reference swarm
-            (:func:`ddlscope.predict.swarm.swarm_epochs`), from which the hivemind fit comes.
+            (:func:`ddlscope.profiling.swarm.swarm_epochs`), from which the hivemind fit comes.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -357,16 +358,6 @@ class CalibrationResult(BaseModel):
 
 
 # ------------------------------------------------------------------------------------ workers
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this worker when the calibrating process dies (no orphans)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _compute_kernel():
     """A convolution forward of a few milliseconds on one core: 16x32x32x32 input, 32->32 3x3 filters."""
     import torch
@@ -383,20 +374,6 @@ def _compute_kernel():
 
 
 COMPUTE_KERNEL = "conv2d forward, input 16x32x32x32, 32->32 channels 3x3 (0.30 GFLOP)"
-
-
-def _typical(times: Sequence[float]) -> float:
-    """The figure used for a set of repeats: their mean after cutting ``int(TRIM * n)`` from each end
-    (what ``scipy.stats.trim_mean`` computes; written out so that workers need not import scipy)."""
-    ordered = sorted(times)
-    cut = int(TRIM * len(ordered))
-    return statistics.fmean(ordered[cut:len(ordered) - cut])
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def _measure(rank: int, workers: int, plan: dict[str, Any], say: Callable[[str], None]) -> dict[str, Any]:
@@ -423,10 +400,10 @@ def _measure(rank: int, workers: int, plan: dict[str, Any], say: Callable[[str],
             times = []
             for _ in range(repeats):
                 dist.barrier()
-                times.append(_timed(fn))
+                times.append(time_call(fn))
             out[kind].append(times)
             label = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter"}[kind]
-            say(f"{label:>14} {_fmt_bytes(size):>9}: {_typical(times) * 1e3:9.3f} ms (worker 0, mean of {repeats})")
+            say(f"{label:>14} {_fmt_bytes(size):>9}: {trimmed_mean(times) * 1e3:9.3f} ms (worker 0, mean of {repeats})")
 
     for size in sizes:  # 2. ping-pong between workers 0 and 1
         buf = torch.zeros(size // 4)
@@ -445,7 +422,7 @@ def _measure(rank: int, workers: int, plan: dict[str, Any], say: Callable[[str],
         dist.barrier()
         if rank == 0:
             out["p2p"].append(times)
-            say(f"ping-pong  {_fmt_bytes(size):>9}: {_typical(times) * 1e3:9.3f} ms one way (mean of {repeats})")
+            say(f"ping-pong  {_fmt_bytes(size):>9}: {trimmed_mean(times) * 1e3:9.3f} ms one way (mean of {repeats})")
 
     kernel = _compute_kernel()  # 3. compute alone vs all at once
     for _ in range(warmup + 1):
@@ -456,11 +433,11 @@ def _measure(rank: int, workers: int, plan: dict[str, Any], say: Callable[[str],
         for r in range(workers):
             dist.barrier()
             if rank == r:
-                alone.append(_timed(kernel))
+                alone.append(time_call(kernel))
         dist.barrier()
-        together.append(_timed(kernel))
+        together.append(time_call(kernel))
     out["compute_alone"], out["compute_together"] = alone, together
-    say(f"compute kernel: {_typical(alone) * 1e3:.2f} ms alone, {_typical(together) * 1e3:.2f} ms "
+    say(f"compute kernel: {trimmed_mean(alone) * 1e3:.2f} ms alone, {trimmed_mean(together) * 1e3:.2f} ms "
         f"with {workers} workers at once (worker 0, mean of {reps})")
 
     buf = torch.zeros(plan["overlap_bytes"] // 4)  # 4. overlap of an async all-reduce with compute
@@ -469,8 +446,8 @@ def _measure(rank: int, workers: int, plan: dict[str, Any], say: Callable[[str],
     comm = []
     for _ in range(reps):
         dist.barrier()
-        comm.append(_timed(lambda: dist.all_reduce(buf)))
-    n = torch.tensor([max(1, round(_typical(comm) / _typical(together)))])
+        comm.append(time_call(lambda: dist.all_reduce(buf)))
+    n = torch.tensor([max(1, round(trimmed_mean(comm) / trimmed_mean(together)))])
     dist.broadcast(n, 0)  # every worker runs the same number of kernels
     n_kernels = int(n.item())
 
@@ -486,49 +463,57 @@ def _measure(rank: int, workers: int, plan: dict[str, Any], say: Callable[[str],
     comp, both_t, comm2 = [], [], []
     for _ in range(reps):  # interleaved, so that a change in load hits all three alike
         dist.barrier()
-        comp.append(_timed(compute))
+        comp.append(time_call(compute))
         dist.barrier()
-        both_t.append(_timed(both))
+        both_t.append(time_call(both))
         dist.barrier()
-        comm2.append(_timed(lambda: dist.all_reduce(buf)))
+        comm2.append(time_call(lambda: dist.all_reduce(buf)))
     out["overlap"] = {"compute": comp, "comm": comm2, "both": both_t, "kernels": n_kernels}
-    say(f"overlap: compute {_typical(comp) * 1e3:.2f} ms, all-reduce {_fmt_bytes(plan['overlap_bytes'])} "
-        f"{_typical(comm2) * 1e3:.2f} ms, both {_typical(both_t) * 1e3:.2f} ms (worker 0)")
+    say(f"overlap: compute {trimmed_mean(comp) * 1e3:.2f} ms, all-reduce {_fmt_bytes(plan['overlap_bytes'])} "
+        f"{trimmed_mean(comm2) * 1e3:.2f} ms, both {trimmed_mean(both_t) * 1e3:.2f} ms (worker 0)")
 
     # 5. FSDP's own cost per unit, on units too small to compute; 6. FSDP and DDP inside training steps
-    for key, wrap, units, width, batch in (("fsdp", "fsdp", FSDP_UNITS, FSDP_WIDTH, 4),
-                                           ("fsdp_large", "fsdp", FSDP_LARGE_UNITS, FSDP_LARGE_WIDTH, FSDP_LARGE_BATCH),
-                                           ("ddp", "ddp", DDP_UNITS, DDP_WIDTH, DDP_BATCH)):
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapper_names = {DistributedDataParallel: "DDP", fully_shard: "FSDP2"}
+    for key, wrap, units, width, batch in (("fsdp", fully_shard, FSDP_UNITS, FSDP_WIDTH, 4),
+                                           ("fsdp_large", fully_shard, FSDP_LARGE_UNITS, FSDP_LARGE_WIDTH,
+                                            FSDP_LARGE_BATCH),
+                                           ("ddp", DistributedDataParallel, DDP_UNITS, DDP_WIDTH, DDP_BATCH)):
         out[key] = _reference_steps(wrap, units, width, batch, IN_STEP_REPEATS_FACTOR * reps, warmup)
-        say(f"{wrap}: {units} units of {width}x{width}, batch {batch}: {_typical(out[key]['plain']) * 1e3:.2f} ms plain, "
-            f"{_typical(out[key]['wrapped']) * 1e3:.2f} ms under {wrap} per step (worker 0, mean of "
-            f"{IN_STEP_REPEATS_FACTOR * reps})")
+        plain_ms, wrapped_ms = trimmed_mean(out[key]["plain"]) * 1e3, trimmed_mean(out[key]["wrapped"]) * 1e3
+        say(f"{wrapper_names[wrap]}: {units} units of {width}x{width}, batch {batch}: {plain_ms:.2f} ms plain, "
+            f"{wrapped_ms:.2f} ms under {wrapper_names[wrap]} per step (worker 0, mean of {IN_STEP_REPEATS_FACTOR * reps})")
     return out
 
 
-def _reference_steps(wrap: str, units: int, width: int, batch: int, reps: int, warmup: int) -> dict[str, list[float]]:
-    """Training steps of ``units`` linear layers of ``width`` at ``batch``, plain and wrapped the way
-    the ``fsdp`` strategy (FSDP2, one unit per layer) or the ``ddp`` strategy (DDP, default 25 MiB
-    buckets) wraps a network; seconds per step of each (every repeat starts at a barrier). The two
+def _reference_steps(wrap, units: int, width: int, batch: int, reps: int, warmup: int) -> dict[str, list[float]]:
+    """Training steps of ``units`` linear layers of ``width`` at ``batch``, plain and wrapped with
+    ``wrap`` (``fully_shard``: FSDP2 on every layer, as the ``fsdp`` strategy wraps a network; or
+    ``DistributedDataParallel``: DDP with its default 25 MiB buckets, as the ``ddp`` strategy does); seconds per step of each (every repeat starts at a barrier). The two
     are timed in turn, repeat by repeat, so that a change in load hits both alike: the rates come
-    from their difference."""
+    from their difference. A step is the training step (:func:`ddlscope.workloads.step.train_step`:
+    cross-entropy over the last layer's outputs, SGD with momentum 0.9)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddlscope.workloads.step import build_optimizer, train_step
 
     def build() -> torch.nn.Module:
         torch.manual_seed(0)
         return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(units)])
 
     def stepper(model: torch.nn.Module) -> Callable[[], None]:
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        opt = build_optimizer(model.parameters(), "sgd")
         x = torch.randn(batch, width)
+        y = torch.randint(0, width, (batch,))  # the last layer's outputs taken as class logits
 
         def step() -> None:
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            train_step(model, opt, x, y)
 
         for _ in range(warmup + 1):
             step()
@@ -536,8 +521,8 @@ def _reference_steps(wrap: str, units: int, width: int, batch: int, reps: int, w
 
     plain_step = stepper(build())
     wrapped = build()
-    if wrap == "ddp":
-        wrapped = torch.nn.parallel.DistributedDataParallel(wrapped)
+    if wrap is DistributedDataParallel:
+        wrapped = DistributedDataParallel(wrapped)
     else:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for layer in wrapped:
@@ -548,12 +533,12 @@ def _reference_steps(wrap: str, units: int, width: int, batch: int, reps: int, w
     for _ in range(reps):
         for kind, step in (("plain", plain_step), ("wrapped", wrapped_step)):
             dist.barrier()
-            times[kind].append(_timed(step))
+            times[kind].append(time_call(step))
     return times
 
 
 def _worker_main(argv: list[str] | None = None) -> int:
-    """Entry point of one calibration worker: ``python -m ddlscope.predict.calibrate --rank R --dir D``.
+    """Entry point of one calibration worker: ``python -m ddlscope.profiling.calibrate --rank R --dir D``.
 
     Reads ``D/plan.json``; rank 0 appends progress lines to ``D/progress.log``; writes its raw times
     to ``D/result-R.json`` or the reason it failed to ``D/error-R.txt``. Exit codes: 0 done,
@@ -562,12 +547,12 @@ def _worker_main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
-    ap = argparse.ArgumentParser(prog="python -m ddlscope.predict.calibrate")
+    ap = argparse.ArgumentParser(prog="python -m ddlscope.profiling.calibrate")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--parent-pid", type=int, required=True)
     args = ap.parse_args(argv)
-    _die_with_parent()
+    die_with_parent(signal.SIGKILL)  # SIGKILL this worker when the calibrating process dies (no orphans)
     if os.getppid() != args.parent_pid:  # the parent died before PR_SET_PDEATHSIG took effect
         return 1
     workdir, rank = args.dir, args.rank
@@ -592,7 +577,7 @@ def _worker_main(argv: list[str] | None = None) -> int:
 
         out = _measure(rank, workers, plan, say)
         if plan.get("hivemind"):  # 6. hivemind's own per-epoch cost and overshoot, on a reference network
-            from ddlscope.predict.swarm import EPOCHS, measure_swarm
+            from ddlscope.profiling.swarm import EPOCHS, measure_swarm
 
             out["swarm"] = measure_swarm(rank, workers, EPOCHS, plan["timeout_s"] / 2, say, plan["matchmaking_time_s"])
         dist.barrier()
@@ -611,35 +596,8 @@ def _worker_main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _stop(procs: list) -> None:
-    """Terminate (SIGTERM), then kill (SIGKILL) every worker still running; wait for each."""
-    import subprocess
-
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + 3.0
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            try:
-                p.wait(5.0)
-            except subprocess.TimeoutExpired:
-                pass
-
-
-def _log_tail(path: str, lines: int = 3) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            text = f.read().strip().splitlines()
-    except OSError:
-        return ""
-    return " | ".join(text[-lines:])
+STOP_GRACE_S = 3.0
+"""Seconds a calibration worker gets between SIGTERM and SIGKILL when calibration ends."""
 
 
 def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[dict[str, Any]]:
@@ -662,8 +620,6 @@ def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[
         # the workers import the same ddlscope as this process, wherever it was imported from
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
-        env = dict(os.environ, OMP_NUM_THREADS=str(plan["threads"]), MKL_NUM_THREADS=str(plan["threads"]),
-                   PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath)
         progress_path, seen = os.path.join(tmp, "progress.log"), 0
 
         def relay() -> None:
@@ -681,14 +637,11 @@ def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[
 
         previous_sigterm = _sigterm_as_interrupt()
         try:
-            for rank in range(workers):
-                log = open(os.path.join(tmp, f"worker-{rank}.log"), "wb")
-                try:
-                    procs.append(subprocess.Popen(
-                        [sys.executable, "-m", "ddlscope.predict.calibrate", "--rank", str(rank), "--dir", tmp,
-                         "--parent-pid", str(os.getpid())], stdout=log, stderr=subprocess.STDOUT, env=env))
-                finally:
-                    log.close()
+            for rank in range(workers):  # each in a process group of its own (ddlscope.launch.processes)
+                procs.append(start_process(
+                    [sys.executable, "-m", "ddlscope.profiling.calibrate", "--rank", str(rank), "--dir", tmp,
+                     "--parent-pid", str(os.getpid())], os.path.join(tmp, f"worker-{rank}.log"), plan["threads"],
+                    env_extra={"PYTHONPATH": pythonpath}))
             while True:
                 relay()
                 for rank, p in enumerate(procs):
@@ -697,7 +650,7 @@ def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[
                         with open(err_path) as f:
                             raise CalibrationError(f"calibration worker {rank} failed: {f.read().strip()}")
                     if p.poll() not in (None, 0):
-                        tail = _log_tail(os.path.join(tmp, f"worker-{rank}.log"))
+                        tail = log_tail(os.path.join(tmp, f"worker-{rank}.log"))
                         raise CalibrationError(f"calibration worker {rank} exited with code {p.returncode} without a "
                                                f"result" + (f": {tail}" if tail else " (killed?)"))
                 if all(p.poll() == 0 for p in procs):
@@ -717,7 +670,7 @@ def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[
                     results.append(json.load(f))
             return results
         finally:
-            _stop(procs)
+            stop_processes(procs, STOP_GRACE_S)
             if previous_sigterm is not None:
                 signal.signal(signal.SIGTERM, previous_sigterm)
 
@@ -787,10 +740,10 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         progress: called with one line of text per finished measurement.
         name: the cluster's name (default ``local-<W>x<threads>core``).
         hivemind: also train a reference network in two short hivemind swarms (about 80 s) and fit
-            what hivemind adds per global epoch (:mod:`ddlscope.predict.swarm`); a swarm that
+            what hivemind adds per global epoch (:mod:`ddlscope.profiling.swarm`); a swarm that
             cannot be fitted leaves ``hivemind`` unset, with a note.
         matchmaking_time_s: the swarm's hivemind matchmaking time (seconds, > 0; default
-            :data:`ddlscope.predict.swarm.MATCHMAKING_S`); use the one the predictions will use.
+            :data:`ddlscope.profiling.swarm.MATCHMAKING_S`); use the one the predictions will use.
 
     Returns:
         The fitted description and the raw measurements.
@@ -816,7 +769,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
     sizes = sorted({max(4, -(-int(s) // 4) * 4) for s in (sizes_bytes or DEFAULT_SIZES_BYTES)})
     if any(int(s) < 1 for s in (sizes_bytes or [])) or len(sizes) < 2:
         raise UserError(f"sizes_bytes = {sizes_bytes}; allowed: at least 2 distinct sizes, each >= 1 byte")
-    from ddlscope.predict.swarm import MATCHMAKING_S
+    from ddlscope.profiling.swarm import MATCHMAKING_S
 
     matchmaking_time_s = MATCHMAKING_S if matchmaking_time_s is None else matchmaking_time_s
     if not matchmaking_time_s > 0:
@@ -833,25 +786,25 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
     elapsed = time.monotonic() - started
 
     ar_slowest = [_slowest([w["allreduce"][i] for w in raw]) for i in range(len(sizes))]
-    ar_times = [_typical(ts) for ts in ar_slowest]
-    p2p_times = [_typical(ts) for ts in raw[0]["p2p"]]
+    ar_times = [trimmed_mean(ts) for ts in ar_slowest]
+    p2p_times = [trimmed_mean(ts) for ts in raw[0]["p2p"]]
     try:
         p2p = fit_p2p(sizes, p2p_times)
         allreduce = fit_allreduce(sizes, ar_times, workers, p2p.latency_s)
-        half = {kind: fit_half_ring(sizes, [_typical(_slowest([w[kind][i] for w in raw]))
+        half = {kind: fit_half_ring(sizes, [trimmed_mean(_slowest([w[kind][i] for w in raw]))
                                             for i in range(len(sizes))], workers, p2p.latency_s)
                 for kind in ("allgather", "reducescatter")}
     except ValueError as e:
         raise CalibrationError(f"cannot fit the measurements: {e}") from None
     allreduce.table.min_s = [min(ts) for ts in ar_slowest]
     p2p.table.min_s = [min(ts) for ts in raw[0]["p2p"]]
-    alone = statistics.fmean(_typical(w["compute_alone"]) for w in raw)
-    together = statistics.fmean(_typical(w["compute_together"]) for w in raw)
-    slowdown = statistics.fmean(_typical(w["compute_together"]) / _typical(w["compute_alone"])
+    alone = statistics.fmean(trimmed_mean(w["compute_alone"]) for w in raw)
+    together = statistics.fmean(trimmed_mean(w["compute_together"]) for w in raw)
+    slowdown = statistics.fmean(trimmed_mean(w["compute_together"]) / trimmed_mean(w["compute_alone"])
                                 for w in raw)
-    tc = _typical(_slowest([w["overlap"]["compute"] for w in raw]))
-    tm = _typical(_slowest([w["overlap"]["comm"] for w in raw]))
-    tb = _typical(_slowest([w["overlap"]["both"] for w in raw]))
+    tc = trimmed_mean(_slowest([w["overlap"]["compute"] for w in raw]))
+    tm = trimmed_mean(_slowest([w["overlap"]["comm"] for w in raw]))
+    tb = trimmed_mean(_slowest([w["overlap"]["both"] for w in raw]))
     overlap_raw = (tc + tm - tb) / min(tc, tm) if min(tc, tm) > 0 else 1.0
     notes = [
         "intra_node.latency_s is the ping-pong intercept (p2p_fixed_s = 0: not separable from the latency); "
@@ -866,10 +819,10 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
                      f"started: the figures include their interference")
     if slowdown < 1:
         notes.append(f"compute ran faster with all workers busy (ratio {slowdown:.3f}, noise): slowdown set to 1")
-    from ddlscope.predict.costs import ring_allgather_s
+    from ddlscope.modeling.collectives import ring_allgather_s
 
     def step_s(key: str, kind: str) -> float:
-        return _typical(_slowest([w[key][kind] for w in raw]))
+        return trimmed_mean(_slowest([w[key][kind] for w in raw]))
 
     unit_bytes = _linear_bytes(FSDP_WIDTH)
     link = LinkSpec(bandwidth_gb_per_s=allreduce.bandwidth_gb_per_s, latency_s=p2p.latency_s)
@@ -882,7 +835,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         ddp=(step_s("ddp", "plain"), step_s("ddp", "wrapped")), notes=notes)
     swarm, swarm_raw = None, []
     if hivemind:
-        from ddlscope.predict.swarm import fit_swarm, swarm_epochs
+        from ddlscope.profiling.swarm import fit_swarm, swarm_epochs
 
         try:
             swarm_raw = swarm_epochs([w["swarm"] for w in raw])

@@ -1,6 +1,6 @@
 """Calibrating hivemind: a short collaborative run of a reference network among the calibration workers.
 
-The collaborative cost model (:func:`ddlscope.predict.costs.predict_collaborative`) accumulates
+The collaborative cost model (:func:`ddlscope.distribution.collaborative.predict_collaborative`) accumulates
 the target batch from the peers' profiled steps. On CPU peers two things that belong to hivemind,
 not to the workload, make real runs slower and gloo microbenchmarks cannot see them:
 
@@ -40,9 +40,9 @@ gave 0.75-0.92 overshoot steps and 1.6-1.8 s of overhead per epoch, matchmaking 
 0.33-0.5 steps and 1.8-2.4 s. So the swarm runs at the matchmaking time the predictions will
 use (:data:`MATCHMAKING_S` by default, the validation grid's) and the fit records it. The
 overhead is fitted as measured, including any wait for matchmaking; the cost model takes the
-larger of the two (:func:`ddlscope.predict.costs.predict_collaborative`). This module holds both
+larger of the two (:func:`ddlscope.distribution.collaborative.predict_collaborative`). This module holds both
 sides: :func:`measure_swarm` runs inside a calibration worker, :func:`swarm_epochs` collects the
-workers' epochs and :func:`fit_swarm` reduces them to a :class:`ddlscope.predict.cluster.HivemindFit`.
+workers' epochs and :func:`fit_swarm` reduces them to a :class:`ddlscope.modeling.cluster.HivemindFit`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ddlscope.measure.host import background_cpu_s
-from ddlscope.predict.cluster import HivemindFit
+from ddlscope.measure.stats import time_call, time_repeats, trimmed_mean
+from ddlscope.modeling.cluster import HivemindFit
 
 #: (network, dataset shape): thesis 000's network on MNIST-shaped inputs
 REFERENCE = ("resnet18", "mnist")
@@ -114,26 +115,26 @@ def _one_swarm(hivemind, dht, model, batch: int, workers: int, epochs: int, dead
     import torch
     import torch.distributed as dist
 
-    from ddlscope.predict.calibrate import _timed
     from ddlscope.strategies.collaborative import shutdown_hivemind
     from ddlscope.workloads.models import input_spec
+    from ddlscope.workloads.step import build_optimizer, loss_function
 
     spec = input_spec(REFERENCE[1])
     x = torch.randn(batch, spec.channels, spec.height, spec.width)
     y = torch.randint(0, spec.num_classes, (batch,))
-    loss_fn = torch.nn.CrossEntropyLoss()
+    loss_fn = loss_function()
 
-    def compute() -> None:
+    def compute() -> None:  # the step's forward and backward; hivemind.Optimizer does the rest
         loss_fn(model(x), y).backward()
 
     for _ in range(3):  # the first steps allocate gradients and warm the allocator
         compute()
     model.zero_grad()
-    alone = statistics.median(_timed(compute) for _ in range(5))
+    alone = statistics.median(time_repeats(compute, 5))
     model.zero_grad()
     opt = hivemind.Optimizer(
         dht=dht, run_id=f"ddlscope-calibrate-swarm-b{batch}", batch_size_per_step=batch,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        optimizer=build_optimizer(model.parameters(), "sgd"),
         target_batch_size=STEPS_PER_EPOCH * workers * batch, matchmaking_time=matchmaking_time_s,
         averaging_timeout=ROUND_TIMEOUT_S, verbose=False)
     dist.barrier()
@@ -142,7 +143,7 @@ def _one_swarm(hivemind, dht, model, batch: int, workers: int, epochs: int, dead
     before = background_cpu_s()
     try:
         while opt.local_epoch < epochs + 1 and time.monotonic() < deadline:
-            compute_s = _timed(compute)
+            compute_s = time_call(compute)
             t0 = time.perf_counter()
             opt.step(batch_size=batch)
             opt.zero_grad()
@@ -194,7 +195,7 @@ def fit_swarm(swarms: list[dict[str, Any]], param_bytes: int, matchmaking_time_s
 
     ``param_bytes`` and ``matchmaking_time_s``: the reference network's and the swarms', as
     :func:`measure_swarm` returns them. Per swarm: the epochs' typical overhead, a 10 % trimmed mean
-    (:func:`ddlscope.predict.calibrate._typical`: an epoch's time adds up, so the mean, not the
+    (:func:`ddlscope.measure.stats.trimmed_mean`: an epoch's time adds up, so the mean, not the
     median; trimmed, so that one averaging round given up after :data:`ROUND_TIMEOUT_S` does not
     decide it), against the swarm's compute step. A least-squares line through those points gives
     ``epoch_overhead_s`` (intercept, seconds) and ``overhead_steps`` (slope); a slope below 0 is
@@ -203,10 +204,8 @@ def fit_swarm(swarms: list[dict[str, Any]], param_bytes: int, matchmaking_time_s
     """
     import numpy as np
 
-    from ddlscope.predict.calibrate import _typical
-
     step = np.array([sw["compute_alone_s"] for sw in swarms])
-    overhead = np.array([_typical(sw["overhead_s"]) for sw in swarms])
+    overhead = np.array([trimmed_mean(sw["overhead_s"]) for sw in swarms])
     slope = float(np.polyfit(step, overhead, 1)[0]) if len(swarms) > 1 and np.ptp(step) > 0 else 0.0
     if slope <= 0:
         slope, intercept = 0.0, float(overhead.mean())

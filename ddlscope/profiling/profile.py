@@ -1,173 +1,17 @@
-"""Workload profiles: what one device measured about a network, a dataset shape and a batch size.
+"""Measuring workload profiles: a network, a dataset shape and a batch size on the local device.
 
-A profile is measured once per workload and device and cached as JSON; every prediction reads
-it. Per-layer times are taken at several batch sizes (the requested batch and its halvings), so
-that the per-worker batches of data parallelism and the micro-batches of pipelines are read off
-measurements rather than assumed to scale linearly.
+A profile (:class:`~ddlscope.modeling.profile.WorkloadProfile`) is measured once per workload,
+device and optimizer and cached as JSON (:func:`load_or_profile`); every prediction reads it.
+torch and the workload modules are imported inside the functions, so that importing this module
+stays cheap.
 """
 
 from __future__ import annotations
 
-import bisect
 import os
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
-
-def interpolate(xs: list[float], ys: list[float], x: float) -> float:
-    """Piecewise-linear value at ``x`` of the points ``(xs[i], ys[i])`` (``xs`` ascending, len >= 1).
-
-    Outside ``[xs[0], xs[-1]]`` the nearest segment is extended linearly; the result is never
-    below zero. One point: ``ys[0] * x / xs[0]`` (proportional).
-    """
-    if len(xs) == 1:
-        return max(0.0, ys[0] * x / xs[0])
-    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
-
-
-class LayerProfile(BaseModel):
-    """One top-level layer (a child of the zoo's ``SequentialNet``, i.e. a possible stage boundary).
-
-    ``forward_s`` / ``backward_s`` have one entry per :attr:`WorkloadProfile.batch_sizes`.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    param_bytes: int = Field(ge=0)
-    forward_s: list[float]
-    backward_s: list[float]
-    output_bytes_per_sample: int = Field(ge=0, description="activation this layer outputs, per sample (what a stage sends)")
-    saved_bytes_per_sample: int = Field(ge=0, description="activations autograd keeps for this layer's backward, per sample")
-    forward_flops_per_sample: float = Field(ge=0)
-    buffer_bytes: int = Field(0, ge=0, description="buffers of this layer (BatchNorm running statistics)")
-    input_saved_bytes_per_sample: int = Field(
-        0, ge=0, description="the part of saved_bytes_per_sample that is this layer's input (0 when an earlier layer "
-                             "saved that tensor already, or this layer does not save its input)")
-
-
-class StepProfile(BaseModel):
-    """A whole training step at one batch size, data already in memory (seconds, bytes)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    batch_size: int = Field(ge=1)
-    forward_s: float = Field(ge=0, description="forward pass and loss")
-    backward_s: float = Field(ge=0)
-    optimizer_s: float = Field(ge=0, description="optimizer step and zero_grad")
-    step_s: float = Field(ge=0, description="the whole compute step (forward + backward + optimizer)")
-    activation_peak_bytes: int = Field(ge=0, description="peak of activation/temporary memory in one step, from fake tensors")
-    measured_activation_peak_bytes: int | None = Field(
-        None, ge=0, description="the same quantity measured with real tensors on the device (kernels' work buffers "
-                                "included); None where it could not be measured")
-
-    @property
-    def activation_bytes(self) -> int:
-        """``measured_activation_peak_bytes`` when measured, else ``activation_peak_bytes``.
-
-        Both are the step's peak memory minus parameters, buffers, all gradients and optimizer
-        state, so ``params + buffers + grads + optimizer state + activation_bytes`` is the
-        step's peak on one device.
-        """
-        return self.activation_peak_bytes if self.measured_activation_peak_bytes is None \
-            else self.measured_activation_peak_bytes
-
-
-class DataLoadProfile(BaseModel):
-    """Throughput of the dataset's input pipeline with ``loader_workers`` DataLoader workers."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    loader_workers: int = Field(ge=0)
-    samples_per_s: float = Field(gt=0)
-
-
-class DeviceProfile(BaseModel):
-    """The device the profile was measured on."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["cpu", "cuda"]
-    name: str = Field(description="CPU model or GPU name")
-    threads: int = Field(ge=1, description="intra-op threads (CPU: cores of one device)")
-    peak_tflops: float = Field(gt=0, description="measured float32 matmul throughput, 1e12 FLOP/s")
-    memory_bandwidth_gb_per_s: float = Field(gt=0, description="measured copy bandwidth, 1e9 bytes/s")
-    memory_bytes: int = Field(gt=0, description="capacity of one device (CPU: host memory / cores * threads)")
-    runtime_bytes: int = Field(ge=0, description="memory a worker process uses before any model (interpreter, libraries; CUDA context)")
-
-
-class WorkloadProfile(BaseModel):
-    """A network on a dataset shape measured on one device (JSON-serialisable; see :mod:`.profile`).
-
-    Units: seconds, bytes. ``batch_sizes`` ascending; ``steps`` has one entry per batch size.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    network: str
-    dataset: str
-    input_shape: tuple[int, int, int] = Field(description="(channels, height, width) of one sample")
-    num_classes: int
-    optimizer: str
-    device: DeviceProfile
-    torch_version: str
-    batch_sizes: list[int]
-    layers: list[LayerProfile]
-    steps: list[StepProfile]
-    data_loading: list[DataLoadProfile] = Field(default_factory=list)
-    param_count: int
-    param_bytes: int
-    buffer_bytes: int
-    optimizer_state_bytes: int = Field(description="optimizer state (SGD momentum: one copy of the parameters)")
-    sample_bytes: int = Field(description="bytes of one input sample as the model receives it")
-    profile_s: float = Field(ge=0, description="seconds the profile took")
-    created_at: float
-
-    def step_at(self, batch_size: float) -> StepProfile:
-        """The whole-step times at ``batch_size`` (interpolated between measured batch sizes)."""
-        xs = [float(s.batch_size) for s in self.steps]
-        pick = lambda attr: interpolate(xs, [float(getattr(s, attr)) for s in self.steps], batch_size)  # noqa: E731
-        measured = None
-        if all(s.measured_activation_peak_bytes is not None for s in self.steps):
-            measured = round(pick("measured_activation_peak_bytes"))
-        return StepProfile(batch_size=max(1, round(batch_size)), forward_s=pick("forward_s"),
-                           backward_s=pick("backward_s"), optimizer_s=pick("optimizer_s"), step_s=pick("step_s"),
-                           activation_peak_bytes=round(pick("activation_peak_bytes")),
-                           measured_activation_peak_bytes=measured)
-
-    def layer_times_s(self, batch_size: float) -> tuple[list[float], list[float]]:
-        """Per-layer (forward seconds, backward seconds) at ``batch_size``.
-
-        Layers timed in isolation carry their own overheads, so they are rescaled to add up to
-        the whole-step forward and backward times at that batch size (:meth:`step_at`).
-        """
-        xs = [float(b) for b in self.batch_sizes]
-        fwd = [interpolate(xs, layer.forward_s, batch_size) for layer in self.layers]
-        bwd = [interpolate(xs, layer.backward_s, batch_size) for layer in self.layers]
-        step = self.step_at(batch_size)
-        scale = lambda parts, total: [p * total / sum(parts) for p in parts] if sum(parts) > 0 else parts  # noqa: E731
-        return scale(fwd, step.forward_s), scale(bwd, step.backward_s)
-
-    def data_load_s(self, batch_size: float, loader_workers: int) -> float:
-        """Seconds to load one batch with ``loader_workers`` workers (the nearest measured count).
-
-        Returns 0.0 when the profile has no data-loading measurement.
-        """
-        if not self.data_loading:
-            return 0.0
-        best = min(self.data_loading, key=lambda d: (abs(d.loader_workers - loader_workers), d.loader_workers))
-        return batch_size / best.samples_per_s
-
-
-# =============================================================================================
-# Measuring a profile
-# =============================================================================================
-#
-# Everything below measures; the data models above only describe. torch and the workload
-# modules are imported inside the functions, so that reading a cached profile stays cheap.
+from ddlscope.modeling.profile import (DataLoadProfile, DeviceProfile, LayerProfile, OptimizerSetting, StepProfile,
+                                       WorkloadProfile)
 
 STEP_REPEATS = 5
 """Measured training steps per batch size (after one warm-up step); their median is kept."""
@@ -186,6 +30,34 @@ def profile_batch_sizes(batch_size: int) -> list[int]:
     At least 1, deduplicated, ascending; e.g. 32 -> [4, 8, 16, 32], 3 -> [1, 3].
     """
     return sorted({max(1, batch_size // 2**k) for k in range(4)})
+
+
+def optimizer_setting(optimizer: OptimizerSetting | str = "sgd") -> OptimizerSetting:
+    """The optimizer a profile trains with: ``optimizer`` itself, or the optimizer of that name with
+    the run config's default hyperparameters (``learning_rate``, ``momentum``, ``weight_decay`` of
+    :class:`ddlscope.config.RunConfigBase`; SGD: lr 0.01, momentum 0.9, no weight decay).
+
+    Raises:
+        UserError: an optimizer that ``ddlscope.workloads.step.OPTIMIZERS`` does not name.
+    """
+    from ddlscope.config import RunConfigBase
+    from ddlscope.errors import UserError
+    from ddlscope.workloads.step import OPTIMIZERS
+
+    name = optimizer.name if isinstance(optimizer, OptimizerSetting) else optimizer
+    if name not in OPTIMIZERS:
+        raise UserError(f"unknown optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")
+    if isinstance(optimizer, OptimizerSetting):
+        return optimizer
+    defaults = {k: RunConfigBase.model_fields[k].default for k in ("learning_rate", "momentum", "weight_decay")}
+    return OptimizerSetting(name=name, **defaults)
+
+
+def _build_optimizer(setting: OptimizerSetting, params):
+    """:func:`ddlscope.workloads.step.build_optimizer` with ``setting``'s optimizer and hyperparameters."""
+    from ddlscope.workloads.step import build_optimizer
+
+    return build_optimizer(params, **setting.model_dump())
 
 
 def _check_workload(network: str, dataset: str, batch_size: int, device: str, threads: int,
@@ -235,7 +107,7 @@ def device_name(device: str) -> str:
 # ---------------------------------------------------------------- fake tensors: bytes and FLOPs
 
 
-def _fake_analysis(network: str, family: str, batch_sizes: list[int]) -> dict:
+def _fake_analysis(network: str, family: str, batch_sizes: list[int], optimizer: OptimizerSetting) -> dict:
     """Bytes and FLOPs of the zoo model on fake tensors (nothing of the model's size is allocated).
 
     Returns a dict with ``layers`` (per top-level child: name, param_bytes, buffer_bytes,
@@ -250,9 +122,11 @@ def _fake_analysis(network: str, family: str, batch_sizes: list[int]) -> dict:
       the input it received);
     * FLOPs: :class:`torch.utils.flop_counter.FlopCounterMode` (2 per multiply-add);
     * activation peak: :class:`torch.distributed._tools.mem_tracker.MemTracker` over a whole
-      training step (forward, cross-entropy, backward, SGD step, ``zero_grad(set_to_none=True)``,
-      momentum state created by one earlier step): its peak minus parameters, buffers, all
-      gradients and optimizer state.
+      training step (:func:`ddlscope.workloads.step.train_step` with ``optimizer``, its state
+      created by one earlier step): its peak minus parameters, buffers, all gradients and
+      optimizer state;
+    * optimizer state: the bytes of every tensor in ``optimizer``'s state after those steps
+      (momentum buffers; Adam's two moments and step counts).
     """
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -260,6 +134,7 @@ def _fake_analysis(network: str, family: str, batch_sizes: list[int]) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     from ddlscope.workloads.models import build_model, input_spec
+    from ddlscope.workloads.step import train_step
 
     spec = input_spec(family)
     ref = max(batch_sizes)
@@ -320,25 +195,20 @@ def _fake_analysis(network: str, family: str, batch_sizes: list[int]) -> dict:
         ]
 
         # whole training steps: peak memory per batch size
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        loss_fn = torch.nn.CrossEntropyLoss()
+        opt = _build_optimizer(optimizer, model.parameters())
         peaks: dict[int, int] = {}
-        for b in batch_sizes:
+        for i, b in enumerate(batch_sizes):
             xb = torch.randn(b, spec.channels, spec.height, spec.width)
             yb = torch.randint(0, spec.num_classes, (b,))
-            if not optimizer.state:  # momentum buffers exist in every step but the first
-                loss_fn(model(xb), yb).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            if i == 0:  # the optimizer's state exists in every step but the first
+                train_step(model, opt, xb, yb)
             tracker = MemTracker()
-            tracker.track_external(model, optimizer, xb, yb)
+            tracker.track_external(model, opt, xb, yb)
             with tracker:
-                loss_fn(model(xb), yb).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                train_step(model, opt, xb, yb)
             peak = sum(v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items() if k != "Total")
             peaks[b] = peak
-        out["optimizer_state_bytes"] = sum(t.numel() * t.element_size() for s in optimizer.state.values()
+        out["optimizer_state_bytes"] = sum(t.numel() * t.element_size() for s in opt.state.values()
                                            for t in s.values() if isinstance(t, torch.Tensor))
         state = out["param_bytes"] * 2 + out["buffer_bytes"] + out["optimizer_state_bytes"]  # params, grads, buffers, opt
         out["activation_peak_bytes"] = {b: max(0, p - state) for b, p in peaks.items()}
@@ -400,16 +270,16 @@ def _time_layers(model, x, repeats: int = LAYER_REPEATS) -> tuple[list[float], l
 def _time_steps(model, optimizer, x, y, repeats: int = STEP_REPEATS) -> tuple[float, float, float]:
     """Median (forward + loss, backward, optimizer step + zero_grad) seconds of training steps.
 
-    The step is the training loop's (:mod:`ddlscope.train.loop`): cross-entropy loss, backward,
-    ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``; one warm-up step first.
+    The step is :func:`ddlscope.workloads.step.train_step` (the training loop's: its loss,
+    backward, ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``), written out here
+    to time its three parts; one warm-up step first.
     """
     import statistics
 
-    import torch
-
     from ddlscope.measure.timeline import Stopwatch
+    from ddlscope.workloads.step import loss_function
 
-    loss_fn = torch.nn.CrossEntropyLoss()
+    loss_fn = loss_function()
     watch = Stopwatch(x.device)
     laps = []
     for r in range(repeats + 1):
@@ -435,42 +305,28 @@ def _peak_tflops(device) -> float:
 
     n = 1024 on CPU, 8192 on CUDA; 2 n^3 FLOP per matmul.
     """
-    import time
-
     import torch
+
+    from ddlscope.measure.stats import time_repeats
 
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
-    best = float("inf")
-    for r in range(6):
-        _sync(device)
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        _sync(device)
-        if r:
-            best = min(best, time.perf_counter() - t0)
+    best = min(time_repeats(lambda: torch.mm(a, b), 5, warmup=1, sync=lambda: _sync(device)))
     return 2 * n**3 / best / 1e12
 
 
 def _bandwidth_gb_per_s(device) -> float:
     """Copy bandwidth (1e9 bytes/s) of a large tensor: read + write bytes per copy, as STREAM's
     "Copy" counts them (McCalpin 1995); best of 5 after a warm-up. 64 MiB on CPU, 1 GiB on CUDA."""
-    import time
-
     import torch
+
+    from ddlscope.measure.stats import time_repeats
 
     nbytes = 2**30 if device.type == "cuda" else 2**26
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for r in range(6):
-        _sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        if r:
-            best = min(best, time.perf_counter() - t0)
+    best = min(time_repeats(lambda: dst.copy_(src), 5, warmup=1, sync=lambda: _sync(device)))
     return 2 * nbytes / best / 1e9
 
 
@@ -502,17 +358,20 @@ def status(key):
 import torch, torch.distributed, ddlscope.train.loop
 args = json.loads(sys.argv[1])
 torch.set_num_threads(args["threads"])
-from ddlscope.predict.profile import _probe_steps, _warm_up_runtime
-_warm_up_runtime(args["family"])
+from ddlscope.modeling.profile import OptimizerSetting
+from ddlscope.profiling.profile import _probe_steps, _warm_up_runtime
+optimizer = OptimizerSetting(**args["optimizer"])
+_warm_up_runtime(args["family"], optimizer)
 gc.collect()
 runtime = status("VmRSS")
-peaks = _probe_steps(args["network"], args["family"], args["batch_sizes"], status)
+peaks = _probe_steps(args["network"], args["family"], args["batch_sizes"], optimizer, status)
 print(json.dumps({"runtime_bytes": runtime, "peaks": peaks}))
 """
 
 
-def _warm_up_runtime(family: str) -> None:
-    """Two training steps of ``tiny_cnn`` on a batch of 2, then everything is dropped.
+def _warm_up_runtime(family: str, optimizer: OptimizerSetting | None = None) -> None:
+    """Two training steps of ``tiny_cnn`` on a batch of 2 with ``optimizer`` (default: SGD with
+    the run config's hyperparameters), then everything is dropped.
 
     A worker's fixed memory grows when it first trains: the optimizer's first use imports more
     of torch (``torch._dynamo`` and friends), kernels' code pages and thread pools become
@@ -521,45 +380,63 @@ def _warm_up_runtime(family: str) -> None:
     import torch
 
     from ddlscope.workloads.models import build_model, input_spec
+    from ddlscope.workloads.step import train_step
 
     spec = input_spec(family)
     model = build_model("tiny_cnn", family)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt = _build_optimizer(optimizer or optimizer_setting(), model.parameters())
     x = torch.randn(2, spec.channels, spec.height, spec.width)
     y = torch.randint(0, spec.num_classes, (2,))
     for _ in range(2):
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(model, opt, x, y)
 
 
-def _probe_steps(network: str, family: str, batch_sizes: list[int], status) -> dict[str, int] | None:
-    """In the probe process: resident bytes added by one training step, per batch size.
+def _step_bytes(network: str, family: str, batch_sizes: list[int], optimizer: OptimizerSetting, device,
+                begin, peak) -> dict[int, int] | None:
+    """Memory one training step adds, per batch size, as the caller's counters see it.
 
-    For each batch size: one step (creates the momentum buffers the first time), then the
-    kernel's resident high-water mark is reset (``echo 5 > /proc/self/clear_refs``) and one
-    more step runs; the result is VmHWM at its end minus VmRSS before it, i.e. the memory the
-    step needed beyond parameters, buffers, optimizer state and the input batch. None when the
-    high-water mark cannot be reset.
+    For each batch size: one step (:func:`ddlscope.workloads.step.train_step`; it creates the
+    optimizer's state the first time), then ``begin()`` resets the peak counter and returns the
+    bytes in use (None: the counter cannot be reset, the result is None), one more step, and
+    ``peak()`` minus those bytes is the memory the step needed beyond parameters, buffers,
+    optimizer state and the input batch.
+    """
+    import torch
+
+    from ddlscope.workloads.models import build_model, input_spec
+    from ddlscope.workloads.step import train_step
+
+    spec = input_spec(family)
+    torch.manual_seed(0)
+    model = build_model(network, family).to(device)
+    opt = _build_optimizer(optimizer, model.parameters())
+    out: dict[int, int] = {}
+    for b in batch_sizes:
+        x = torch.randn(b, spec.channels, spec.height, spec.width, device=device)
+        y = torch.randint(0, spec.num_classes, (b,), device=device)
+        train_step(model, opt, x, y)
+        before = begin()
+        if before is None:
+            return None
+        train_step(model, opt, x, y)
+        out[b] = max(0, peak() - before)
+    return out
+
+
+def _probe_steps(network: str, family: str, batch_sizes: list[int], optimizer: OptimizerSetting,
+                 status) -> dict[int, int] | None:
+    """In the probe process: resident bytes added by one training step, per batch size (:func:`_step_bytes`).
+
+    The counter is the kernel's: before the measured step the garbage is collected, VmRSS read and
+    the resident high-water mark reset (``echo 5 > /proc/self/clear_refs``); after it VmHWM is read.
+    ``status(key)``: the bytes of a ``/proc/self/status`` field. None when the high-water mark
+    cannot be reset.
     """
     import gc
 
     import torch
 
-    from ddlscope.workloads.models import build_model, input_spec
-
-    spec = input_spec(family)
-    torch.manual_seed(0)
-    model = build_model(network, family)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    out: dict[str, int] = {}
-    for b in batch_sizes:
-        x = torch.randn(b, spec.channels, spec.height, spec.width)
-        y = torch.randint(0, spec.num_classes, (b,))
-        loss_fn(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def begin() -> int | None:
         gc.collect()
         before = status("VmRSS")
         try:
@@ -567,16 +444,15 @@ def _probe_steps(network: str, family: str, batch_sizes: list[int], status) -> d
                 f.write("5")
         except OSError:
             return None
-        loss_fn(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        out[str(b)] = max(0, status("VmHWM") - before)
-    return out
+        return before
+
+    return _step_bytes(network, family, batch_sizes, optimizer, torch.device("cpu"), begin, lambda: status("VmHWM"))
 
 
-def _measure_real_memory(network: str, family: str, batch_sizes: list[int], threads: int, device
-                         ) -> tuple[int, dict[int, int] | None]:
-    """``(runtime_bytes, step bytes per batch size)`` measured with real tensors on the device.
+def _measure_real_memory(network: str, family: str, batch_sizes: list[int], threads: int, device,
+                         optimizer: OptimizerSetting) -> tuple[int, dict[int, int] | None]:
+    """``(runtime_bytes, step bytes per batch size)`` measured with real tensors on the device,
+    training with ``optimizer``.
 
     CPU (Linux): a fresh Python process imports torch and ddlscope's training loop and runs
     :func:`_warm_up_runtime`; its resident set (VmRSS) then is ``runtime_bytes`` (interpreter,
@@ -588,7 +464,7 @@ def _measure_real_memory(network: str, family: str, batch_sizes: list[int], thre
 
     CUDA: ``runtime_bytes`` is the memory in use on the device beyond what torch's allocator
     reserved (the CUDA context and libraries, as ``torch.cuda.mem_get_info`` sees it); step bytes
-    come from ``torch.cuda.max_memory_allocated`` in this process.
+    come from ``torch.cuda.max_memory_allocated`` in this process (:func:`_step_bytes`).
     """
     import json
     import os
@@ -598,39 +474,29 @@ def _measure_real_memory(network: str, family: str, batch_sizes: list[int], thre
     if device.type == "cuda":
         import torch
 
-        from ddlscope.workloads.models import build_model, input_spec
-
         torch.cuda.init()
         free, total = torch.cuda.mem_get_info(device)
         runtime = max(0, total - free - torch.cuda.memory_reserved(device))
-        spec = input_spec(family)
-        torch.manual_seed(0)
-        model = build_model(network, family).to(device)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        loss_fn = torch.nn.CrossEntropyLoss()
-        peaks = {}
-        for b in batch_sizes:
-            x = torch.randn(b, spec.channels, spec.height, spec.width, device=device)
-            y = torch.randint(0, spec.num_classes, (b,), device=device)
-            loss_fn(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+
+        def begin() -> int:
             torch.cuda.synchronize(device)
             before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            loss_fn(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            return before
+
+        def peak() -> int:
             torch.cuda.synchronize(device)
-            peaks[b] = max(0, torch.cuda.max_memory_allocated(device) - before)
-        del model, optimizer
+            return torch.cuda.max_memory_allocated(device)
+
+        peaks = _step_bytes(network, family, batch_sizes, optimizer, device, begin, peak)
         torch.cuda.empty_cache()
         return runtime, peaks
 
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD_BYTES), OMP_NUM_THREADS=str(threads))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    args = json.dumps(dict(network=network, family=family, batch_sizes=batch_sizes, threads=threads))
+    args = json.dumps(dict(network=network, family=family, batch_sizes=batch_sizes, threads=threads,
+                           optimizer=optimizer.model_dump()))
     try:
         done = subprocess.run([sys.executable, "-c", _PROBE_SCRIPT, args], env=env, capture_output=True,
                               text=True, timeout=600, check=True)
@@ -691,7 +557,7 @@ def _measure_data_loading(dataset: str, batch_size: int, loader_workers: tuple[i
 
 def profile_workload(network: str, dataset: str, batch_size: int, device: str = "cpu", threads: int = 1,
                      loader_workers: tuple[int, ...] = (0, 1), data_root=None, progress: bool = False,
-                     cache_root=None) -> WorkloadProfile:
+                     cache_root=None, optimizer: OptimizerSetting | str = "sgd") -> WorkloadProfile:
     """Measure ``network`` on ``dataset``'s input shape at ``batch_size`` on the local device.
 
     Measured (each part is documented at its helper):
@@ -701,10 +567,12 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
       the activation the previous layers produce (minimum of :data:`LAYER_REPEATS` runs after a
       warm-up); parameter bytes; output, saved-for-backward bytes and forward FLOPs per sample
       from fake tensors (:func:`_fake_analysis`);
-    * per batch size a whole training step as the training loop runs it (cross-entropy, SGD with
-      momentum 0.9, ``zero_grad(set_to_none=True)``): median of :data:`STEP_REPEATS` steps after a
-      warm-up; activation peak from fake tensors, and the same quantity measured with real
-      tensors (``measured_activation_peak_bytes``, :func:`_measure_real_memory`);
+    * per batch size a whole training step as the training loop runs it
+      (:func:`ddlscope.workloads.step.train_step`: cross-entropy, ``optimizer``,
+      ``zero_grad(set_to_none=True)``): median of :data:`STEP_REPEATS` steps after a warm-up;
+      activation peak from fake tensors, and the same quantity measured with real tensors
+      (``measured_activation_peak_bytes``, :func:`_measure_real_memory`);
+    * the optimizer's state bytes after a step (:func:`_fake_analysis`);
     * data loading: samples/s with each number of ``loader_workers`` (:func:`_measure_data_loading`);
     * the device: float32 matmul TFLOP/s, copy bandwidth, capacity, runtime bytes, name.
 
@@ -721,13 +589,15 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
         progress: print what is being measured to stderr.
         cache_root: where a synthetic dataset copy is written when there is no local copy
             (default: ``<results>/profiles/data``).
+        optimizer: the optimizer the steps train with (a name: with the run config's default
+            hyperparameters, :func:`optimizer_setting`); recorded in the profile.
 
     Returns:
         the :class:`WorkloadProfile`.
 
     Raises:
-        UserError: unknown network or dataset, batch size or threads < 1, negative loader
-            workers, CUDA asked for but absent, batch size larger than the local dataset copy.
+        UserError: unknown network, dataset or optimizer, batch size or threads < 1, negative
+            loader workers, CUDA asked for but absent, batch size larger than the local dataset copy.
     """
     import sys
     import time
@@ -741,6 +611,7 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
 
     loader_workers = tuple(loader_workers)
     _check_workload(network, dataset, batch_size, device, threads, loader_workers)
+    optimizer = optimizer_setting(optimizer)
     start, created = time.perf_counter(), time.time()
     say = (lambda msg: print(f"profile: {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     family = DATASETS[dataset].family
@@ -754,9 +625,9 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
         os.sched_setaffinity(0, sorted(old_cores)[:threads])
     try:
         say("memory of a worker process and of real training steps")
-        runtime_bytes, real_steps = _measure_real_memory(network, family, sizes, threads, dev)
+        runtime_bytes, real_steps = _measure_real_memory(network, family, sizes, threads, dev, optimizer)
         say("fake-tensor analysis (bytes, FLOPs)")
-        fake = _fake_analysis(network, family, sizes)
+        fake = _fake_analysis(network, family, sizes, optimizer)
         torch.manual_seed(0)
         model = build_model(network, family).to(dev)
         model.train()
@@ -769,14 +640,14 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
             for i, (f, bk) in enumerate(zip(f_s, b_s)):
                 fwd[i].append(f)
                 bwd[i].append(bk)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        opt = _build_optimizer(optimizer, model.parameters())
         steps = []
         input_bytes = spec.channels * spec.height * spec.width * 4
         for b in sizes:
             say(f"training steps at batch {b}")
             x = torch.randn(b, spec.channels, spec.height, spec.width, device=dev)
             y = torch.randint(0, spec.num_classes, (b,), device=dev)
-            f, bk, o = _time_steps(model, optimizer, x, y)
+            f, bk, o = _time_steps(model, opt, x, y)
             measured = None
             if real_steps is not None and b in real_steps:
                 # the probe's step bytes exclude the input batch (resident before) and include the gradients
@@ -784,7 +655,7 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
             steps.append(StepProfile(batch_size=b, forward_s=f, backward_s=bk, optimizer_s=o, step_s=f + bk + o,
                                      activation_peak_bytes=fake["activation_peak_bytes"][b],
                                      measured_activation_peak_bytes=measured))
-        del model, optimizer
+        del model, opt
         loading = []
         if loader_workers:
             say(f"data loading with {', '.join(map(str, sorted(set(loader_workers))))} loader workers")
@@ -799,7 +670,7 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
     layers = [LayerProfile(forward_s=fwd[i], backward_s=bwd[i], **info) for i, info in enumerate(fake["layers"])]
     return WorkloadProfile(
         network=network, dataset=dataset, input_shape=(spec.channels, spec.height, spec.width),
-        num_classes=spec.num_classes, optimizer="sgd", device=dev_profile, torch_version=torch.__version__,
+        num_classes=spec.num_classes, optimizer=optimizer.name, optimizer_setting=optimizer, device=dev_profile, torch_version=torch.__version__,
         batch_sizes=sizes, layers=layers, steps=steps, data_loading=loading, param_count=fake["param_count"],
         param_bytes=fake["param_bytes"], buffer_bytes=fake["buffer_bytes"],
         optimizer_state_bytes=fake["optimizer_state_bytes"], sample_bytes=input_bytes,
@@ -820,28 +691,33 @@ def default_profile_dir():
 
 
 def profile_cache_key(network: str, dataset: str, batch_size: int, device: str = "cpu", threads: int = 1,
-                      loader_workers: tuple[int, ...] = (0, 1)) -> str:
+                      loader_workers: tuple[int, ...] = (0, 1), optimizer: OptimizerSetting | str = "sgd") -> str:
     """File name stem of a cached profile: readable parts plus a hash of everything that matters.
 
     The hash covers network, dataset, batch size, device type and name (CPU model / GPU name),
-    threads, the torch version and the loader worker counts; so a profile measured on another
-    machine type or torch version is never read back for this one.
+    threads, the torch version, the loader worker counts and the optimizer with its
+    hyperparameters (:func:`optimizer_setting`); so a profile measured on another machine type,
+    torch version or optimizer is never read back for this one.
+
+    Raises:
+        UserError: an unknown optimizer.
     """
     import hashlib
     import re
 
     import torch
 
+    optimizer = optimizer_setting(optimizer)
     ident = [network, dataset, batch_size, device, device_name(device), threads, torch.__version__,
-             sorted(set(loader_workers))]
+             sorted(set(loader_workers)), sorted(optimizer.model_dump().items())]
     digest = hashlib.sha1(repr(ident).encode()).hexdigest()[:12]
     safe = lambda s: re.sub(r"[^A-Za-z0-9_.-]+", "_", str(s))  # noqa: E731
-    return f"{safe(network)}_{safe(dataset)}_bs{batch_size}_{device}_t{threads}_{digest}"
+    return f"{safe(network)}_{safe(dataset)}_bs{batch_size}_{device}_t{threads}_{optimizer.name}_{digest}"
 
 
 def load_or_profile(network: str, dataset: str, batch_size: int, device: str = "cpu", threads: int = 1,
                     loader_workers: tuple[int, ...] = (0, 1), data_root=None, cache_dir=None, refresh: bool = False,
-                    progress: bool = False) -> WorkloadProfile:
+                    progress: bool = False, optimizer: OptimizerSetting | str = "sgd") -> WorkloadProfile:
     """The cached profile of this workload and device, measured (:func:`profile_workload`) if absent.
 
     The profile is JSON at ``<cache_dir>/<profile_cache_key(...)>.json`` (``cache_dir`` default:
@@ -862,7 +738,8 @@ def load_or_profile(network: str, dataset: str, batch_size: int, device: str = "
 
     loader_workers = tuple(loader_workers)
     _check_workload(network, dataset, batch_size, device, threads, loader_workers)
-    path = profile_path(network, dataset, batch_size, device, threads, loader_workers, cache_dir)
+    optimizer = optimizer_setting(optimizer)
+    path = profile_path(network, dataset, batch_size, device, threads, loader_workers, cache_dir, optimizer)
     if path.exists() and not refresh:
         try:
             return WorkloadProfile.model_validate_json(path.read_bytes())
@@ -871,7 +748,7 @@ def load_or_profile(network: str, dataset: str, batch_size: int, device: str = "
                 print(f"profile: cached {path} unreadable ({type(exc).__name__}); measuring again", file=sys.stderr)
     cache = Path(path.parent)
     profile = profile_workload(network, dataset, batch_size, device, threads, loader_workers, data_root,
-                               progress=progress, cache_root=cache / "data")
+                               progress=progress, cache_root=cache / "data", optimizer=optimizer)
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=cache)
     try:
@@ -885,9 +762,10 @@ def load_or_profile(network: str, dataset: str, batch_size: int, device: str = "
 
 
 def profile_path(network: str, dataset: str, batch_size: int, device: str = "cpu", threads: int = 1,
-                 loader_workers: tuple[int, ...] = (0, 1), cache_dir=None):
+                 loader_workers: tuple[int, ...] = (0, 1), cache_dir=None, optimizer: OptimizerSetting | str = "sgd"):
     """Where :func:`load_or_profile` keeps this workload's profile (a :class:`pathlib.Path`)."""
     from pathlib import Path
 
     folder = Path(cache_dir) if cache_dir is not None else default_profile_dir()
-    return folder / f"{profile_cache_key(network, dataset, batch_size, device, threads, loader_workers)}.json"
+    key = profile_cache_key(network, dataset, batch_size, device, threads, loader_workers, optimizer)
+    return folder / f"{key}.json"

@@ -5,17 +5,51 @@ device's, recommend the fastest. One difference, on purpose: every candidate tra
 global batch* (the samples per optimizer step), so the ranking compares ways of running one
 training job rather than different jobs — data parallel workers each take ``global / W``,
 pipelines split the global batch into micro-batches, collaborative peers accumulate it as their
-target batch size unless one is given.
+target batch size unless one is given. Each model's candidate comes from the registry (its
+``candidate`` rule, :func:`candidate_settings`).
+
+The rule itself — fastest predicted among those predicted to fit — is :func:`rank` and
+:func:`fastest_that_fits`; the validation report applies the same functions to its records.
+Torch-free.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ddlscope.errors import UserError
-from ddlscope.predict.cluster import ClusterSpec
-from ddlscope.predict.costs import MODELS, Prediction, Setting, predict
-from ddlscope.predict.profile import WorkloadProfile
+from ddlscope.modeling.cluster import ClusterSpec
+from ddlscope.modeling.memory import peak_memory_bytes
+from ddlscope.modeling.prediction import Prediction, Setting, predict
+from ddlscope.modeling.profile import WorkloadProfile
+
+T = TypeVar("T")
+
+
+def rank(items: Sequence[T], epoch_s: Callable[[T], float | None], fits: Callable[[T], bool | None]) -> list[T]:
+    """``items`` in the recommender's order: predicted to fit first (``fits(item) is True``), then
+    those with a prediction, each group fastest predicted ``epoch_s`` first; ties keep their order.
+
+    Items whose fit is unknown (None) rank with those that do not fit: a model is never
+    recommended on an unknown fit (thesis 002 ch. 8 filters by memory first).
+    """
+    def key(item: T) -> tuple[bool, bool, float]:
+        t = epoch_s(item)
+        return fits(item) is not True, t is None, t if t is not None else float("inf")
+
+    return sorted(items, key=key)
+
+
+def fastest_that_fits(items: Sequence[T], epoch_s: Callable[[T], float | None],
+                      fits: Callable[[T], bool | None]) -> T | None:
+    """The recommendation among ``items``: the first of :func:`rank` if it is predicted to fit and
+    has a predicted time, else None (nothing fits)."""
+    ranked = rank(items, epoch_s, fits)
+    if ranked and fits(ranked[0]) is True and epoch_s(ranked[0]) is not None:
+        return ranked[0]
+    return None
 
 
 @dataclass
@@ -33,7 +67,13 @@ class Candidate:
 
     @property
     def fits(self) -> bool:
+        """True when the setting is valid and its largest per-worker peak is within one device's memory."""
         return self.invalid_reason is None and self.memory_bytes is not None and self.memory_bytes <= self.capacity_bytes
+
+    @property
+    def epoch_s(self) -> float | None:
+        """Predicted seconds per epoch, or None without a prediction."""
+        return self.prediction.epoch_s if self.prediction else None
 
     @property
     def shortfall_bytes(self) -> int | None:
@@ -65,6 +105,7 @@ class Recommendation:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
+        """JSON-ready: the recommended model, why, the compute scale and every candidate."""
         def cand(c: Candidate) -> dict:
             p = c.prediction
             return {"strategy": c.setting.strategy, "workers": c.setting.workers,
@@ -82,76 +123,62 @@ class Recommendation:
 
 def candidate_settings(strategies: list[str], workers: int, global_batch_size: int, epoch_samples: int,
                        microbatches: int | None = None, loader_workers: int = 0,
-                       target_batch_size: int | None = None, matchmaking_time_s: float = 2.0,
+                       target_batch_size: int | None = None, matchmaking_time_s: float | None = None,
                        use_local_updates: bool = False, bucket_cap_mb: float = 25.0) -> list[Setting]:
     """One :class:`Setting` per distribution model for a job of ``global_batch_size`` samples per step.
 
-    single runs the whole batch on one device; ddp/fsdp/collaborative give each of ``workers``
-    workers ``global / workers`` (rounded down, at least 1); gpipe/1f1b split the global batch into
-    ``microbatches`` micro-batches (default ``2 * workers``, reduced until it divides the batch).
+    The default candidate of a model runs on ``workers`` workers (at most its ``max_workers``:
+    ``single`` runs on one) with ``global / data_parallel_size`` samples each (rounded down, at
+    least 1): data-parallel workers share the batch, pipeline stages all see the whole batch.
+    A model's registry ``candidate`` rule then sets its own fields from the job's options:
+    pipelines split the batch into ``microbatches`` (default ``2 x workers``, reduced until it
+    divides the batch); collaborative peers accumulate ``target_batch_size`` (default: the global
+    batch) at ``matchmaking_time_s`` (default: the ``[collaborative]`` table's,
+    :data:`ddlscope.distribution.collaborative.DEFAULT_MATCHMAKING_TIME_S`). A candidate that
+    cannot run (e.g. more stages than layers) is kept; :func:`recommend` lists it with its reason.
 
     Raises:
-        UserError: unknown distribution model, or ``workers < 2`` with a multi-worker model.
+        UserError: an unknown distribution model, or ``global_batch_size`` < 1.
     """
-    bad = [s for s in strategies if s not in MODELS]
-    if bad:
-        raise UserError(f"unknown distribution model(s) {bad}; allowed: {', '.join(MODELS)}")
+    from ddlscope import distribution
+
+    models = [distribution.get(name) for name in strategies]
     if global_batch_size < 1:
         raise UserError(f"batch size {global_batch_size}; allowed: >= 1")
-    per_worker = max(1, global_batch_size // workers)
+    options = {"microbatches": microbatches, "target_batch_size": target_batch_size,
+               "matchmaking_time_s": matchmaking_time_s, "use_local_updates": use_local_updates}
     out = []
-    for strategy in strategies:
-        common = dict(epoch_samples=epoch_samples, loader_workers=loader_workers, bucket_cap_mb=bucket_cap_mb)
-        if strategy == "single":
-            out.append(Setting("single", 1, global_batch_size, **common))
-        elif strategy in ("gpipe", "1f1b"):
-            m = microbatches or 2 * workers
-            while global_batch_size % m:
-                m -= 1
-            out.append(Setting(strategy, workers, global_batch_size, microbatches=m, **common))
-        elif strategy == "collaborative":
-            out.append(Setting("collaborative", workers, per_worker,
-                               target_batch_size=target_batch_size or global_batch_size,
-                               matchmaking_time_s=matchmaking_time_s, use_local_updates=use_local_updates, **common))
-        else:
-            out.append(Setting(strategy, workers, per_worker, **common))
+    for model in models:
+        n = workers if model.max_workers is None else min(workers, model.max_workers)
+        setting = Setting(model.name, n, max(1, global_batch_size // model.data_parallel_size(n)), epoch_samples,
+                          loader_workers=loader_workers, bucket_cap_mb=bucket_cap_mb)
+        out.append(model.candidate(setting, global_batch_size, options) if model.candidate else setting)
     return out
-
-
-def memory_of(profile: WorkloadProfile, s: Setting) -> int:
-    """Largest per-worker peak memory (bytes) of a setting, from :func:`ddlscope.predict.memory.predict_memory`."""
-    from ddlscope.predict.memory import predict_memory
-
-    estimates = predict_memory(profile, s.strategy, s.workers, s.batch_size, microbatches=s.microbatches,
-                               bucket_cap_mb=s.bucket_cap_mb, use_local_updates=s.use_local_updates)
-    return max(e.total_bytes for e in estimates)
 
 
 def recommend(profile: WorkloadProfile, cluster: ClusterSpec, settings: list[Setting],
               compute_scale: float = 1.0, compute_scale_band: tuple[float, float] = (1.0, 1.0)) -> Recommendation:
     """Predict every setting, check its memory against one device's, and pick the fastest that fits.
 
-    A setting predicted not to fit is never recommended. When nothing fits, ``best`` is None and
-    ``why`` names the candidate with the smallest shortfall (bytes per worker beyond capacity).
-    Invalid settings (e.g. more stages than layers) are listed with their reason. The predictions'
-    notes (what makes them less certain) become the recommendation's, each once.
+    A setting predicted not to fit is never recommended (:func:`fastest_that_fits`). When nothing
+    fits, ``best`` is None and ``why`` names the candidate with the smallest shortfall (bytes per
+    worker beyond capacity). Invalid settings (e.g. more stages than layers) are listed with their
+    reason. The predictions' notes (what makes them less certain) become the recommendation's,
+    each once.
     """
     capacity = cluster.device_memory_bytes(profile.device.memory_bytes)
     cands: list[Candidate] = []
     for s in settings:
         try:
             pred = predict(profile, cluster, s, compute_scale)
-            cands.append(Candidate(s, pred, memory_of(profile, s), capacity))
+            cands.append(Candidate(s, pred, peak_memory_bytes(profile, s), capacity))
         except UserError as err:
             cands.append(Candidate(s, None, None, capacity, invalid_reason=str(err)))
-    cands.sort(key=lambda c: (not c.fits, c.prediction is None,
-                              c.prediction.epoch_s if c.prediction else float("inf")))
-    feasible = [c for c in cands if c.fits]
-    if feasible:
-        best = feasible[0]
-        why = _why(best, feasible[1:], [c for c in cands if not c.fits and c.prediction])
+    cands = rank(cands, lambda c: c.epoch_s, lambda c: c.fits)
+    best = fastest_that_fits(cands, lambda c: c.epoch_s, lambda c: c.fits)
+    if best is not None:
+        why = _why(best, [c for c in cands if c.fits and c is not best], [c for c in cands if not c.fits and c.prediction])
     else:
-        best = None
         sized = [c for c in cands if c.shortfall_bytes is not None]
         if sized:
             nearest = min(sized, key=lambda c: c.shortfall_bytes)

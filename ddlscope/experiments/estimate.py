@@ -1,13 +1,13 @@
-"""Rough wall-clock estimates of sweep cells, for ``--dry-run``, the progress bar's ETA and presets.
+"""Rough wall-clock estimates of experiment cells, for ``sweep --dry-run``, the progress bar's ETA and presets.
 
 The figures are measurements of ResNet-18 (MNIST variant, thesis 002 Appendix A) on 28x28 inputs
 on the 2-core development machine, not a model of the hardware:
 
 - one training step at batch size 32 takes 0.37 s on 2 threads and 0.83 s on 1 thread; other
   batch sizes scale linearly in the number of samples, more threads as 2 threads x 2 / threads;
-- a 2-peer collaborative run (1 core each, budget 3,200 samples, target batch size 128,
-  matchmaking 2 s) took 89 s, where its 50 steps per peer compute in 50 x 0.83 = 41.5 s: the
-  factor 89 / 41.5 = 2.14 covers hivemind's start, matchmaking and averaging;
+- a distribution model whose steps take longer than their compute (hivemind's matchmaking and
+  averaging) gives the measured ratio as its ``estimate_factor`` (see
+  :class:`ddlscope.distribution.DistributionModel`; collaborative: 1.95, from a measured 2-peer run);
 - starting a run (processes, imports, dataset check, model build, final evaluation) costs about
   ``RUN_START_S`` seconds; this one is an assumption, not a measurement.
 
@@ -18,9 +18,9 @@ as a unit, not a prediction; the progress bar's ETA corrects itself with the cel
 from __future__ import annotations
 
 from ddlscope.config import RunConfig
+from ddlscope.distribution import get as get_model
 
 STEP_S_BS32 = {1: 0.83, 2: 0.37}  # measured: ResNet-18 MNIST variant, batch 32, on 1 and 2 threads
-COLLABORATIVE_FACTOR = 89.0 / (50 * 0.83)  # measured 2-peer run / its compute time
 RUN_START_S = 8.0  # assumption: process start, imports, dataset check, final evaluation
 
 
@@ -32,8 +32,8 @@ def sample_s(threads: int) -> float:
 
 
 def estimate_cell_s(cfg: RunConfig, cores: list[int] | None = None) -> float:
-    """Estimated wall-clock seconds of one run: start cost + steps per peer x step time (x the
-    collaborative factor for hivemind peers). Runs without a sample budget are estimated from
+    """Estimated wall-clock seconds of one run: start cost + steps per peer x step time x its
+    distribution model's ``estimate_factor``. Runs without a sample budget are estimated from
     ``time_limit_s`` when set, else as 10 minutes.
 
     Raises:
@@ -43,6 +43,4 @@ def estimate_cell_s(cfg: RunConfig, cores: list[int] | None = None) -> float:
     if steps is None:
         return RUN_START_S + (cfg.time_limit_s or 600.0)
     compute_s = steps * cfg.batch_size * sample_s(cfg.cores_per_peer(cores))
-    if cfg.strategy == "collaborative":
-        return compute_s * COLLABORATIVE_FACTOR
-    return RUN_START_S + compute_s
+    return RUN_START_S + compute_s * get_model(cfg.strategy).estimate_factor

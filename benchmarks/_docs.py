@@ -1,0 +1,286 @@
+"""Write a benchmark's latest results into a marked block of a docs page (docs/validation.md).
+
+The results tables in the docs are written by the benchmarks, not typed: each benchmark renders
+its result (the same dict it writes to ``benchmarks/results/<name>.json``) as Markdown and
+replaces the block between ``<!-- <name>:begin -->`` and ``<!-- <name>:end -->`` with it, under a
+header that says when, on what machine and at which commit it was measured. Everything outside
+the markers is kept byte for byte.
+
+    from _docs import update_docs_block, predictor_markdown
+    update_docs_block(DOCS_PAGE, "predictor", predictor_markdown(result))
+
+Used by ``benchmarks/predictor.py`` and ``benchmarks/overhead.py``; tested by
+``tests/test_docs.py``. Torch-free (the machine description asks torch only if it is installed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import re
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ddlscope.errors import UserError
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS_PAGE = REPO / "docs" / "validation.md"
+"""The page whose blocks the benchmarks rewrite."""
+
+_NAME = re.compile(r"[a-z][a-z0-9_-]*")
+
+
+def markers(name: str) -> tuple[str, str]:
+    """The begin and end markers of block ``name``: ``<!-- name:begin -->``, ``<!-- name:end -->``.
+
+    Raises:
+        UserError: ``name`` is not lower-case letters, digits, ``-`` or ``_`` (starting with a letter).
+    """
+    if not _NAME.fullmatch(name):
+        raise UserError(f"docs block name {name!r}: allowed: lower-case letters, digits, '-' and '_', "
+                        "starting with a letter")
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    """``text`` with the lines between block ``name``'s markers replaced by ``body``.
+
+    The marker lines stay; ``body`` goes between them on lines of its own; everything before the
+    begin marker and after the end marker is unchanged.
+
+    Raises:
+        UserError: a marker is missing or appears more than once, or the end marker comes first
+            (the message names the markers to add).
+    """
+    begin, end = markers(name)
+    counts = {m: text.count(m) for m in (begin, end)}
+    bad = [f"{m!r} {'is missing' if n == 0 else f'appears {n} times'}" for m, n in counts.items() if n != 1]
+    if bad:
+        raise UserError(f"docs block {name!r}: {'; '.join(bad)}; allowed: exactly one {begin} line followed by "
+                        f"one {end} line, around the block the benchmark rewrites")
+    head, rest = text.split(begin, 1)
+    if end not in rest:
+        raise UserError(f"docs block {name!r}: {end!r} comes before {begin!r}; allowed: begin first, then end")
+    tail = rest.split(end, 1)[1]
+    return f"{head}{begin}\n{body.strip()}\n{end}{tail}"
+
+
+def _with_block(path: Path, name: str, body: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"docs page not found: {path}; allowed: an existing page with the block's markers "
+                        f"({' ... '.join(markers(name))})") from None
+    return replace_block(text, name, body)
+
+
+def check_docs_block(path: Path, name: str) -> None:
+    """Check that the page at ``path`` has block ``name`` (a benchmark calls this before it measures,
+    so that a long run does not fail at its last step). Raises what :func:`update_docs_block` raises."""
+    _with_block(path, name, "")
+
+
+def update_docs_block(path: Path, name: str, body: str) -> None:
+    """Replace block ``name`` of the page at ``path`` with ``body`` (see :func:`replace_block`).
+
+    The page is rewritten only when the block was found, so a failure leaves it as it was.
+
+    Raises:
+        UserError: the page does not exist, or its markers are missing or out of order.
+    """
+    Path(path).write_text(_with_block(path, name, body), encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------- provenance
+
+def git_commit(repo: Path = REPO) -> str:
+    """The short commit hash of ``repo``'s HEAD, with ``+uncommitted changes`` when the work tree
+    differs from it; ``"unknown"`` when git or the repository is unavailable."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{commit}+uncommitted changes" if dirty else commit
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _gpu() -> str:
+    if importlib.util.find_spec("torch") is None:
+        return "no GPU"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no GPU"
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return ", ".join(f"{names.count(n)} x {n}" for n in dict.fromkeys(names))
+
+
+def machine_description() -> str:
+    """This machine in one line: cores this process may use (of all), CPU model, GPUs, OS.
+
+    E.g. ``"2 cores (of 2), Intel(R) Xeon(R) Processor, no GPU, Linux 6.18"``.
+    """
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"{usable} cores (of {os.cpu_count()}), {_cpu_model()}, {_gpu()}, "
+            f"{platform.system()} {platform.release().split('-')[0]}")
+
+
+def provenance(script: str, measured_at: str | None = None, machine: str | None = None,
+               commit: str | None = None) -> str:
+    """The header line of a generated block: which script wrote it, when, where, at which commit.
+
+    Args:
+        script: the benchmark's path as a user runs it, e.g. ``"benchmarks/predictor.py"``.
+        measured_at: ``"YYYY-MM-DD HH:MM"`` (default: now, local time); machine, commit: default
+            :func:`machine_description` and :func:`git_commit`.
+    """
+    measured_at = measured_at or time.strftime("%Y-%m-%d %H:%M")
+    machine = machine or machine_description()
+    commit = commit or git_commit()
+    return (f"*Written by `python {script}` on {measured_at}; machine: {machine}; commit {commit}. "
+            f"Do not edit by hand: the next run of the benchmark replaces this block.*")
+
+
+# ---------------------------------------------------------------------------- tables
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A GitHub Markdown table (cells as given, ``|`` escaped)."""
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    return "\n".join([line(header), line(["---"] * len(header)), *(line(r) for r in rows)])
+
+
+def _pct(v: float | None, signed: bool = False) -> str:
+    return "–" if v is None else format(100 * v, "+.1f" if signed else ".1f") + " %"
+
+
+def _seconds(v: float | None) -> str:
+    if v is None:
+        return "–"
+    return "< 0.001 s" if v < 0.001 else f"{v:.3f} s" if v < 10 else f"{v:.1f} s"
+
+
+def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> str:
+    """The block of ``benchmarks/predictor.py``: grid, per-model errors, recommendation and speed.
+
+    Args:
+        result: the dict written to ``benchmarks/results/predictor.json``: ``grid`` (the
+            validation grid's fields), ``speed`` (``profile_and_predict_s``, ``further_cluster_s``,
+            ``further_strategy_s``), ``validation_wall_s``, ``summary`` (``ValidationSummary.to_dict()``:
+            ``per_model`` / ``per_reference`` of ``{count, median_abs_error, max_abs_error,
+            median_error}`` as fractions, ``targets`` of ``{name, value, threshold, comparison,
+            passed}``, ``top1_correct``, ``top1_determined``, ``median_regret``, ``tau_pooled``,
+            ``cells``), ``measured_at`` and ``speed_targets_s`` (``{profile_and_predict_s, further_s}``).
+        header: the line above the tables (default: :func:`provenance` of this machine, now).
+
+    Raises:
+        UserError: ``result`` lacks one of those keys (not a predictor result).
+    """
+    try:
+        grid, speed, summary = result["grid"], result["speed"], result["summary"]
+        per_model, per_ref, targets = summary["per_model"], summary["per_reference"], summary["targets"]
+    except (KeyError, TypeError) as e:
+        raise UserError(f"not a benchmarks/predictor.py result: missing {e}; allowed: the dict it writes to "
+                        "benchmarks/results/predictor.json") from None
+    header = header or provenance("benchmarks/predictor.py", str(result.get("measured_at", ""))[:16] or None)
+    met = {True: "yes", False: "**no**", None: "no data"}
+
+    def target(name: str) -> list[str]:
+        t = next((t for t in targets if t["name"] == name), None)
+        if t is None:
+            return ["", ""]
+        shown = _pct(t["threshold"]) if t["threshold"] <= 1 else f"{t['threshold']:g}"
+        return [f"{t.get('comparison', '<=')} {shown}", met[t.get("passed")]]
+
+    def speed_target(values: list[float | None], limit_s: float | None) -> list[str]:
+        if limit_s is None:
+            return ["", ""]
+        return [f"<= {limit_s:g} s", met[None if None in values else max(values) <= limit_s]]
+
+    threads = grid.get("threads_per_device")
+    wall = result.get("validation_wall_s")
+    lines = [header, "",
+             f"Grid `{grid.get('name', '?')}`: {', '.join(grid.get('datasets', []))} x "
+             f"{', '.join(grid.get('networks', []))}; global batch {grid.get('batch_size', '?')}; "
+             f"{grid.get('workers', '?')} workers"
+             + (f" of {threads} core(s) each" if threads else " sharing the cores evenly")
+             + f" against one such device; {grid.get('warmup_batches', '?')} warm-up + "
+             f"{grid.get('measured_batches', '?')} measured batches per run ("
+             + "".join(f"{m} {n}, " for m, n in (grid.get("measured_batches_by_model") or {}).items()
+                       if n != grid.get("measured_batches"))
+             + f"target batch size "
+             f"{grid.get('target_batch_size') or grid.get('batch_size', '?')}, matchmaking time "
+             f"{grid.get('matchmaking_time_s', '?')} s); {summary.get('cells', '?')} cells"
+             + (f"; the real runs took {wall / 60:.1f} min." if wall else "."), ""]
+    rows = []
+    for name, m in per_model.items():
+        refs = [f"{key.split(' ', 1)[1]}: {_pct(r.get('median_abs_error'))}" for key, r in per_ref.items()
+                if key.split(" ", 1)[0] == name]
+        count = m.get("count")
+        rows.append([name, "–" if count is None else str(count), _pct(m.get("median_abs_error")),
+                     _pct(m.get("max_abs_error")), _pct(m.get("median_error"), signed=True), ", ".join(refs),
+                     *target(f"median abs error {name}")])
+    lines += [markdown_table(["distribution model", "cells", "median abs error", "max abs error",
+                              "median error (signed)", "thesis reference: median abs error", "target", "met"],
+                             rows), ""]
+    top1 = f"{summary.get('top1_correct', '–')} / {summary.get('top1_determined', '–')}"
+    tau = summary.get("tau_pooled")
+    limits = result.get("speed_targets_s", {})
+    first = [speed.get("profile_and_predict_s")]
+    further = [speed.get("further_cluster_s"), speed.get("further_strategy_s")]
+    figures = [
+        ["recommendation = measured fastest (cells)", top1, *target("top-1 rate")],
+        ["median regret", _pct(summary.get("median_regret")), *target("median regret")],
+        ["Kendall tau, predicted vs. measured order (pooled)", "–" if tau is None else f"{tau:.2f}", "", ""],
+        ["profile ResNet-18 + predict every model", _seconds(first[0]),
+         *speed_target(first, limits.get("profile_and_predict_s"))],
+        ["a further cluster / a further distribution model", " / ".join(_seconds(v) for v in further),
+         *speed_target(further, limits.get("further_s"))],
+    ]
+    lines.append(markdown_table(["figure", "value", "target", "met"], figures))
+    return "\n".join(lines)
+
+
+def overhead_markdown(result: Mapping[str, Any], header: str | None = None) -> str:
+    """The block of ``benchmarks/overhead.py``: ms per step plain vs. instrumented and the overhead.
+
+    Args:
+        result: the dict written to ``benchmarks/results/overhead.json`` (``model``, ``dataset``,
+            ``batch_size``, ``timed_steps``, ``repeats``, ``plain_step_ms``, ``ddlscope_step_ms``,
+            ``overhead_fraction``, ``target_fraction``, ``meets_target``; ``measured_at`` optional).
+        header: the line above the table (default: :func:`provenance` of this machine, now).
+
+    Raises:
+        UserError: ``result`` lacks one of those keys (not an overhead result).
+    """
+    try:
+        row = [f"{result['model']} / {result['dataset']}, batch {result['batch_size']}", str(result["timed_steps"]),
+               str(result["repeats"]), f"{result['plain_step_ms']:.1f}", f"{result['ddlscope_step_ms']:.1f}",
+               _pct(result["overhead_fraction"]), f"< {_pct(result['target_fraction'])}",
+               "yes" if result["meets_target"] else "**no**"]
+    except (KeyError, TypeError) as e:
+        raise UserError(f"not a benchmarks/overhead.py result: missing {e}; allowed: the dict it writes to "
+                        "benchmarks/results/overhead.json") from None
+    header = header or provenance("benchmarks/overhead.py", str(result.get("measured_at", ""))[:16] or None)
+    table = markdown_table(["workload", "timed steps", "repeats", "plain ms/step", "ddlscope ms/step",
+                            "overhead (median)", "target", "met"], [row])
+    return f"{header}\n\n{table}"

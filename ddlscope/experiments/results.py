@@ -1,0 +1,117 @@
+"""What an experiment's stored run measured: seconds per step and per epoch, step parts, and speedup.
+
+Seconds per step (thesis 002 ch. 3.4): for models whose workers step together (the registry's
+``lockstep``), the mean over measured (non warm-up) steps of the slowest worker's step time. Workers
+that step on their own (collaborative peers) are measured over a window: the slowest worker's
+measured time (thesis 000: a collaborative run's runtime is the maximum over its peers) over the
+samples all workers processed in it, scaled to one step of every worker. Seconds per epoch: the
+step time x the steps in one epoch of the *real* dataset (``train_size / samples per step``).
+
+Speedup (:func:`speedup`, the one definition): the baseline's time for the same work over the
+run's (equivalently, the run's throughput over the baseline's); the baseline is the completed run
+of the registry's baseline model (:func:`ddlscope.distribution.baseline`) for the same workload.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from ddlscope import distribution
+from ddlscope.measure.parts import STEP_PARTS, measured_parts
+from ddlscope.store.db import ResultsStore
+
+BREAKDOWN: tuple[str, ...] = (*STEP_PARTS, "other_s")
+"""The step parts a measurement reports (:data:`ddlscope.measure.parts.STEP_PARTS`), then ``other_s``:
+the step's wall time not covered by them."""
+
+T = TypeVar("T")
+
+
+@dataclass
+class Measurement:
+    """A completed run reduced to per-step figures. Seconds, bytes; None where not measured.
+
+    Attributes:
+        step_s: seconds per step of all workers together (see the module docstring).
+        epoch_s: seconds per epoch of the real dataset (None: the dataset's size is unknown).
+        parts_s: :func:`ddlscope.measure.parts.measured_parts` of the measured steps: mean seconds
+            of one worker's step by part, with ``step_s`` (its mean wall time).
+        breakdown_s: the same parts and ``other_s``, the wall time they do not cover (:data:`BREAKDOWN`).
+        comm_s / comm_bytes_per_step: mean communication time and bytes per measured step.
+        peak_memory_bytes: the largest per-worker peak (CPU: peak RSS).
+    """
+
+    step_s: float
+    epoch_s: float | None
+    parts_s: dict[str, float] = field(default_factory=dict)
+    breakdown_s: dict[str, float] = field(default_factory=dict)
+    comm_s: float | None = None
+    comm_bytes_per_step: float | None = None
+    peak_memory_bytes: int | None = None
+
+
+def measure_run(store: ResultsStore, run_id: str) -> Measurement | None:
+    """The :class:`Measurement` of a stored run, or None when it did not complete with a measured step."""
+    from ddlscope.workloads.datasets import DATASETS
+
+    run = store.run(run_id)
+    steps = [dict(s) for s in store.rows("steps", run_id) if not s["warmup"]]
+    if run is None or run["status"] != "completed" or not steps:
+        return None
+    cfg = store.run_config(run_id)
+    model = distribution.get(cfg["strategy"])
+    workers, batch = int(cfg.get("peers", 1)), int(cfg["batch_size"])
+    samples_per_step = model.data_parallel_size(workers) * batch
+    if model.lockstep:  # every step lasts as long as its slowest worker's
+        by_step: dict[int, list[dict]] = {}
+        for s in steps:
+            by_step.setdefault(s["step"], []).append(s)
+        step_s = statistics.fmean(max(r["step_s"] for r in rows) for rows in by_step.values())
+    else:  # the slowest worker's window, over the samples all workers processed in it
+        window_s = max(sum(s["step_s"] for s in steps if s["worker_index"] == w) for w in {s["worker_index"] for s in steps})
+        step_s = window_s * samples_per_step / sum(s["samples"] for s in steps)
+    dataset = DATASETS.get(cfg.get("dataset"))
+    parts = measured_parts(steps)
+    breakdown = {p: parts[p] for p in STEP_PARTS}
+    breakdown["other_s"] = max(0.0, parts["step_s"] - sum(breakdown.values()))
+    peaks = [w["peak_memory_bytes"] for w in store.workers(run_id) if w["peak_memory_bytes"]]
+    return Measurement(
+        step_s=step_s, epoch_s=step_s * dataset.train_size / samples_per_step if dataset else None,
+        parts_s=parts, breakdown_s=breakdown, comm_s=statistics.fmean(s["comm_s"] or 0.0 for s in steps),
+        comm_bytes_per_step=statistics.fmean(s["comm_bytes"] or 0 for s in steps),
+        peak_memory_bytes=max(peaks) if peaks else None)
+
+
+def speedup(baseline_s: float | None, run_s: float | None) -> float | None:
+    """The baseline's seconds for some work over the run's seconds for the same work (> 1: faster).
+
+    None when either is missing or not positive.
+    """
+    if not baseline_s or not run_s or baseline_s <= 0 or run_s <= 0:
+        return None
+    return baseline_s / run_s
+
+
+def baseline_times(items: Iterable[T], workload: Callable[[T], Hashable], model: Callable[[T], str],
+                   seconds: Callable[[T], float | None]) -> dict[Hashable, float]:
+    """The baseline model's (:func:`ddlscope.distribution.baseline`) measured time per workload.
+
+    Args:
+        items: e.g. a suite's cell results.
+        workload: what must match for a fair comparison (e.g. ``(dataset, network)``).
+        model: the item's distribution model name.
+        seconds: the item's time for the common work (e.g. seconds per epoch), None if unmeasured.
+
+    Returns:
+        ``{workload: seconds}`` of the first measured baseline item of each workload; pass an
+        item's workload and seconds to :func:`speedup`.
+    """
+    base_name = distribution.baseline().name
+    out: dict[Hashable, float] = {}
+    for it in items:
+        if model(it) == base_name and seconds(it):
+            out.setdefault(workload(it), seconds(it))
+    return out

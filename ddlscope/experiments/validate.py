@@ -1,0 +1,291 @@
+"""Validation: predict every cell of a grid, run it for real on this machine, and compare.
+
+For each dataset x network the workload is profiled once (cached), every distribution model is
+predicted and its memory checked by the recommender, each prediction is stored in the results
+database (with whether the recommender chose it), and then the same settings are trained for real
+by the experiment runner (:mod:`ddlscope.experiments.runner`: synthetic copies of the datasets, a
+few warm-up and measured batches, seconds per epoch extrapolated to the real dataset by
+:func:`ddlscope.experiments.results.measure_run`). The prediction row is linked to its run, so
+validating is a join. Rerunning skips cells whose real run completed.
+
+A predicted setting becomes a run config in one place, :func:`validation_cell`: the setting's
+workers, batch, micro-batches (and, for pipelines, the predicted stage cut), and the fields of the
+model's own config table taken from the setting's attributes of the same name, else from the
+grid's (e.g. ``collaborative.target_batch_size`` / ``averaging_timeout_s``). What a measurement of
+a model needs comes from its registry descriptor: the steps its start-up costs once
+(``startup_steps``, excluded like a warm-up) and how many steps it must measure (``measured_steps``).
+
+Grid files are TOML with one ``[validation]`` table (:class:`ValidationGrid`), or a preset:
+``local`` (MNIST and CIFAR-10 shapes x ResNet-18, VGG-11, MobileNetV2 x every distribution model
+with a cost model, on 2 workers of one core each) and ``tiny`` (for tests).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, field_validator
+
+from ddlscope import distribution
+from ddlscope.config import _format_validation_error, available_cores, read_toml
+from ddlscope.errors import UserError
+from ddlscope.experiments import check_known
+from ddlscope.experiments.results import measure_run
+from ddlscope.experiments.runner import Cell, RunFn, run_cells
+from ddlscope.store.db import ResultsStore
+
+if TYPE_CHECKING:
+    from ddlscope.modeling.cluster import ClusterSpec
+    from ddlscope.modeling.prediction import Setting
+    from ddlscope.modeling.recommend import Candidate
+    from ddlscope.predict.validation_report import StrategyOutcome, ValidationCell
+
+
+def predicted_models() -> list[str]:
+    """Every registered distribution model with a cost model (a newly registered one joins by itself)."""
+    return [m.name for m in distribution.all_models() if m.cost_model is not None]
+
+
+class ValidationGrid(BaseModel):
+    """A validation grid: datasets x networks, each with every distribution model in ``strategies``.
+
+    Every cell trains the same global ``batch_size`` per optimizer step (see
+    :mod:`ddlscope.modeling.recommend`); ``workers`` devices of ``threads_per_device`` cores each
+    (default: all cores / workers), ``warmup_batches`` excluded from the timing, then
+    ``measured_batches`` (or the model's own ``measured_steps``, collaborative: 48, so that the
+    measurement spans several averaging rounds; ``model_measured_batches`` overrides either per
+    model). Models whose runs pay a start-up once (collaborative: the first global epoch plus
+    one, hivemind's peer discovery and first matchmaking) exclude those steps too, as the other
+    models exclude their allocator's warm-up.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "validation"
+    datasets: list[str] = Field(min_length=1)
+    networks: list[str] = Field(min_length=1)
+    strategies: list[str] = Field(default_factory=predicted_models, min_length=1)
+    workers: int = Field(2, ge=2)
+    batch_size: int = Field(64, ge=1, description="global batch: samples per optimizer step")
+    microbatches: int = Field(4, ge=1)
+    warmup_batches: int = Field(2, ge=0)
+    measured_batches: int = Field(8, ge=1)
+    model_measured_batches: dict[str, int] = Field(
+        default_factory=dict, description="measured batches per worker of some models, e.g. {collaborative = 48}")
+    loader_workers: int = Field(0, ge=0)
+    threads_per_device: int | None = Field(None, ge=1)
+    target_batch_size: int | None = Field(None, ge=1, description="collaborative; default: the global batch")
+    matchmaking_time_s: float = Field(1.0, gt=0)
+    use_local_updates: bool = False
+    averaging_timeout_s: float = Field(60.0, gt=0, description="collaborative: a stuck averaging round fails the "
+                                       "measured run after this long")
+    synthetic_train_size: int = Field(128, ge=1)
+
+    @field_validator("strategies")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        return check_known(v, predicted_models(), "distribution model")
+
+    @field_validator("model_measured_batches")
+    @classmethod
+    def _known_models(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = {k: n for k, n in v.items() if k not in distribution.names() or n < 1}
+        if bad:
+            raise ValueError(f"{bad}: keys must be distribution models ({', '.join(distribution.names())}) "
+                             f"and values >= 1")
+        return v
+
+    @property
+    def threads(self) -> int:
+        return self.threads_per_device or max(1, len(available_cores()) // self.workers)
+
+    def measured_batches_of(self, model: str) -> int:
+        """Measured batches per worker of ``model``'s cells (see the class docstring)."""
+        own = distribution.get(model).measured_steps
+        return self.model_measured_batches.get(model, own or self.measured_batches)
+
+    @computed_field
+    @property
+    def measured_batches_by_model(self) -> dict[str, int]:
+        """:meth:`measured_batches_of` every model of the grid (reports show it with the grid)."""
+        return {m: self.measured_batches_of(m) for m in self.strategies}
+
+
+PRESETS: dict[str, dict] = {
+    # collaborative peers accumulate 2 global batches per averaging round: with a round after every
+    # step hivemind 1.1.12 sometimes fails cancelling a pre-scheduled round (InvalidStateError)
+    "local": dict(name="validation-local", datasets=["mnist", "cifar10"],
+                  networks=["resnet18", "vgg11", "mobilenet_v2"], workers=2, batch_size=64, microbatches=4,
+                  target_batch_size=128),
+    "tiny": dict(name="validation-tiny", datasets=["mnist"], networks=["tiny_cnn"],
+                 strategies=["single", "ddp", "gpipe"], workers=2, batch_size=16, microbatches=2,
+                 warmup_batches=1, measured_batches=3, synthetic_train_size=64),
+}
+
+
+def load_grid(path_or_preset: str) -> ValidationGrid:
+    """A grid from a preset name or a TOML file with a ``[validation]`` table.
+
+    Raises:
+        UserError: no such file or preset, invalid TOML or fields.
+    """
+    if path_or_preset in PRESETS:
+        return ValidationGrid(**PRESETS[path_or_preset])
+    path = Path(path_or_preset)
+    if not path.exists():
+        raise UserError(f"validation grid not found: {path}; allowed: a TOML file or a preset ({', '.join(PRESETS)})")
+    data = read_toml(path, "validation grid")
+    if set(data) != {"validation"}:
+        raise UserError(f"validation grid {path}: expected exactly one [validation] table, got {sorted(data) or 'none'}")
+    try:
+        return ValidationGrid(**data["validation"])
+    except ValidationError as err:
+        raise UserError(_format_validation_error(err).replace("invalid run config", f"invalid grid {path}")) from None
+
+
+def cell_key(setting: Setting, network: str, dataset: str) -> str:
+    """The key and label of a cell's real run (and the key its prediction is stored under)."""
+    mb = f"-mb{setting.microbatches}" if setting.microbatches else ""
+    return f"{setting.strategy}-{network}-{dataset}-{setting.workers}w-b{setting.global_batch_size}{mb}"
+
+
+def _table_values(grid: ValidationGrid, model: distribution.DistributionModel, setting: Setting) -> dict[str, Any]:
+    """The model's own config table for a setting: each field from the setting's field or option of
+    the same name, else the grid's (when set); fields neither has keep their defaults."""
+    if model.config_class is None:
+        return {}
+    options = setting.model_options()
+    out = {}
+    for name in model.config_class.model_fields:
+        value = options[name] if options.get(name) is not None else getattr(grid, name, None)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def validation_cell(grid: ValidationGrid, setting: Setting, network: str, dataset: str, data_root: Path,
+                    stage_bounds: list[int] | None = None) -> Cell:
+    """The real run of a predicted setting, as an experiment cell: same batch, micro-batches, workers
+    and cores per device, the model's table from the setting (see the module docstring), and for
+    pipelines the predicted stage cut (``stage_bounds``), so that the run is the configuration that
+    was predicted rather than a cut re-measured at start-up. Its ``config`` raises UserError when
+    the values are invalid (the runner then stores the cell as failed)."""
+    model = distribution.get(setting.strategy)
+    table = _table_values(grid, model, setting)
+    warmup = grid.warmup_batches + model.startup_steps_of(setting.batch_size, setting.workers, table)
+    measured = grid.measured_batches_of(model.name)
+    key = cell_key(setting, network, dataset)
+    values: dict[str, Any] = dict(
+        name=key, strategy=setting.strategy, model=network, dataset=dataset, data_root=str(data_root),
+        batch_size=setting.batch_size, peers=setting.workers, vcpus_per_peer=grid.threads, device="cpu",
+        loader_workers=grid.loader_workers, augment=False, final_eval=False, warmup_steps=warmup,
+        sample_budget=(warmup + measured) * setting.batch_size * model.data_parallel_size(setting.workers),
+    )
+    if setting.microbatches:
+        values["distributed"] = dict(microbatches=setting.microbatches, stage_bounds=stage_bounds)
+    if model.config_table:
+        values[model.config_table] = table
+    return Cell(key=key, label=key, values=values)
+
+
+def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, data_root: Path | None = None,
+                   profile_dir: Path | None = None, progress: bool = True, rerun: bool = False,
+                   run_real: bool = True, run_fn: RunFn | None = None) -> list[ValidationCell]:
+    """Profile, predict, store and (unless ``run_real`` is False) run every cell of ``grid``.
+
+    Returns one :class:`ValidationCell` per dataset x network with an outcome per distribution
+    model. Predictions are stored in the ``predictions`` table under the grid's name (``detail``
+    says whether the recommender chose it: ``recommended``); real runs are ordinary runs in the
+    group of the same name, run by :func:`ddlscope.experiments.runner.run_cells` (``run_fn``: its
+    stand-in for tests).
+
+    Raises:
+        KeyboardInterrupt: after the running cell was stopped and stored as interrupted.
+    """
+    from ddlscope.modeling.recommend import candidate_settings, recommend
+    from ddlscope.predict.validation_report import ValidationCell
+    from ddlscope.profiling.profile import load_or_profile
+    from ddlscope.workloads.datasets import DATASETS, write_synthetic
+
+    root = Path(data_root or Path(db_path).parent / "suite-data")
+    profile_dir = Path(profile_dir or Path(db_path).parent / "profiles")
+    for ds in grid.datasets:
+        write_synthetic(ds, root, train_size=max(grid.synthetic_train_size, grid.batch_size), test_size=32, seed=0)
+    planned = []  # (dataset, network, predict_s, [(candidate, prediction id, cell)])
+    for ds in grid.datasets:
+        for net in grid.networks:
+            if progress:
+                print(f"validate {grid.name}: profiling {net} on {ds} and predicting", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            profile = load_or_profile(net, ds, grid.batch_size, threads=grid.threads,
+                                      loader_workers=(grid.loader_workers,), data_root=root, cache_dir=profile_dir)
+            settings = candidate_settings(
+                grid.strategies, grid.workers, grid.batch_size, DATASETS[ds].train_size,
+                microbatches=grid.microbatches, loader_workers=grid.loader_workers,
+                target_batch_size=grid.target_batch_size, matchmaking_time_s=grid.matchmaking_time_s,
+                use_local_updates=grid.use_local_updates)
+            rec = recommend(profile, cluster, settings)
+            predict_s = time.perf_counter() - t0
+            with ResultsStore(db_path) as store:
+                entries = [(c, _store_prediction(store, grid.name, c, c is rec.best, net, ds),
+                            validation_cell(grid, c.setting, net, ds, root,
+                                            c.prediction.inputs.get("stage_bounds") if c.prediction else None))
+                           for c in rec.candidates]
+            planned.append((ds, net, predict_s, entries))
+    runs: dict[str, tuple[str | None, str, str | None]] = {}
+    if run_real:
+        cells = [cell for *_, entries in planned for _, _, cell in entries]
+        for o in run_cells(cells, db_path, grid.name, progress=progress, rerun=rerun, run_fn=run_fn, what="validate"):
+            runs[o.cell.key] = (o.run_id, o.status, o.reason)
+    out = []
+    for ds, net, predict_s, entries in planned:
+        outcomes = [_outcome(db_path, cand, pid, runs.get(cell.key)) for cand, pid, cell in entries]
+        out.append(ValidationCell(dataset=ds, network=net, workers=grid.workers, outcomes=outcomes,
+                                  predict_s=predict_s))
+    return out
+
+
+def _store_prediction(store: ResultsStore, group: str, cand: Candidate, recommended: bool, net: str, ds: str) -> str:
+    """Store one candidate's prediction under its cell's key; return the prediction id."""
+    s, p = cand.setting, cand.prediction
+    return store.add_prediction(
+        cell_key(s, net, ds), s.strategy, s.workers, s.batch_size, group_name=group, microbatches=s.microbatches,
+        predicted_step_s=p.step_s if p else None, predicted_epoch_s=p.epoch_s if p else None,
+        memory_bytes=cand.memory_bytes, capacity_bytes=cand.capacity_bytes, fits=cand.fits,
+        dominant_cost=p.dominant_cost if p else None,
+        detail={"breakdown_s": p.breakdown_s if p else None, "inputs": p.inputs if p else None,
+                "reference_epoch_s": p.reference_epoch_s if p else None, "invalid": cand.invalid_reason,
+                "recommended": recommended})
+
+
+def _outcome(db_path: Path, cand: Candidate, prediction_id: str,
+             run: tuple[str | None, str, str | None] | None) -> StrategyOutcome:
+    """A candidate's prediction next to its real run (``run``: id, runner status, reason; None: not run)."""
+    from ddlscope.predict.validation_report import StrategyOutcome
+
+    p = cand.prediction
+    outcome = StrategyOutcome(
+        strategy=cand.setting.strategy, predicted_epoch_s=p.epoch_s if p else None,
+        predicted_memory_bytes=cand.memory_bytes, fits=cand.fits if p else None, measured_epoch_s=None,
+        status="not-run", reason=cand.invalid_reason, reference_epoch_s=dict(p.reference_epoch_s) if p else {},
+        dominant_cost=p.dominant_cost if p else None, predicted_parts_s=dict(p.breakdown_s) if p else {})
+    if run is None:
+        return outcome
+    run_id, status, reason = run
+    if run_id is None:  # interrupted before the launcher stored anything
+        outcome.status, outcome.reason = "failed", reason or status
+        return outcome
+    with ResultsStore(db_path) as store:
+        store.link_prediction(prediction_id, run_id)
+        row = store.run(run_id)
+        measured = measure_run(store, run_id)
+    if measured is not None and measured.epoch_s:
+        outcome.status, outcome.measured_epoch_s = "completed", measured.epoch_s
+        outcome.measured_memory_bytes, outcome.measured_parts_s = measured.peak_memory_bytes, measured.parts_s
+    else:  # failed, interrupted, or completed without a measured step
+        outcome.status = "failed"
+        outcome.reason = row["reason"] or f"run {run_id} ended {row['status']} without measured steps"
+    return outcome

@@ -1,0 +1,144 @@
+"""Start, watch and end child processes as whole process groups: the one process supervision.
+
+Every process ddlscope starts for a run or a measurement (training workers, the torchrun agent,
+calibration workers) is started by :func:`start_process`: in a session of its own, so that its
+process group holds it *and* everything it starts (DataLoader workers, hivemind's averager and
+p2pd daemon, torchrun's workers' helpers) and can be ended as one; with ``OMP_NUM_THREADS`` /
+``MKL_NUM_THREADS`` set to its cores; its stdout and stderr appended to a log file.
+
+:func:`stop_processes` ends them all: SIGTERM to each leader (so a worker can stop its children
+and record its status), up to ``grace_s`` to exit, then SIGKILL to each whole group, and it returns
+only once every group is gone (SIGKILL is asynchronous). The children themselves call
+:func:`die_with_parent` so that they end when the supervising process dies without a chance to
+stop them (Linux ``PR_SET_PDEATHSIG``).
+
+Used by :mod:`ddlscope.launch.local` (runs) and :mod:`ddlscope.profiling.calibrate`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+KILL_WAIT_S = 10.0
+"""Seconds :func:`stop_processes` waits for a SIGKILLed group to disappear."""
+
+
+def thread_env(threads: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with ``threads`` math-library threads and unbuffered Python output.
+
+    Args:
+        threads: ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` (the cores the child is pinned to).
+        extra: further variables, set last (e.g. ``PYTHONPATH``).
+    """
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
+                **(extra or {}))
+
+
+def start_process(cmd: Sequence[str], log_path: str | Path, threads: int,
+                  env_extra: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """Start ``cmd`` in a new session (its pid is its process-group id), output appended to ``log_path``.
+
+    Args:
+        cmd: the command line.
+        log_path: file that receives stdout and stderr (created if missing, appended to).
+        threads: math-library threads of the child (see :func:`thread_env`).
+        env_extra: further environment variables.
+
+    Raises:
+        OSError: the command cannot be started (e.g. no such executable).
+    """
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=thread_env(threads, env_extra),
+                                start_new_session=True)
+
+
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Send ``sig`` to process group ``pgid``; a group that is gone (or not ours) is ignored."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    """True while process group ``pgid`` has a process (zombies included) that we may signal."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` seconds for process group ``pgid`` to disappear; True if it did."""
+    deadline = time.monotonic() + timeout_s
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not group_alive(pgid)
+
+
+def _wait(popen: subprocess.Popen, timeout_s: float) -> None:
+    try:
+        popen.wait(timeout=max(0.0, timeout_s))
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def stop_processes(popens: Sequence[subprocess.Popen], grace_s: float, other_groups: Iterable[int] = ()) -> None:
+    """End every process of ``popens`` and its whole process group; return once all groups are gone.
+
+    SIGTERM goes to each leader alone (so it can stop its own children and record its status);
+    after up to ``grace_s`` seconds every group gets SIGKILL, which catches what is left (daemons,
+    loader workers, a leader stuck in C code). ``other_groups`` are further process groups that
+    the leaders started in sessions of their own (torchrun's workers): they already had SIGTERM
+    through their leader, get ``grace_s`` more to exit, then SIGKILL.
+
+    Args:
+        popens: processes started with :func:`start_process` (each leads its own group).
+        grace_s: seconds between SIGTERM and SIGKILL.
+        other_groups: process-group ids (= leader pids) of further sessions to end.
+    """
+    for p in popens:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in popens:
+        _wait(p, deadline - time.monotonic())
+    for p in popens:
+        signal_group(p.pid, signal.SIGKILL)
+        _wait(p, 5.0)
+    others = sorted(set(other_groups))
+    for pgid in others:
+        if group_alive(pgid) and not wait_group_gone(pgid, grace_s):
+            signal_group(pgid, signal.SIGKILL)
+    for pgid in [p.pid for p in popens] + others:
+        wait_group_gone(pgid, KILL_WAIT_S)
+
+
+def log_tail(path: str | Path, lines: int = 3) -> str:
+    """The last ``lines`` lines of a log (trailing blank lines dropped), joined with `` | ``; "" when it is
+    unreadable or empty."""
+    try:
+        text = Path(path).read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(text[-lines:])
+
+
+def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies (``PR_SET_PDEATHSIG``); no-op elsewhere.
+
+    Call it first thing in a child; a child should then also check that ``os.getppid()`` is
+    still the expected parent (the parent may have died before this took effect).
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

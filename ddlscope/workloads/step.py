@@ -1,0 +1,73 @@
+"""The one training step: model, loss and the config's optimizer, shared by the training loop,
+the profiler, the calibration, the hivemind swarm and the data-pipeline benchmark.
+
+Whatever measures a step for a prediction trains it the way a run does: the same loss, the same
+optimizer with the same hyperparameters (so an ``optimizer = "adam"`` run is profiled with Adam,
+whose state is twice SGD-with-momentum's).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from ddlscope.config import RunConfig
+
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
+"""Optimizers a run config may name (``RunConfig.optimizer``)."""
+
+OptimizerName = Literal["sgd", "adam", "adamw"]
+
+
+def build_optimizer(params, name: str = "sgd", learning_rate: float = 0.01, momentum: float = 0.9,
+                    weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """The optimizer a run trains with.
+
+    Args:
+        params: the parameters (or parameter groups) to optimize.
+        name: ``sgd`` (heavy-ball momentum ``momentum``; 0 gives plain SGD), ``adam`` or ``adamw``
+            (betas 0.9, 0.999; ``momentum`` unused).
+
+    Raises:
+        ValueError: unknown name (config validation catches it earlier for users).
+    """
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=learning_rate, momentum=momentum, weight_decay=weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=learning_rate, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")
+
+
+def optimizer_for(cfg: "RunConfig", params) -> torch.optim.Optimizer:
+    """:func:`build_optimizer` with a run config's optimizer and hyperparameters."""
+    return build_optimizer(params, cfg.optimizer, cfg.learning_rate, cfg.momentum, cfg.weight_decay)
+
+
+def loss_function(reduction: Literal["mean", "sum"] = "mean") -> torch.nn.Module:
+    """The loss every workload trains with: cross-entropy over class logits ``[batch, classes]``
+    and labels ``[batch]``; ``reduction="sum"`` for code that adds micro-batches' losses itself."""
+    return torch.nn.CrossEntropyLoss(reduction=reduction)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+               loss_fn: torch.nn.Module | None = None) -> torch.Tensor:
+    """One plain training step: forward, loss, backward, optimizer step, ``zero_grad(set_to_none=True)``.
+
+    Args:
+        x: inputs ``[batch, ...]`` (images ``[batch, C, H, W]``); y: class labels ``[batch]``.
+        loss_fn: the loss (default :func:`loss_function`).
+
+    Returns:
+        the loss, detached (a 0-dim tensor on the model's device): reading it (``float(loss)``)
+        waits for the device, so the step itself does not, and it also runs on fake tensors.
+    """
+    loss_fn = loss_fn or loss_function()  # held until backward: hooks on it (MemTracker's) stay valid
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()

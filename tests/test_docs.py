@@ -1,0 +1,153 @@
+"""The benchmarks write their results tables into docs/validation.md (benchmarks/_docs.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from ddlscope.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("benchmarks_docs", ROOT / "benchmarks" / "_docs.py")
+docs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(docs)
+
+PAGE = """# Validation
+
+Text before, kept as is.
+
+<!-- predictor:begin -->
+old predictor table
+<!-- predictor:end -->
+
+Between the blocks.
+
+<!-- overhead:begin -->
+old overhead table
+<!-- overhead:end -->
+Text after.
+"""
+
+HEADER = "*Written by the test.*"
+
+
+def _model(median: float, largest: float, signed: float, count: int = 6) -> dict:
+    return {"count": count, "outcomes": count, "without_measurement": 0, "without_prediction": 0,
+            "median_abs_error": median, "max_abs_error": largest, "median_error": signed}
+
+
+def _target(name: str, value: float, threshold: float, passed: bool, comparison: str = "<=") -> dict:
+    return {"name": name, "description": name, "threshold": threshold, "value": value, "passed": passed,
+            "comparison": comparison}
+
+
+def fake_predictor_result() -> dict:
+    """A two-model predictor.json in the shape benchmarks/predictor.py writes (fractions, not %)."""
+    return {
+        "grid": {"name": "tiny", "datasets": ["mnist"], "networks": ["tiny_cnn"], "workers": 2, "batch_size": 16,
+                 "warmup_batches": 1, "measured_batches": 2, "measured_batches_by_model": {"single": 2, "collaborative": 48},
+                 "threads_per_device": 1, "matchmaking_time_s": 1.0},
+        "speed": {"profile_and_predict_s": 12.5, "further_cluster_s": 0.0012, "further_strategy_s": 0.0002},
+        "speed_targets_s": {"profile_and_predict_s": 60.0, "further_s": 1.0},
+        "validation_wall_s": 90.0,
+        "measured_at": "2030-01-02 03:04:05",
+        "summary": {
+            "cells": 1, "per_model": {"single": _model(0.051, 0.076, -0.02), "ddp": _model(0.123, 0.2, 0.1)},
+            "per_reference": {"ddp eq5.1": _model(0.104, 0.3, 0.05)},
+            "top1_correct": 1, "top1_determined": 1, "median_regret": 0.0, "tau_pooled": 0.912,
+            "targets": [_target("median abs error single", 0.051, 0.1, True),
+                        _target("median abs error ddp", 0.123, 0.1, False),
+                        _target("top-1 rate", 1.0, 0.9, True, ">="),
+                        _target("median regret", 0.0, 0.05, True)],
+        },
+    }
+
+
+def fake_overhead_result() -> dict:
+    return {"model": "tiny_cnn", "dataset": "digits", "batch_size": 16, "timed_steps": 27, "repeats": 3,
+            "plain_step_ms": 10.04, "ddlscope_step_ms": 10.21, "overhead_fraction": 0.0169,
+            "target_fraction": 0.03, "meets_target": True}
+
+
+def _block(text: str, name: str) -> str:
+    begin, end = docs.markers(name)
+    return text.split(begin, 1)[1].split(end, 1)[0]
+
+
+def test_block_is_replaced_and_the_rest_of_the_page_kept(tmp_path):
+    page = tmp_path / "validation.md"
+    page.write_text(PAGE)
+    body = docs.predictor_markdown(fake_predictor_result(), header=HEADER)
+    docs.update_docs_block(page, "predictor", body)
+    text = page.read_text()
+    assert "old predictor table" not in text
+    assert _block(text, "predictor").strip() == body.strip()
+    before, after = PAGE.split("<!-- predictor:begin -->")[0], PAGE.split("<!-- predictor:end -->")[1]
+    assert text.startswith(before + "<!-- predictor:begin -->\n")
+    assert text.endswith("<!-- predictor:end -->" + after)       # the overhead block is untouched too
+    docs.update_docs_block(page, "predictor", body)               # again: the same page, nothing piles up
+    assert page.read_text() == text
+
+
+def test_predictor_table_shows_each_model_and_target():
+    body = docs.predictor_markdown(fake_predictor_result(), header=HEADER)
+    lines = body.splitlines()
+    assert lines[0] == HEADER
+    single = next(line for line in lines if line.startswith("| single |"))
+    ddp = next(line for line in lines if line.startswith("| ddp |"))
+    assert single == "| single | 6 | 5.1 % | 7.6 % | -2.0 % |  | <= 10.0 % | yes |"
+    assert ddp == "| ddp | 6 | 12.3 % | 20.0 % | +10.0 % | eq5.1: 10.4 % | <= 10.0 % | **no** |"
+    assert "| recommendation = measured fastest (cells) | 1 / 1 | >= 90.0 % | yes |" in lines
+    assert "| Kendall tau, predicted vs. measured order (pooled) | 0.91 |  |  |" in lines
+    assert "| a further cluster / a further distribution model | 0.001 s / < 0.001 s | <= 1 s | yes |" in lines
+    assert "Grid `tiny`: mnist x tiny_cnn; global batch 16; 2 workers of 1 core(s) each against one" in body
+    assert "(collaborative 48, target batch size 16, matchmaking time 1.0 s); 1 cells" in body
+    assert "the real runs took 1.5 min." in body
+
+
+def test_default_header_names_script_date_machine_and_commit():
+    body = docs.predictor_markdown(fake_predictor_result())
+    header = body.splitlines()[0]
+    assert "`python benchmarks/predictor.py` on 2030-01-02 03:04" in header
+    assert "cores (of" in header and "commit " in header
+    assert docs.git_commit(ROOT) != ""
+
+
+def test_overhead_table():
+    body = docs.overhead_markdown(fake_overhead_result(), header=HEADER)
+    assert "| tiny_cnn / digits, batch 16 | 27 | 3 | 10.0 | 10.2 | 1.7 % | < 3.0 % | yes |" in body.splitlines()
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("no markers here\n", "'<!-- predictor:begin -->' is missing"),
+    ("<!-- predictor:begin -->\nx\n", "'<!-- predictor:end -->' is missing"),
+    ("<!-- predictor:end -->\nx\n<!-- predictor:begin -->\n", "comes before"),
+    ("<!-- predictor:begin -->\n<!-- predictor:end -->\n<!-- predictor:begin -->\n", "appears 2 times"),
+])
+def test_bad_markers_give_a_clear_error_and_leave_the_page(tmp_path, text, problem):
+    page = tmp_path / "validation.md"
+    page.write_text(text)
+    with pytest.raises(UserError, match="docs block 'predictor'") as err:
+        docs.update_docs_block(page, "predictor", "new")
+    assert problem in str(err.value)
+    assert page.read_text() == text
+
+
+def test_missing_page_and_wrong_result_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="docs page not found"):
+        docs.update_docs_block(tmp_path / "nope.md", "predictor", "new")
+    with pytest.raises(UserError, match="not a benchmarks/predictor.py result: missing 'summary'"):
+        docs.predictor_markdown({"grid": {}, "speed": {}})
+    with pytest.raises(UserError, match="not a benchmarks/overhead.py result"):
+        docs.overhead_markdown({"model": "x"})
+    with pytest.raises(UserError, match="allowed: lower-case"):
+        docs.markers("Predictor Block")
+
+
+def test_the_docs_page_has_the_blocks_the_benchmarks_write():
+    """A 15-minute benchmark must not fail at its last step: docs/validation.md has both blocks once."""
+    text = docs.DOCS_PAGE.read_text()
+    for name in ("predictor", "overhead"):
+        assert docs.replace_block(text, name, "x") != text

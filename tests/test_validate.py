@@ -1,0 +1,117 @@
+"""``ddlscope validate``: grids, a predicted setting's run config, and the predictions stored next to real runs."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddlscope import distribution
+from ddlscope.errors import UserError
+from ddlscope.experiments.validate import ValidationGrid, load_grid, predicted_models, run_validation, validation_cell
+from ddlscope.modeling.prediction import Setting
+from ddlscope.store.db import ResultsStore
+from tests.test_costs import make_cluster, make_profile
+from tests.test_experiments import fake_run_fn
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL = REPO / "examples" / "cluster-local-2cores.toml"
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "ddlscope", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=300)
+
+
+def test_grid_defaults_to_every_model_with_a_cost_model_and_refuses_unknown_ones():
+    assert load_grid("local").strategies == predicted_models()
+    assert set(predicted_models()) >= {"single", "ddp", "fsdp", "gpipe", "1f1b", "collaborative"}
+    with pytest.raises(ValueError, match=r"unknown distribution model\(s\) \['horovod'\]"):
+        ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], strategies=["horovod"])
+    with pytest.raises(ValueError, match="keys must be distribution models"):
+        ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], model_measured_batches={"horovod": 3})
+    with pytest.raises(UserError, match="validation grid not found"):
+        load_grid("no-such-grid.toml")
+
+
+def test_collaborative_validation_runs_exclude_the_first_global_epoch(tmp_path):
+    grid = load_grid("local")
+    collab = Setting("collaborative", 2, 32, epoch_samples=60000, target_batch_size=128, matchmaking_time_s=1.0)
+    cfg = validation_cell(grid, collab, "resnet18", "mnist", tmp_path).config
+    # 2 warm-up batches, then 128 / (2 x 32) = 2 steps of the first global epoch, plus its overshoot step
+    assert cfg.warmup_steps == grid.warmup_batches + 3
+    measured = distribution.get("collaborative").measured_steps
+    assert grid.measured_batches_by_model["collaborative"] == measured == 48
+    assert cfg.sample_budget == (grid.warmup_batches + 3 + measured) * 32 * 2
+    assert cfg.collaborative.target_batch_size == 128 and cfg.collaborative.averaging_timeout_s == grid.averaging_timeout_s
+    ddp = validation_cell(grid, Setting("ddp", 2, 32, epoch_samples=60000), "resnet18", "mnist", tmp_path).config
+    assert ddp.warmup_steps == grid.warmup_batches
+    assert ddp.sample_budget == (grid.warmup_batches + grid.measured_batches) * 32 * 2
+    pipe = validation_cell(grid, Setting("1f1b", 2, 64, epoch_samples=60000, microbatches=4), "resnet18", "mnist",
+                           tmp_path, stage_bounds=[0, 5, 11]).config
+    assert pipe.distributed.stage_bounds == [0, 5, 11] and pipe.distributed.microbatches == 4
+    assert pipe.sample_budget == (grid.warmup_batches + grid.measured_batches) * 64  # the stages share one batch
+    shorter = grid.model_copy(update={"model_measured_batches": {"collaborative": 5}})
+    assert validation_cell(shorter, collab, "resnet18", "mnist", tmp_path).config.sample_budget == (2 + 3 + 5) * 64
+
+
+def test_validation_stores_predictions_links_runs_and_resumes(tmp_path, monkeypatch):
+    """Profiling stubbed, runs made by a stand-in: every prediction is stored (the recommended one
+    marked), linked to its run and compared with its measurement; a second validation runs nothing."""
+    import ddlscope.profiling.profile
+
+    monkeypatch.setattr(ddlscope.profiling.profile, "load_or_profile", lambda *a, **k: make_profile())
+    grid = ValidationGrid(name="v", datasets=["mnist"], networks=["tiny_cnn"], strategies=["single", "ddp"],
+                          workers=2, batch_size=16, warmup_batches=1, measured_batches=2, threads_per_device=1,
+                          synthetic_train_size=16)
+    db = tmp_path / "r.db"
+    run, calls = fake_run_fn(step_s=0.5)
+    cells = run_validation(grid, make_cluster(), db, progress=False, run_fn=run)
+    assert len(calls) == 2
+    (cell,) = cells
+    assert {o.strategy: o.status for o in cell.outcomes} == {"single": "completed", "ddp": "completed"}
+    ddp = cell.outcome("ddp")
+    assert ddp.measured_epoch_s == pytest.approx(0.5 * 60_000 / 16) and ddp.predicted_epoch_s > 0
+    # the prediction and the run, part by part in one vocabulary
+    assert ddp.measured_parts_s["forward_s"] == pytest.approx(0.125) and ddp.measured_parts_s["step_s"] == 0.5
+    assert set(ddp.predicted_parts_s) <= set(ddp.measured_parts_s)
+    with ResultsStore(db) as store:
+        preds = store.predictions("v")
+        assert all(p["run_id"] for p in preds)
+        assert sum(json.loads(p["detail_json"])["recommended"] for p in preds) == 1
+        assert {r["cell_key"] for r in store.runs("v")} == {p["cell_key"] for p in preds}
+    again = run_validation(grid, make_cluster(), db, progress=False, run_fn=run)
+    assert len(calls) == 2 and again[0].outcome("ddp").measured_epoch_s == ddp.measured_epoch_s
+    not_run = run_validation(grid, make_cluster(), db, progress=False, run_real=False, run_fn=run)
+    assert {o.status for o in not_run[0].outcomes} == {"not-run"}
+
+
+@pytest.mark.slow
+def test_validate_tiny_stores_predictions_next_to_real_runs(tmp_path):
+    db = tmp_path / "r" / "ddlscope.db"
+    res = _cli("validate", "tiny", "--cluster", str(LOCAL), "--db", str(db), "--no-progress")
+    assert res.returncode == 0, res.stderr[-3000:]
+    conn = sqlite3.connect(db)
+    rows = conn.execute("SELECT p.strategy, p.predicted_epoch_s, r.status FROM predictions p "
+                        "JOIN runs r ON r.run_id = p.run_id").fetchall()
+    assert sorted(r[0] for r in rows) == ["ddp", "gpipe", "single"]
+    assert all(r[1] > 0 and r[2] == "completed" for r in rows)
+    # the pipeline ran the cut that was predicted for it
+    (detail, cut), = conn.execute(
+        "SELECT p.detail_json, e.detail_json FROM predictions p JOIN events e ON e.run_id = p.run_id "
+        "WHERE p.strategy = 'gpipe' AND e.kind = 'strategy_details' AND e.worker_index = 0").fetchall()
+    assert json.loads(cut)["stage_bounds"] == json.loads(detail)["inputs"]["stage_bounds"]
+    report = json.loads((db.parent / "validation" / "validation-tiny" / "validation.json").read_text())
+    assert len(report["cells"]) == 1
+    # a second validation reuses the completed runs
+    again = _cli("validate", "tiny", "--cluster", str(LOCAL), "--db", str(db), "--no-progress")
+    assert again.returncode == 0
+    assert conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 3
+    # --rerun measures every cell again
+    rerun = _cli("validate", "tiny", "--cluster", str(LOCAL), "--db", str(db), "--no-progress", "--rerun")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert conn.execute("SELECT COUNT(*) FROM runs WHERE status = 'completed'").fetchone()[0] == 6
