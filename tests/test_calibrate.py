@@ -141,7 +141,7 @@ def test_calibrate_cli_quick_writes_a_loadable_cluster(tmp_path):
     assert result["fsdp_large_sharded_step_s"] > result["fsdp_large_plain_step_s"] > 0
     assert result["ddp_step_s"] > result["ddp_plain_step_s"] > 0
     assert spec.fsdp_step_gb_per_s > 0 and spec.ddp_step_gb_per_s > 0
-    assert "under ddp" in proc.stderr and "under fsdp" in proc.stderr
+    assert "under DDP" in proc.stderr and "under FSDP2" in proc.stderr
     assert len(result["allreduce"]["table"]["measured_s"]) == 4
     assert all(t > 0 for t in result["p2p"]["table"]["measured_s"])
     assert out.read_text().startswith("# Measured by `ddlscope calibrate --workers 2")

@@ -208,7 +208,14 @@ def predict_diloco(profile: WorkloadProfile, cluster: ClusterSpec, setting: Sett
         inputs={"inner_steps": h, "round_comm_s": round_comm_s, "round_local_s": round_local_s,
                 "exchange_bytes": exchange, "comm_bytes_per_step": exchange / h if w > 1 else 0.0,
                 "link_gb_per_s": link.bandwidth_gb_per_s, "link_latency_s": link.latency_s,
-                "contention": slow, "compute_scale": compute_scale})
+                "contention": slow, "compute_scale": compute_scale},
+        notes=[CONVERGENCE_NOTE] if h > 1 and w > 1 else [])
+
+
+CONVERGENCE_NOTE = ("diloco: ranked by time per epoch like the others, but H local steps then an averaged outer "
+                    "step do not train like H synchronous steps; compare accuracy per sample (a short run of each) "
+                    "before choosing it for its speed")
+"""The note every multi-worker DiLoCo prediction with ``H > 1`` carries (the recommender lists it)."""
 
 
 def memory_diloco(profile: WorkloadProfile, setting: Setting) -> list[MemoryEstimate]:

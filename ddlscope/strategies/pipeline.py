@@ -40,6 +40,7 @@ from ddlscope.errors import UserError
 from ddlscope.strategies.base import BatchResult
 from ddlscope.strategies.partition import balanced_partition, equal_layer_partition, measure_layer_costs_s
 from ddlscope.strategies.torch_dist import TorchDistributedStrategy
+from ddlscope.workloads.step import loss_function
 
 LINK_PROBE_BYTES = 4 * 2**20
 
@@ -261,16 +262,17 @@ class PipelineStrategy(TorchDistributedStrategy):
         the accuracy and loss and broadcasts them to every stage.
         """
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # correct, loss sum, samples
+        mean_loss, summed_loss = loss_function(), loss_function("sum")
         if self.schedule is not None:
             self.stage_module.eval()
             batches = DataLoader(loader.dataset, batch_size=self.cfg.batch_size, shuffle=False, drop_last=True)
             for x, y in batches:
                 x, y = x.to(self.device), y.to(self.device)
-                self._loss_fn, self._loss_scale = torch.nn.functional.cross_entropy, 1.0
+                self._loss_fn, self._loss_scale = mean_loss, 1.0
                 logits = self._run_schedule(self.schedule.eval, x, y, [])
                 if self.is_last:
                     totals[0] += (logits.argmax(1) == y).sum()
-                    totals[1] += torch.nn.functional.cross_entropy(logits, y, reduction="sum")
+                    totals[1] += summed_loss(logits, y)
                 totals[2] += len(y)
                 if max_samples is not None and totals[2] >= max_samples:
                     break

@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
+from ddlscope.workloads.step import loss_function
+
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader: DataLoader, device: torch.device, max_samples: int | None = None
              ) -> tuple[float, float, int]:
-    """Accuracy (0..1), mean cross-entropy loss and number of samples of ``model`` on ``loader``.
+    """Accuracy (0..1), mean training loss (:func:`~ddlscope.workloads.step.loss_function`) and number of samples of ``model`` on ``loader``.
 
     Args:
         loader: yields ``(images [batch, C, H, W], labels [batch])``.
@@ -18,10 +20,11 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, device: torch.device, m
     was_training = model.training
     model.eval()
     correct, loss_sum, seen = 0, 0.0, 0
+    summed_loss = loss_function("sum")
     for x, y in loader:
         x, y = x.to(device), y.to(device)
         logits = model(x)
-        loss_sum += torch.nn.functional.cross_entropy(logits, y, reduction="sum").item()
+        loss_sum += summed_loss(logits, y).item()
         correct += (logits.argmax(1) == y).sum().item()
         seen += len(y)
         if max_samples is not None and seen >= max_samples:
