@@ -102,6 +102,10 @@ def test_stage_bounds_that_do_not_fit_the_network_or_peers_are_refused():
     with pytest.raises(UserError, match=r"stage_bounds \[0, 1, 3\] does not cut 'tiny_cnn' \(4 top-level layers\) into "
                                         r"peers = 2 stages; allowed: 3 strictly increasing indices from 0 to 4"):
         strategy.setup(dist_check.initial_model(), None)
+    from ddlscope.launch.torchrun import preflight
+
+    with pytest.raises(UserError, match=r"stage_bounds \[0, 1, 3\] does not cut 'tiny_cnn'"):  # before anything starts
+        preflight(cfg, check_port=False)
 
 
 def test_two_nodes_on_localhost(env_data, tmp_path):

@@ -37,33 +37,6 @@ def rendezvous_port(cfg: RunConfig, host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def check_pipeline_split(cfg: RunConfig) -> None:
-    """For ``gpipe``/``1f1b``: the network is an ``nn.Sequential`` with at least ``peers`` top-level layers.
-
-    Builds the network on the meta device (no memory, no compute).
-
-    Raises:
-        UserError: the network cannot be split into ``peers`` stages.
-    """
-    if cfg.distribution_model.data_parallel:  # only models whose workers share a batch split the network
-        return
-    import torch
-
-    from ddlscope.workloads.datasets import DATASETS
-    from ddlscope.workloads.models import build_model
-
-    family = DATASETS[cfg.dataset].family if cfg.dataset in DATASETS else "imagenet"
-    with torch.device("meta"):
-        model = build_model(cfg.model, family)
-    if not isinstance(model, torch.nn.Sequential):
-        raise UserError(f"strategy {cfg.strategy!r} splits a network between the children of an nn.Sequential, but "
-                        f"{cfg.model!r} is a {type(model).__name__}; allowed: zoo networks or a factory returning "
-                        f"nn.Sequential")
-    if cfg.peers > len(model):
-        raise UserError(f"peers = {cfg.peers} pipeline stages, but {cfg.model!r} has only {len(model)} top-level "
-                        f"layers to split between; allowed: peers <= {len(model)}")
-
-
 def preflight(cfg: RunConfig, check_port: bool = True) -> int | None:
     """Checks before a torch.distributed run starts; returns the local rendezvous port (None for
     other strategies, or when ``check_port`` is False because a cluster endpoint was given).
@@ -73,7 +46,7 @@ def preflight(cfg: RunConfig, check_port: bool = True) -> int | None:
     """
     if cfg.distribution_model.launcher != "torchrun":
         return None
-    check_pipeline_split(cfg)
+    cfg.distribution_model.strategy_class().preflight(cfg)
     return rendezvous_port(cfg) if check_port else None
 
 

@@ -128,6 +128,16 @@ class Strategy:
         self.ctx = ctx
         self.optimizer: torch.optim.Optimizer | None = None
 
+    @classmethod
+    def preflight(cls, cfg: "RunConfig") -> None:
+        """Checks of a run config that need torch or the network, run before any worker of a
+        torchrun model starts (:func:`ddlscope.launch.torchrun.preflight`; the torch-free checks of
+        every model are the registry's ``check_config``). None by default.
+
+        Raises:
+            UserError: naming what does not fit and what is allowed.
+        """
+
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         """Wrap the model and optimizer; return the module the loop trains."""
         self.optimizer = optimizer

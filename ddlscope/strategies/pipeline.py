@@ -101,6 +101,29 @@ def _one_way_s(peer: int, tensor: torch.Tensor, leader: bool, repeats: int = 3) 
     return best
 
 
+def check_split(cfg, model: torch.nn.Module, stages: int) -> None:
+    """The network can be cut into ``stages`` stages: an ``nn.Sequential`` with at least ``stages``
+    top-level layers, and ``distributed.stage_bounds`` (when given) cuts exactly those layers into
+    ``stages`` stages.
+
+    Raises:
+        UserError: naming what does not fit and what is allowed.
+    """
+    if not isinstance(model, torch.nn.Sequential):
+        raise UserError(f"{cfg.strategy} splits a network between the children of an nn.Sequential, but "
+                        f"{cfg.model!r} is a {type(model).__name__}; allowed: zoo networks or a factory "
+                        f"returning nn.Sequential")
+    n_layers = len(model)
+    if stages > n_layers:
+        raise UserError(f"peers = {stages} pipeline stages, but {cfg.model!r} has only {n_layers} "
+                        f"top-level layers to split between; allowed: peers <= {n_layers}")
+    cut = cfg.distributed.stage_bounds
+    if cut is not None and (len(cut) != stages + 1 or cut[-1] != n_layers):
+        raise UserError(f"distributed.stage_bounds {cut} does not cut {cfg.model!r} ({n_layers} top-level layers) "
+                        f"into peers = {stages} stages; allowed: {stages + 1} strictly "
+                        f"increasing indices from 0 to {n_layers}")
+
+
 class PipelineStrategy(TorchDistributedStrategy):
     """One pipeline stage per worker; subclasses choose the schedule."""
 
@@ -119,22 +142,21 @@ class PipelineStrategy(TorchDistributedStrategy):
         self._loss_fn, self._loss_scale = None, 1.0
 
     # ------------------------------------------------------------------ setup
+    @classmethod
+    def preflight(cls, cfg) -> None:
+        """:func:`check_split` on the network built on the meta device (no memory, no compute)."""
+        from ddlscope.workloads.datasets import DATASETS
+        from ddlscope.workloads.models import build_model
+
+        family = DATASETS[cfg.dataset].family if cfg.dataset in DATASETS else "imagenet"
+        with torch.device("meta"):
+            model = build_model(cfg.model, family)
+        check_split(cfg, model, cfg.peers)
+
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         """Join the process group and check the split; the stages are built at the first batch
         (the partition is measured on a real micro-batch)."""
-        if not isinstance(model, torch.nn.Sequential):
-            raise UserError(f"{self.name} splits a network between the children of an nn.Sequential, but "
-                            f"{self.cfg.model!r} is a {type(model).__name__}; allowed: zoo networks or a factory "
-                            f"returning nn.Sequential")
-        n_layers = len(model)
-        if self.ctx.num_workers > n_layers:
-            raise UserError(f"peers = {self.ctx.num_workers} pipeline stages, but {self.cfg.model!r} has only {n_layers} "
-                            f"top-level layers to split between; allowed: peers <= {n_layers}")
-        cut = self.cfg.distributed.stage_bounds
-        if cut is not None and (len(cut) != self.ctx.num_workers + 1 or cut[-1] != n_layers):
-            raise UserError(f"distributed.stage_bounds {cut} does not cut {self.cfg.model!r} ({n_layers} top-level layers) "
-                            f"into peers = {self.ctx.num_workers} stages; allowed: {self.ctx.num_workers + 1} strictly "
-                            f"increasing indices from 0 to {n_layers}")
+        check_split(self.cfg, model, self.ctx.num_workers)
         self.init_process_group()
         self.rank, self.stages = dist.get_rank(), dist.get_world_size()
         self.full_model, self.optimizer = model, optimizer
