@@ -1,7 +1,7 @@
 """The ``ddlscope`` command line.
 
 Commands: ``quickstart`` (the main job), ``models``, ``run``, ``suite``, ``sweep``, ``sweep-report``,
-``matchmaking``, ``datapipe``, ``peer``, ``bootstrap``, ``report``, ``runs``, ``data``, and the
+``matchmaking``, ``datapipe``, ``peer``, ``bootstrap``, ``report``, ``runs``, ``rm``, ``data``, and the
 predictor's ``profile``, ``calibrate``, ``recommend`` and ``validate`` (``predict/commands.py``). User errors
 print one line ``error: ...`` and exit with status 2.
 """
@@ -190,7 +190,7 @@ def suite(
             typer.echo(f"{c.label}: batch {c.values['batch_size']} per worker{mb}")
         typer.echo(f"{len(cells)} cells")
         return
-    db_path = _db(db)
+    db_path = _existing_db(db) if report_only else _db(db)
     if not report_only:
         with _interruptible():
             run_suite(spec, db_path, progress=progress, rerun=rerun)
@@ -360,9 +360,7 @@ def report(
     """Compare runs (baseline = first completed run of the baseline model, see 'ddlscope models') and write an HTML/Markdown report."""
     from ddlscope.store.db import ResultsStore
 
-    db_path = _db(db)
-    if not db_path.exists():
-        raise UserError(f"no results database at {db_path}; run 'ddlscope quickstart' or pass --db")
+    db_path = _existing_db(db)
     with ResultsStore(db_path) as store:
         if not run_ids:
             runs = store.runs()
@@ -429,9 +427,30 @@ def matchmaking(
 
 
 def _existing_db(db: Optional[Path]) -> Path:
+    """The results database a read-only command reads; it must exist, nothing is created.
+
+    Runs still ``running`` whose processes are all gone from this host are marked ``interrupted``
+    first (:meth:`ResultsStore.mark_stale_runs`), each with a note on stderr.
+
+    Raises:
+        UserError: no database file at the path (a missing file or folder, or a folder), or the file is
+            not an SQLite database.
+    """
+    import sqlite3
+
+    from ddlscope.store.db import ResultsStore
+
     db_path = _db(db)
-    if not db_path.exists():
-        raise UserError(f"no results database at {db_path}; run 'ddlscope sweep' or pass --db")
+    if not db_path.is_file():
+        where = f"{db_path} is a folder, not a results database" if db_path.is_dir() else f"no results database at {db_path}"
+        raise UserError(f"{where}; one is made by 'ddlscope run', 'quickstart', 'sweep' or 'suite' "
+                        f"(default ./ddlscope-results/ddlscope.db), or pass --db PATH of an existing one")
+    try:
+        with ResultsStore(db_path) as store:
+            for run_id in store.mark_stale_runs():
+                typer.echo(f"note: run {run_id} marked interrupted: {store.run(run_id)['reason']}", err=True)
+    except sqlite3.DatabaseError as err:
+        raise UserError(f"{db_path} is not a ddlscope results database (SQLite): {err}") from None
     return db_path
 
 
@@ -462,21 +481,118 @@ def _workers_text(m) -> str:
 
 
 @app.command()
-def runs(db: Optional[Path] = DbOption):
-    """List stored runs, newest first."""
+def runs(
+    db: Optional[Path] = DbOption,
+    status: Optional[str] = typer.Option(None, help="only runs with this status: running, completed, failed or interrupted"),
+    group: Optional[str] = typer.Option(None, help="only the runs of this group (or sweep, suite)"),
+    as_json: bool = typer.Option(False, "--json", help="print full records (config and workers included) as JSON"),
+):
+    """List stored runs, newest first, then the full reason of each that did not complete.
+
+    Runs whose processes are gone (killed) are marked interrupted first.
+    """
+    import json
+
+    from rich import box
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
+
+    from ddlscope.store.db import RUN_STATUSES, ResultsStore
+
+    if status is not None and status not in RUN_STATUSES:
+        raise UserError(f"--status {status!r}: allowed: {', '.join(RUN_STATUSES)}")
+    with ResultsStore(_existing_db(db)) as store:
+        rows = [r for r in store.runs(group) if status is None or r["status"] == status]
+        rows.sort(key=lambda r: r["created_at"], reverse=True)
+        records = [_run_record(store, r) for r in rows] if as_json else []
+    if as_json:
+        typer.echo(json.dumps(records, indent=2, default=str))
+        return
+    if not rows:
+        which = " and ".join(f for f in (f"status {status}" if status else "", f"group {group!r}" if group else "") if f)
+        typer.echo(f"no runs{' with ' + which if which else ''} in {_db(db)}", err=True)
+        return
+    table = Table(box=box.SIMPLE_HEAD)
+    for col in ("id", "group", "name", "strategy", "status", "created"):
+        table.add_column(col, overflow="fold", no_wrap=col in ("id", "status", "created"))
+    for r in rows:
+        table.add_row(*(Text(v) for v in (r["run_id"], r["group_name"] or "", r["name"], r["strategy"], r["status"],
+                                          time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created_at"])))))
+    console = Console()
+    console.print(table)
+    reasons = Table.grid(padding=(0, 2))  # full reasons, wrapped to the terminal, below the table
+    reasons.add_column(no_wrap=True)
+    reasons.add_column(overflow="fold", ratio=1)
+    for r in rows:
+        if r["reason"]:
+            reasons.add_row(Text(r["run_id"]), Text(r["reason"]))
+    if reasons.row_count:
+        console.print("why runs did not complete:")
+        console.print(reasons)
+
+
+def _run_record(store, row) -> dict[str, Any]:
+    """A run as a JSON-ready dict: every ``runs`` column, ``config`` parsed, and its ``workers`` rows."""
+    import json
+
+    record = {k: row[k] for k in row.keys() if k != "config_json"}
+    record["config"] = json.loads(row["config_json"])
+    record["workers"] = [dict(w) for w in store.workers(row["run_id"])]
+    return record
+
+
+@app.command("rm")
+def rm(
+    run_ids: list[str] = typer.Argument(None, help="ids of the runs to delete (see 'ddlscope runs')"),
+    group: Optional[str] = typer.Option(None, help="delete every run of this group (or sweep, suite)"),
+    db: Optional[Path] = DbOption,
+    yes: bool = typer.Option(False, "--yes", "-y", help="delete without asking (needed when stdin is not a terminal)"),
+    force: bool = typer.Option(False, "--force", help="also delete runs that are still running"),
+):
+    """Delete runs with every row stored for them (steps, evaluations, host samples, events, workers, predictions)
+    and their worker logs."""
+    import shutil
 
     from ddlscope.store.db import ResultsStore
 
-    table = Table()
-    for col in ("id", "group", "name", "strategy", "status", "created", "reason"):
-        table.add_column(col)
-    with ResultsStore(_db(db)) as store:
-        for r in store.runs():
-            table.add_row(r["run_id"], r["group_name"] or "", r["name"], r["strategy"], r["status"],
-                          time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_at"])), (r["reason"] or "")[:60])
-    Console(width=200).print(table)
+    if bool(run_ids) == bool(group):
+        raise UserError("give run id(s) or --group NAME (not both)")
+    db_path = _existing_db(db)
+    with ResultsStore(db_path) as store:
+        if group:
+            rows = store.runs(group)
+            if not rows:
+                raise UserError(f"no runs in group {group!r} in {db_path}; see 'ddlscope runs'")
+        else:
+            ids = list(dict.fromkeys(run_ids))
+            missing = [r for r in ids if store.run(r) is None]
+            if missing:
+                raise UserError(f"unknown run id(s) {', '.join(missing)} in {db_path}; see 'ddlscope runs'")
+            rows = [store.run(r) for r in ids]
+        running = [r for r in rows if r["status"] == "running"]
+        if running and not force:
+            raise UserError(f"run(s) {', '.join(r['run_id'] for r in running)} still running (a process of theirs is "
+                            f"alive, or they run on another host); stop them first, or pass --force to delete anyway")
+        for r in rows:
+            typer.echo(f"{r['run_id']}  {r['group_name'] or '-'}  {r['name']}  {r['status']}")
+        if not yes:
+            if not sys.stdin.isatty():
+                raise UserError(f"rm would delete the {len(rows)} run(s) above; stdin is not a terminal, "
+                                f"so pass --yes to confirm")
+            if not typer.confirm(f"delete these {len(rows)} run(s) and all their rows from {db_path}?"):
+                typer.echo("nothing deleted", err=True)
+                raise typer.Exit(1)
+        deleted = store.delete_runs([r["run_id"] for r in rows])
+    removed_logs = 0
+    for r in rows:
+        folder = db_path.parent / "logs" / r["run_id"]
+        if folder.is_dir():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed_logs += 1
+    rows_text = ", ".join(f"{n} {table} rows" for table, n in deleted.items() if table != "runs")
+    logs_text = f"; {removed_logs} log folder(s)" if removed_logs else ""
+    typer.echo(f"deleted {deleted.get('runs', 0)} run(s) from {db_path}: {rows_text or 'no other rows'}{logs_text}")
 
 
 @app.command()

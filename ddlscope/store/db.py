@@ -4,24 +4,33 @@ Each process opens its own connection; rows are committed as they are measured, 
 crashes or is killed keeps everything measured up to its last step. Tables:
 
 - ``runs``: one row per run — config (JSON), status (running / completed / failed /
-  interrupted), reason, times, group name and, for a sweep's cells, ``cell_key`` (the canonical
-  JSON of the cell's overrides, see :mod:`ddlscope.sweep.grid`).
-- ``workers``: one row per worker/peer — host, pid, cores, status, training start/end.
+  interrupted), reason, times, group name, the host and pid (with its start time) of the process
+  that created it and, for a sweep's cells, ``cell_key`` (the canonical JSON of the cell's
+  overrides, see :mod:`ddlscope.sweep.grid`).
+- ``workers``: one row per worker/peer — host, pid (with its start time), cores, status, training start/end.
 - ``steps``: one row per step (micro-batch) per worker — the step-time breakdown.
 - ``evals``: held-out accuracy and loss, per worker, after a step, with the training time so far.
 - ``host_samples``: background samples of CPU %, RSS, network, disk, context switches.
 - ``events``: averaging rounds and other things that happen between steps.
+- ``predictions``: the predictor's figures for a cell, linked to the run that measured it.
+
+A run whose processes were killed stays ``running`` in the file; :meth:`ResultsStore.mark_stale_runs`
+(called by the read-only commands) marks such runs ``interrupted`` once every process recorded for
+them on this host is gone. :meth:`ResultsStore.delete_runs` removes runs with every row linked to them.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sqlite3
 import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -77,11 +86,47 @@ ADDED_COLUMNS = (
     ("workers", "peak_memory_bytes", "INTEGER"), ("steps", "comm_s", "REAL"), ("steps", "comm_wait_s", "REAL"),
     ("steps", "bubble_s", "REAL"), ("steps", "comm_bytes", "INTEGER"), ("runs", "cell_key", "TEXT"),
     ("workers", "failed_at", "REAL"), ("steps", "background_cpu_s", "REAL"),
+    ("runs", "launcher_pid", "INTEGER"), ("runs", "launcher_started_at", "REAL"), ("workers", "pid_started_at", "REAL"),
 )
+UNFINISHED_WORKER_STATUSES = ("starting", "training")
+PID_START_TOLERANCE_S = 1.0
+"""Seconds two start times of one process may differ by (clock ticks, rounding); more means the pid was reused."""
 HOST_COLUMNS = (
     "wall_time", "cpu_percent", "rss_bytes", "net_sent_bytes", "net_recv_bytes", "disk_read_bytes",
     "disk_write_bytes", "ctx_switches",
 )
+
+
+def process_start_time(pid: int) -> float | None:
+    """Start time of process ``pid`` on this host (Unix seconds), or None if there is none or it cannot be read."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, OSError, ValueError, OverflowError):
+        return None
+
+
+def _process_alive(pid: int, started_at: float | None, started_before: float | None) -> bool:
+    """Whether the process recorded as ``pid`` still runs on this host (pid reuse told apart by start time).
+
+    ``started_at``: the start time recorded with the pid (Unix seconds); the process alive under that pid
+    now must have started then. Without it (older databases), it must have started before
+    ``started_before`` (the last time the run recorded anything), as a process that reused the pid of a
+    dead one started after it died. A zombie counts as dead; a process we may not inspect counts as alive.
+    """
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        created = proc.create_time()
+    except (psutil.NoSuchProcess, ValueError, OverflowError):  # gone, or not a valid pid
+        return False
+    except (psutil.AccessDenied, OSError):
+        return True
+    if started_at is not None:
+        return abs(created - started_at) <= PID_START_TOLERANCE_S
+    if started_before is not None:
+        return created <= started_before + PID_START_TOLERANCE_S
+    return True
 
 
 def default_db_path() -> Path:
@@ -132,12 +177,19 @@ class ResultsStore:
     # ------------------------------------------------------------------ runs
     def create_run(self, name: str, strategy: str, config: dict[str, Any], group_name: str | None = None,
                    run_id: str | None = None) -> str:
-        """Insert a run in status ``running`` and return its id (a short random hex string)."""
+        """Insert a run in status ``running`` and return its id (a short random hex string).
+
+        The calling process is recorded as the run's launcher (host name, pid and the pid's start
+        time), so a later reader can tell a run whose processes are all gone (see :meth:`mark_stale_runs`).
+        An existing ``run_id`` is left as it is.
+        """
         run_id = run_id or uuid.uuid4().hex[:12]
+        pid = os.getpid()
         self.conn.execute(
-            "INSERT OR IGNORE INTO runs (run_id, name, strategy, config_json, status, created_at, host, group_name) "
-            "VALUES (?, ?, ?, ?, 'running', ?, ?, ?)",
-            (run_id, name, strategy, json.dumps(config, default=str), time.time(), socket.gethostname(), group_name),
+            "INSERT OR IGNORE INTO runs (run_id, name, strategy, config_json, status, created_at, host, group_name, "
+            "launcher_pid, launcher_started_at) VALUES (?, ?, ?, ?, 'running', ?, ?, ?, ?, ?)",
+            (run_id, name, strategy, json.dumps(config, default=str), time.time(), socket.gethostname(), group_name,
+             pid, process_start_time(pid)),
         )
         return run_id
 
@@ -157,8 +209,123 @@ class ResultsStore:
             raise KeyError(f"no run {run_id!r} in {self.path}")
         return json.loads(row["config_json"])
 
+    def mark_stale_runs(self) -> list[str]:
+        """Mark ``interrupted`` every run still ``running`` whose processes are all gone from this host.
+
+        A run is judged only if it was created on this host (``runs.host``) and none of its workers
+        recorded another host (a cluster run is not judged by local pids), and only by the pids it
+        recorded: its launcher's (the process that created it) and its workers'. It is stale when none
+        of them is alive, a pid now used by a process that started at another time counting as gone.
+        A run with no pid recorded (a database written before pids were) is left alone. Its workers
+        still ``starting``/``training`` are marked ``interrupted`` with the same reason; ``ended_at`` is
+        the last time the run recorded anything.
+
+        Returns:
+            The ids of the runs marked (empty when none was stale).
+        """
+        marked = []
+        for run in self.conn.execute("SELECT * FROM runs WHERE status = 'running' ORDER BY created_at").fetchall():
+            if self.run_processes_alive(run) is not False:
+                continue
+            host = run["host"]
+            reason = (f"its processes are gone (killed?): no worker or launcher alive on host {host} "
+                      f"at {time.strftime('%Y-%m-%d %H:%M:%S')}")
+            cur = self.conn.execute("UPDATE runs SET status = 'interrupted', reason = ?, ended_at = ? "
+                                    "WHERE run_id = ? AND status = 'running'",
+                                    (reason, self._last_activity(run), run["run_id"]))
+            if cur.rowcount:
+                self.conn.execute(
+                    f"UPDATE workers SET status = 'interrupted', reason = ? WHERE run_id = ? AND status IN "
+                    f"({', '.join('?' * len(UNFINISHED_WORKER_STATUSES))})",
+                    (reason, run["run_id"], *UNFINISHED_WORKER_STATUSES))
+                marked.append(run["run_id"])
+        return marked
+
+    def run_processes_alive(self, run: sqlite3.Row | str) -> bool | None:
+        """Whether a process recorded for a run (its launcher or a worker) still runs on this host.
+
+        Args:
+            run: a ``runs`` row or a run id.
+
+        Returns:
+            True if one is alive; False if every recorded one is gone; None if this host cannot tell:
+            the run was created on another host, a worker recorded another host, or no pid is recorded.
+
+        Raises:
+            KeyError: no run with that id.
+        """
+        if isinstance(run, str):
+            row = self.run(run)
+            if row is None:
+                raise KeyError(f"no run {run!r} in {self.path}")
+            run = row
+        here = socket.gethostname()
+        if run["host"] not in (None, here):
+            return None
+        workers = self.workers(run["run_id"])
+        if any(w["hostname"] not in (None, here) for w in workers):
+            return None
+        checks = []
+        if run["launcher_pid"]:
+            checks.append((run["launcher_pid"], run["launcher_started_at"], run["created_at"]))
+        if any(w["pid"] for w in workers):
+            last = self._last_activity(run)
+            checks += [(w["pid"], w["pid_started_at"], last) for w in workers if w["pid"]]
+        if not checks:
+            return None
+        return any(_process_alive(pid, started_at, before) for pid, started_at, before in checks)
+
+    def _last_activity(self, run: sqlite3.Row) -> float:
+        """The last time (Unix seconds) a run recorded anything: creation, a step, a sample, an event, a worker time."""
+        run_id = run["run_id"]
+        times = [run["created_at"]]
+        for sql in ("SELECT MAX(wall_time) FROM steps WHERE run_id = ?",
+                    "SELECT MAX(wall_time) FROM host_samples WHERE run_id = ?",
+                    "SELECT MAX(wall_time) FROM events WHERE run_id = ?",
+                    "SELECT MAX(MAX(COALESCE(train_start_time, 0), COALESCE(train_end_time, 0), COALESCE(failed_at, 0))) "
+                    "FROM workers WHERE run_id = ?"):
+            value = self.conn.execute(sql, (run_id,)).fetchone()[0]
+            if value:
+                times.append(float(value))
+        return max(times)
+
+    def delete_runs(self, run_ids: list[str]) -> dict[str, int]:
+        """Delete runs and every row linked to them, in one transaction.
+
+        Every table with a ``run_id`` column is cleared of the runs' rows (steps, evals, host samples,
+        events, workers, the predictions their runs measured, and any table added later), then the
+        ``runs`` rows themselves. Whether a run is still alive is the caller's business
+        (:meth:`run_processes_alive`).
+
+        Returns:
+            Rows deleted per table (tables with none left out), ``runs`` included.
+
+        Raises:
+            KeyError: an id is not in the store (nothing is deleted then).
+        """
+        ids = list(dict.fromkeys(run_ids))
+        missing = [r for r in ids if self.run(r) is None]
+        if missing:
+            raise KeyError(f"no run(s) {missing} in {self.path}")
+        tables = [name for (name,) in self.conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name != 'runs' ORDER BY name")
+            if "run_id" in {row[1] for row in self.conn.execute(f"PRAGMA table_info({name})")}]
+        deleted: dict[str, int] = {}
+        marks = ", ".join("?" * len(ids))
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            for table in [*tables, "runs"]:
+                n = self.conn.execute(f"DELETE FROM {table} WHERE run_id IN ({marks})", ids).rowcount
+                if n:
+                    deleted[table] = n
+            self.conn.execute("COMMIT")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        return deleted
+
     def runs(self, group_name: str | None = None) -> list[sqlite3.Row]:
-        """All runs, newest first; only those of ``group_name`` when given."""
+        """All runs, newest first; with ``group_name``, only that group's runs, oldest first."""
         if group_name is None:
             return self.conn.execute("SELECT * FROM runs ORDER BY created_at DESC").fetchall()
         return self.conn.execute("SELECT * FROM runs WHERE group_name = ? ORDER BY created_at", (group_name,)).fetchall()
@@ -169,7 +336,13 @@ class ResultsStore:
 
     # ------------------------------------------------------------------ workers
     def upsert_worker(self, run_id: str, worker_index: int, **fields: Any) -> None:
-        """Create or update a worker row; ``fields`` are columns of ``workers``."""
+        """Create or update a worker row; ``fields`` are columns of ``workers``.
+
+        A ``pid`` (of a process on this host) is stored with its start time (``pid_started_at``),
+        so a reader can tell the worker from a later process that reused the pid.
+        """
+        if fields.get("pid") and "pid_started_at" not in fields:
+            fields["pid_started_at"] = process_start_time(int(fields["pid"]))
         self.conn.execute(
             "INSERT OR IGNORE INTO workers (run_id, worker_index, status) VALUES (?, ?, 'starting')",
             (run_id, worker_index),
