@@ -1,7 +1,7 @@
 """The ``ddlscope`` command line.
 
 Commands: ``quickstart`` (the main job), ``models``, ``run``, ``suite``, ``sweep``, ``sweep-report``,
-``matchmaking``, ``datapipe``, ``peer``, ``bootstrap``, ``report``, ``runs``, ``rm``, ``data``, and the
+``matchmaking``, ``datapipe``, ``peer``, ``serve-experts``, ``bootstrap``, ``report``, ``runs``, ``rm``, ``data``, and the
 predictor's ``profile``, ``calibrate``, ``recommend`` and ``validate`` (``predict/commands.py``). User errors
 print one line ``error: ...`` and exit with status 2.
 """
@@ -328,6 +328,47 @@ def _swarm_model(strategy: Optional[str]) -> str:
         raise UserError(f"--strategy {strategy}: 'ddlscope peer' joins a swarm, but {strategy} is launched by "
                         f"{launcher}; allowed: {', '.join(swarm) or 'none registered'}")
     return strategy
+
+
+@app.command("serve-experts")
+def serve_experts(
+    index: int = typer.Option(0, help="this server's index: it hosts every servers-th expert of the grid from the "
+                                      "index-th on (dmoe.servers says how many servers share the grid)"),
+    config: Optional[Path] = typer.Option(None, help="a run config with the [dmoe] table the trainers use"),
+    set_: list[str] = typer.Option([], "--set", help="config overrides, as for 'run'"),
+    initial_peers: list[str] = typer.Option([], help="multiaddr of a running expert server (repeatable); none: this "
+                                                     "server starts the swarm"),
+    run_id: Optional[str] = typer.Option(None, help="the id this server's measurements get in --db (default: new)"),
+    cores: Optional[str] = typer.Option(None, help="comma-separated core ids (default: all)"),
+    db: Optional[Path] = DbOption,
+):
+    """Serve a share of a mixture-of-experts grid from this host until Ctrl-C (e.g. a volunteer's machine).
+
+    It prints the multiaddrs trainers on other hosts join with ``--set dmoe.initial_peers='["..."]'``;
+    listen on a public address with ``--set dmoe.listen_host='"0.0.0.0"'``. Its batches, CPU and memory
+    go to this host's --db.
+    """
+    from ddlscope import distribution
+    from ddlscope.config import available_cores, load_config, validate_config
+    from ddlscope.moe.server import serve
+    from ddlscope.store.db import ResultsStore
+
+    with_services = [m.name for m in distribution.all_models() if m.services is not None]
+    overrides = dict(_parse_sets(set_), strategy=with_services[0])
+    cfg = load_config(config, overrides) if config else validate_config(overrides)
+    servers = cfg.model_options()["servers"]
+    if not 0 <= index < servers:
+        raise UserError(f"--index {index}: allowed 0..{servers - 1} (dmoe.servers = {servers})")
+    core_ids = [int(c) for c in cores.split(",")] if cores else available_cores()
+    with ResultsStore(_db(db)) as store:
+        run_id = store.create_run(f"{cfg.run_label}-server{index}", cfg.strategy, cfg.model_dump(mode="json"),
+                                  run_id=run_id)
+    code = serve(str(_db(db)), run_id, index, 0, core_ids, initial_peers)
+    with ResultsStore(_db(db)) as store:
+        store.finish_run(run_id, "completed" if code == 0 else "failed")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # hivemind leaves non-daemon threads behind its shutdown
 
 
 @app.command()

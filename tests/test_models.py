@@ -37,7 +37,7 @@ def _run(model: nn.Module, spec: InputSpec, device: torch.device | str = "cpu") 
 
 
 def test_registry_contents() -> None:
-    assert NETWORKS == ZOO
+    assert NETWORKS == ZOO + ("moe_cnn", "moe_lm")  # the CNN zoo, then the mixture-of-experts networks (dmoe)
     assert set(DATASET_FAMILIES) == set(SMALL_FAMILIES + LARGE_FAMILIES)
     assert input_spec("mnist") == InputSpec(1, 28, 28, 10)
     assert input_spec("digits") == input_spec("mnist")

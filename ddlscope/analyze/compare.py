@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ddlscope import distribution
+from ddlscope.analyze.moe import MoESummary, summarize_moe
 from ddlscope.measure.parts import STEP_PARTS, measured_parts
 from ddlscope.store.db import ResultsStore
 
@@ -93,6 +94,7 @@ class RunSummary:
     verdict: Verdict | None
     eval_curve: list[tuple[float, float]] = field(default_factory=list)  # (training seconds, accuracy)
     loss_curve: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, training loss)
+    moe: MoESummary | None = None  # mixture-of-experts figures (ddlscope.analyze.moe), for runs with such rows
 
     def time_to_accuracy_s(self, threshold: float) -> float | None:
         """Seconds until any peer's held-out accuracy first reached ``threshold`` (0..1), else None."""
@@ -210,6 +212,7 @@ def summarize_run(store: ResultsStore, run_id: str) -> RunSummary:
         mean_cpu_percent=_mean([w.mean_cpu_percent for w in workers if w.mean_cpu_percent is not None]),
         mean_net_bytes_per_peer=_mean([w.net_sent_bytes + w.net_recv_bytes for w in workers]) or 0.0,
         workers=workers, verdict=bottleneck(workers), eval_curve=curve, loss_curve=losses,
+        moe=summarize_moe(store, run_id),
     )
 
 

@@ -8,7 +8,9 @@ folder: ``report.md``, ``report.html``, ``summary.json`` and the plots
   wait, pipeline bubble, optimizer without averaging, averaging);
 - ``accuracy.png``: held-out accuracy over training time (time-to-accuracy);
 - ``loss.png``: training loss over time;
-- ``network.png``: TCP bytes sent/received per peer.
+- ``network.png``: TCP bytes sent/received per peer;
+- for runs with mixture-of-experts rows, the section "Mixture of experts" and ``moe_expert_load.png``,
+  ``moe_servers.png``, ``moe_timeline.png`` (:mod:`ddlscope.analyze.moe`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from ddlscope.analyze.compare import Comparison, RunSummary  # noqa: E402
+from ddlscope.analyze.moe import moe_markdown, write_moe_plots  # noqa: E402
 from ddlscope.measure.parts import PART_LABELS, STEP_PARTS  # noqa: E402
 
 
@@ -66,6 +69,8 @@ def print_summary(comparisons: list[Comparison], threshold: float | None) -> Non
     for c in comparisons:
         if c.run.verdict:
             console.print(f"[bold]{c.run.name}[/bold]: {c.run.verdict.explanation}")
+        if c.run.moe is not None and c.run.moe.verdict:
+            console.print(f"[bold]{c.run.name}[/bold] experts: {c.run.moe.verdict.explanation}")
         if c.run.status != "completed":
             console.print(f"[bold]{c.run.name}[/bold] {c.run.status}: {c.run.reason}")
 
@@ -155,6 +160,7 @@ def _markdown(comparisons: list[Comparison], threshold: float | None, plots: lis
                 f"{_fmt(w.peak_rss_bytes / 1e6 if w.peak_rss_bytes else None, '.0f')} | {w.net_sent_bytes / 1e6:.1f} | "
                 f"{w.net_recv_bytes / 1e6:.1f} | {w.averaging_rounds} ({w.averaging_rounds_failed}) | "
                 f"{_fmt(w.mean_group_size, '.1f')} |")
+    lines += moe_markdown([c.run.moe for c in comparisons if c.run.moe is not None])
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
 
@@ -208,6 +214,7 @@ def write_report(comparisons: list[Comparison], out_dir: Path, threshold: float 
     plot_curves(summaries, "eval_curve", "held-out accuracy", out_dir / plots[1], threshold)
     plot_curves(summaries, "loss_curve", "training loss", out_dir / plots[2])
     plot_network(summaries, out_dir / plots[3])
+    plots += write_moe_plots([s.moe for s in summaries if s.moe is not None], out_dir)
     md = _markdown(comparisons, threshold, plots)
     (out_dir / "report.md").write_text(md)
     (out_dir / "report.html").write_text(markdown_to_html(md))

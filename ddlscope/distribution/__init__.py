@@ -56,6 +56,34 @@ MATCHMAKING_OPTION = "matchmaking_time_s"
 
 
 @dataclass(frozen=True)
+class Service:
+    """A process a swarm model needs besides its workers (``dmoe``: an expert server).
+
+    The launcher starts ``python -m <module> --db DB --run-id RUN --index I --cores C
+    [--initial-peers ...]`` for each service of :attr:`DistributionModel.services`, before the
+    workers: the first service to start bootstraps the swarm (it records its multiaddrs in the
+    store's ``services`` table), the others and every worker join it. The schedule lets a service
+    start late, be killed (SIGKILL) and come back as a new process; a service that dies does not
+    fail the run (the workers decide whether they can go on).
+
+    Attributes:
+        kind: what it is, for people (``"expert server"``).
+        index: its index among the run's services of that kind.
+        module: the Python module it runs (``python -m``).
+        cores: CPU cores it is pinned to.
+        start_at_s / kill_at_s / restart_at_s: seconds after the run's start (None: never).
+    """
+
+    kind: str
+    index: int
+    module: str
+    cores: int = 1
+    start_at_s: float = 0.0
+    kill_at_s: float | None = None
+    restart_at_s: float | None = None
+
+
+@dataclass(frozen=True)
 class DistributionModel:
     """Everything ddlscope knows about one distribution model.
 
@@ -117,6 +145,9 @@ class DistributionModel:
         uses_cluster_devices: True when every worker takes one device of the cluster, so a setting
             has at most the cluster's devices as workers; False when the workers are peers that
             bring their own devices (collaborative: ``[[cluster.peers]]``).
+        services: ``(RunConfig) -> list[Service]``: processes the launcher starts besides the
+            workers (swarm models only; dmoe's expert servers). When set, the services bootstrap
+            the swarm and the workers never wait for worker 0's multiaddrs; None: no services.
     """
 
     name: str
@@ -146,6 +177,7 @@ class DistributionModel:
     check_setting: Callable[..., None] | None = None
     candidate: Callable[..., Any] | None = None
     uses_cluster_devices: bool = True
+    services: Callable[["RunConfig"], list[Service]] | None = None
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:

@@ -17,7 +17,9 @@ a model needs comes from its registry descriptor: the steps its start-up costs o
 
 Grid files are TOML with one ``[validation]`` table (:class:`ValidationGrid`), or a preset:
 ``local`` (MNIST and CIFAR-10 shapes x ResNet-18, VGG-11, MobileNetV2 x every distribution model
-with a cost model, on 2 workers of one core each) and ``tiny`` (for tests).
+with a cost model, on 2 workers of one core each), ``moe`` (the zoo's ``moe_cnn`` as ``dmoe`` with
+2 trainers and 2 expert servers, next to ``single`` training it with its experts in-process) and
+``tiny`` (for tests).
 """
 
 from __future__ import annotations
@@ -120,6 +122,11 @@ PRESETS: dict[str, dict] = {
     "local": dict(name="validation-local", datasets=["mnist", "cifar10"],
                   networks=["resnet18", "vgg11", "mobilenet_v2"], workers=2, batch_size=64, microbatches=4,
                   target_batch_size=128),
+    # the Decentralized Mixture-of-Experts next to its in-process baseline (single trains the zoo's
+    # moe_cnn with its experts in-process): 2 trainers, 2 expert servers sharing the 2 cores
+    "moe": dict(name="validation-moe", datasets=["mnist", "cifar10"], networks=["moe_cnn"],
+                strategies=["single", "dmoe"], workers=2, batch_size=32, warmup_batches=3, measured_batches=20,
+                synthetic_train_size=256),
     "tiny": dict(name="validation-tiny", datasets=["mnist"], networks=["tiny_cnn"],
                  strategies=["single", "ddp", "gpipe"], workers=2, batch_size=16, microbatches=2,
                  warmup_batches=1, measured_batches=3, synthetic_train_size=64),

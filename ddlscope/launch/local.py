@@ -13,6 +13,12 @@ How the workers start is the distribution model's ``launcher`` (:mod:`ddlscope.d
 - ``torchrun``: one torchrun agent starts the workers (:mod:`ddlscope.launch.torchrun`); each
   worker pins itself to its core set by its local rank.
 
+A swarm model with ``services`` (dmoe's expert servers) has them started first by
+:class:`~ddlscope.launch.services.ServiceSupervisor`; they bootstrap the swarm, the workers join
+them, and their schedules (start late, killed, restarted) run while the workers train. Services
+get cores of their own when the workers leave some free, else they share the workers' cores
+(:func:`service_core_sets`).
+
 The run ends when every worker has ended. If a worker fails, the others are stopped and the run
 is stored as ``failed`` with that worker's reason; Ctrl-C stores it as ``interrupted``. Either
 way every process group is ended (SIGTERM, then SIGKILL after a grace period), so no worker,
@@ -32,6 +38,7 @@ from ddlscope import distribution
 from ddlscope.config import RunConfig
 from ddlscope.errors import UserError
 from ddlscope.launch.processes import log_tail, start_process, stop_processes
+from ddlscope.launch.services import ServiceSupervisor
 from ddlscope.launch.torchrun import preflight, torchrun_command
 from ddlscope.store.db import ResultsStore
 
@@ -77,6 +84,7 @@ class LocalLauncher:
     run_id: str | None = None
     worker_pids: set[int] = field(default_factory=set)
     rdzv_port: int | None = None
+    services: ServiceSupervisor | None = None
 
     def run(self) -> str:
         """Run to the end; return the run id. Raises KeyboardInterrupt after recording it."""
@@ -102,6 +110,8 @@ class LocalLauncher:
             raise
         finally:
             self._stop_all()
+            if self.services is not None:
+                self.services.record_stopped(store)
         self._mark_unfinished_workers(store, run_id, "failed" if status != "completed" else "completed", reason)
         store.finish_run(run_id, status, reason)
         store.close()
@@ -153,6 +163,15 @@ class LocalLauncher:
         n_local = self.local_workers or cfg.peers
         swarm = cfg.distribution_model.launcher == "swarm"
         initial = list(cfg.model_options()["initial_peers"]) if swarm else []
+        if swarm and cfg.distribution_model.services is not None:  # the services bootstrap the swarm
+            wanted = cfg.distribution_model.services(cfg)
+            self.services = ServiceSupervisor(
+                wanted, self.db_path, run_id, log_dir, service_core_sets([s.cores for s in wanted], core_sets),
+                float(cfg.model_options()["join_timeout_s"]), initial)
+            initial = self.services.start(store)
+            for i in range(n_local):
+                self._spawn(run_id, i, core_sets[i], initial, log_dir)
+            return self._watch(store, run_id)
         first = self._spawn(run_id, 0, core_sets[0], initial, log_dir)
         if swarm and not initial:
             initial = self._wait_for_maddrs(store, run_id, first)
@@ -192,6 +211,8 @@ class LocalLauncher:
             while True:
                 codes = {w.index: w.popen.poll() for w in self.workers}
                 self._track_worker_pids(store, run_id)
+                if self.services is not None:
+                    self.services.tick(store)
                 if bar:
                     bar.update(store.step_counts(run_id))
                 failed = [i for i, c in codes.items() if c not in (None, 0)]
@@ -228,13 +249,37 @@ class LocalLauncher:
         (p2pd, loader workers, hivemind's averager, stuck leaders). Workers torchrun started lead
         sessions of their own: they are ended by the pids they recorded.
         """
-        stop_processes([w.popen for w in self.workers], GRACE_S, other_groups=self.worker_pids)
+        services = self.services.popens() if self.services is not None else []
+        stop_processes([w.popen for w in self.workers] + services, GRACE_S, other_groups=self.worker_pids)
 
     def _mark_unfinished_workers(self, store: ResultsStore, run_id: str, status: str, reason: str | None) -> None:
         for row in store.workers(run_id):
             if row["status"] in ("starting", "training"):
                 store.upsert_worker(run_id, row["worker_index"], status=status if status != "completed" else "failed",
                                     reason=reason or "ended without reporting a status")
+
+
+def service_core_sets(wanted: list[int], worker_core_sets: list[list[int]], cores: list[int] | None = None
+                      ) -> list[list[int]]:
+    """Cores for each service: ``wanted[i]`` cores each, taken first from the cores no worker uses,
+    then round-robin over all of this process's cores (shared with the workers).
+
+    Args:
+        wanted: cores each service asks for (>= 1).
+        worker_core_sets: the workers' core sets on this host.
+        cores: the cores ddlscope may use (default: this process's affinity).
+    """
+    from ddlscope.config import available_cores
+
+    cores = cores if cores is not None else available_cores()
+    used = {c for cs in worker_core_sets for c in cs}
+    order = [c for c in cores if c not in used] + [c for c in cores if c in used]
+    sets, at = [], 0
+    for n in wanted:
+        take = [order[(at + k) % len(order)] for k in range(min(n, len(order)))]
+        at += len(take)
+        sets.append(sorted(set(take)))
+    return sets
 
 
 def _first_failure(rows, peers: int, agent: WorkerProcess) -> str:

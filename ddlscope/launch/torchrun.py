@@ -38,15 +38,17 @@ def rendezvous_port(cfg: RunConfig, host: str = "127.0.0.1") -> int:
 
 
 def preflight(cfg: RunConfig, check_port: bool = True) -> int | None:
-    """Checks before a torch.distributed run starts; returns the local rendezvous port (None for
-    other strategies, or when ``check_port`` is False because a cluster endpoint was given).
+    """Checks before a run starts: the strategy's own (:meth:`Strategy.preflight`: e.g. whether the
+    network can be cut into that many stages, or a dmoe network fits its experts) and, for a
+    torch.distributed run, the rendezvous port. Returns the local rendezvous port (None for other
+    launchers, or when ``check_port`` is False because a cluster endpoint was given).
 
     Raises:
-        UserError: port in use, or a network that cannot be split into that many stages.
+        UserError: naming what does not fit and what is allowed.
     """
+    cfg.distribution_model.strategy_class().preflight(cfg)
     if cfg.distribution_model.launcher != "torchrun":
         return None
-    cfg.distribution_model.strategy_class().preflight(cfg)
     return rendezvous_port(cfg) if check_port else None
 
 

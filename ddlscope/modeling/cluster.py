@@ -119,6 +119,111 @@ class HivemindFit(BaseModel):
     matchmaking_time_s: float | None = Field(None, gt=0)
 
 
+class DMoEFit(BaseModel):
+    """What calling remote experts costs on these machines (hivemind 1.1.12 ``hivemind.moe``),
+    measured by ``ddlscope calibrate --dmoe`` (:mod:`ddlscope.profiling.dmoe_rpc`).
+
+    How it is measured: one hivemind expert ``Server`` in a child process pinned to one core (one
+    intra-op thread, one connection handler, loopback) hosts a few experts that cost next to
+    nothing to compute (``y = w x``, one scalar parameter), and declares further expert ids in its
+    DHT; a trainer-like child process pinned to another core joins that DHT in client mode and
+    times, in steady state (after a warm-up call of each configuration):
+
+    * ``MoEBeamSearcher.batch_find_best_experts`` for grids of 1, 2 and 3 dimensions at several
+      batch sizes: ``t = beam_search_fixed_s + B x rounds x beam_search_lookup_s``, where
+      ``rounds = max(1, dimensions - 1)`` is the number of DHT look-up rounds of hivemind's beam
+      search (the first dimension's prefixes, then one ``get_many`` per middle dimension;
+      ``MoEBeamSearcher._find_best_experts``);
+    * forward and backward rounds of ``_RemoteCallMany`` (what ``RemoteMixtureOfExperts`` sends:
+      one RPC per sample per chosen expert) at batch sizes 4, 16, 64, ``k_best`` 1 and 2 and two
+      payload sizes: per direction a least-squares fit
+      ``t = fixed_s + C x (per_call_s + bytes_per_call / (gb_per_s x 1e9))`` over the rounds of
+      ``C`` calls, ``bytes_per_call`` being the tensors a call moves (forward: input + output;
+      backward: input + output gradient + input gradient);
+    * the CPU seconds the server's processes (its own, its task pools', its connection handler,
+      its DHT and ``p2pd``) and the client's processes (its own, its DHT and ``p2pd``) spent in
+      the rounds, for the load on the servers' and trainers' cores: per side a non-negative
+      least-squares fit ``cpu = C x (cpu_per_call_s[direction] + bytes_per_call / (cpu_gb_per_s
+      x 1e9))`` over both directions' rounds.
+
+    Units: seconds, GB/s (1e9 bytes/s). A ``gb_per_s`` of None: the payload size made no
+    measurable difference (the per-call time alone fits).
+
+    Attributes:
+        beam_search_fixed_s / beam_search_lookup_s: see above.
+        forward_fixed_s / forward_per_call_s / forward_gb_per_s: a forward round (see above).
+        backward_fixed_s / backward_per_call_s / backward_gb_per_s: a backward round (the server
+            re-runs the expert's forward, computes the gradients and steps its optimizer).
+        server_forward_cpu_s / server_backward_cpu_s / server_cpu_gb_per_s: the server's CPU
+            seconds per call (the reference experts' compute is negligible) and the payload bytes
+            per CPU second beyond them (None: no measurable payload term).
+        client_forward_cpu_s / client_backward_cpu_s / client_cpu_gb_per_s: the same for the client.
+        max_abs_residual: the largest relative residual ``(fitted - measured) / measured`` of
+            the round fits (for the record).
+        reference: what was measured (experts, payloads, batches).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    beam_search_fixed_s: float = Field(ge=0)
+    beam_search_lookup_s: float = Field(ge=0)
+    forward_fixed_s: float = Field(ge=0)
+    forward_per_call_s: float = Field(ge=0)
+    forward_gb_per_s: float | None = Field(None, gt=0)
+    backward_fixed_s: float = Field(ge=0)
+    backward_per_call_s: float = Field(ge=0)
+    backward_gb_per_s: float | None = Field(None, gt=0)
+    server_forward_cpu_s: float = Field(0.0, ge=0)
+    server_backward_cpu_s: float = Field(0.0, ge=0)
+    server_cpu_gb_per_s: float | None = Field(None, gt=0)
+    client_forward_cpu_s: float = Field(0.0, ge=0)
+    client_backward_cpu_s: float = Field(0.0, ge=0)
+    client_cpu_gb_per_s: float | None = Field(None, gt=0)
+    max_abs_residual: float = Field(0.0, ge=0)
+    reference: str = ""
+
+    def round_s(self, direction: str, calls: float, bytes_per_call: float) -> float:
+        """Seconds of one ``direction`` (``"forward"`` or ``"backward"``) round of ``calls`` calls of
+        ``bytes_per_call`` bytes each, by the fit (0 for no calls).
+
+        Raises:
+            ValueError: an unknown direction.
+        """
+        if direction not in ("forward", "backward"):
+            raise ValueError(f"direction {direction!r}; allowed: forward, backward")
+        if calls <= 0:
+            return 0.0
+        fixed, per_call, rate = (getattr(self, f"{direction}_{k}") for k in ("fixed_s", "per_call_s", "gb_per_s"))
+        wire = bytes_per_call / (rate * 1e9) if rate else 0.0
+        return fixed + calls * (per_call + wire)
+
+    def cpu_s(self, side: str, direction: str, calls: float, bytes_per_call: float) -> float:
+        """CPU seconds ``side`` (``"server"`` or ``"client"``) spends on ``calls`` calls of ``direction``
+        moving ``bytes_per_call`` bytes each, by the fit.
+
+        Raises:
+            ValueError: an unknown side or direction.
+        """
+        if side not in ("server", "client") or direction not in ("forward", "backward"):
+            raise ValueError(f"side {side!r}, direction {direction!r}; allowed: server or client, forward or backward")
+        rate = getattr(self, f"{side}_cpu_gb_per_s")
+        per_call = getattr(self, f"{side}_{direction}_cpu_s") + (bytes_per_call / (rate * 1e9) if rate else 0.0)
+        return max(0.0, calls) * per_call
+
+    def beam_search_s(self, batch: float, grid_dims: int) -> float:
+        """Seconds of one ``batch_find_best_experts`` for ``batch`` samples over a grid of
+        ``grid_dims`` dimensions: ``fixed + batch x max(1, grid_dims - 1) x lookup``."""
+        return self.beam_search_fixed_s + batch * beam_search_rounds(grid_dims) * self.beam_search_lookup_s
+
+
+def beam_search_rounds(grid_dims: int) -> int:
+    """DHT look-up rounds of hivemind 1.1.12's beam search over a grid of ``grid_dims`` dimensions:
+    the first dimension's prefixes (``_get_initial_beam``), then one ``get_many`` per middle
+    dimension (``MoEBeamSearcher._find_best_experts`` loops over dimensions ``1 .. dims - 2``;
+    the last dimension's experts come with the prefixes found before): ``max(1, grid_dims - 1)``."""
+    return max(1, int(grid_dims) - 1)
+
+
 class ClusterSpec(BaseModel):
     """A cluster: ``nodes`` x ``devices_per_node`` identical devices, or a list of collaborative peers.
 
@@ -147,6 +252,8 @@ class ClusterSpec(BaseModel):
             (CPU workers of the profiled machine, :func:`ddlscope.modeling.collectives.serial_comm`).
         hivemind: what hivemind's own machinery adds per global epoch on these peers, and their
             overshoot of the target batch (collaborative; measured by ``calibrate --hivemind``).
+        dmoe: what beam searches and remote expert calls cost here (dmoe; measured by
+            ``calibrate --dmoe``, :class:`DMoEFit`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -169,6 +276,7 @@ class ClusterSpec(BaseModel):
     fsdp_step_gb_per_s: float | None = Field(None, gt=0)
     ddp_step_gb_per_s: float | None = Field(None, gt=0)
     hivemind: HivemindFit | None = None
+    dmoe: DMoEFit | None = None
 
     @field_validator("inter_node")
     @classmethod
@@ -197,7 +305,7 @@ class ClusterSpec(BaseModel):
 
 # ---------------------------------------------------------------------------------------- TOML files
 _TABLE_MODELS: dict[str, type[BaseModel]] = {"device": DeviceSpec, "intra_node": LinkSpec, "inter_node": LinkSpec,
-                                              "peers": PeerSpec}
+                                              "peers": PeerSpec, "hivemind": HivemindFit, "dmoe": DMoEFit}
 _LAYOUT = ("[cluster] with [cluster.device], [cluster.intra_node], optional [cluster.inter_node] and [[cluster.peers]]")
 
 
@@ -257,7 +365,8 @@ def load_cluster(path: Path) -> ClusterSpec:
     concurrent_compute_slowdown, comm_overlap) with ``[cluster.device]`` (kind, memory_gib),
     ``[cluster.intra_node]`` and, when nodes > 1, ``[cluster.inter_node]`` (bandwidth_gb_per_s,
     latency_s), and optionally ``[[cluster.peers]]`` (compute_share, bandwidth_gb_per_s,
-    latency_s, memory_gib).
+    latency_s, memory_gib) and the calibrated fits ``[cluster.hivemind]`` (:class:`HivemindFit`) and
+    ``[cluster.dmoe]`` (:class:`DMoEFit`).
 
     Raises:
         UserError: missing file, invalid TOML, unknown or missing tables/fields, non-positive

@@ -125,6 +125,8 @@ def register(app: typer.Typer) -> None:
         matchmaking_time_s: float = typer.Option(1.0, "--matchmaking-time", min=0.01,
                                                  help="--hivemind: the swarm's matchmaking time in seconds; use the "
                                                  "one you will predict for (overhead and overshoot depend on it)"),
+        dmoe: bool = typer.Option(False, "--dmoe", help="also time hivemind's beam searches and remote expert calls "
+                                  "between an expert server and a client (about 30 s) to fit what they cost (dmoe)"),
     ):
         """Measure all-reduce and point-to-point among local workers; fit latency, bandwidth, fixed costs.
 
@@ -143,7 +145,7 @@ def register(app: typer.Typer) -> None:
         try:
             result = cal.calibrate(workers=workers, threads=threads, sizes_bytes=sizes, repeats=reps,
                                    timeout_s=timeout_s, progress=lambda msg: typer.echo(msg, err=True),
-                                   hivemind=hivemind, matchmaking_time_s=matchmaking_time_s)
+                                   hivemind=hivemind, matchmaking_time_s=matchmaking_time_s, dmoe=dmoe)
         except cal.CalibrationError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from None

@@ -30,6 +30,12 @@ repeat of a collective lasts as long as its slowest worker). Not the median: wit
 machine; a prediction sums many calls, so it needs the mean, and the median flips between the two
 modes from run to run. The trimming drops single wild repeats (a preemption).
 
+Two optional measurements follow: ``--hivemind`` trains a reference network in short hivemind
+swarms among the workers (:mod:`ddlscope.profiling.swarm`, the collaborative model's overhead), and
+``--dmoe``, after the workers are done, times hivemind's beam searches and remote expert calls
+between an expert server and a client pinned to two cores (:mod:`ddlscope.profiling.dmoe_rpc`, the
+``cluster.dmoe`` fit of the dmoe model).
+
 Every worker is a child process (``python -m ddlscope.profiling.calibrate --rank R``) that dies with
 its parent (Linux ``PR_SET_PDEATHSIG``) and is terminated, then killed, when calibration ends,
 fails or is interrupted. Workers exchange nothing with the parent but files in a temporary folder
@@ -56,6 +62,8 @@ from ddlscope.errors import UserError
 from ddlscope.launch.processes import die_with_parent, log_tail, start_process, stop_processes
 from ddlscope.measure.stats import time_call, trimmed_mean
 from ddlscope.modeling.cluster import ClusterSpec, CollectiveFit, DeviceSpec, LinkSpec
+from ddlscope.profiling.dmoe_rpc import DMoECalibration
+from ddlscope.profiling.dmoe_rpc import describe as describe_dmoe
 
 KIB = 1024
 MIB = 1024**2
@@ -322,6 +330,8 @@ class CalibrationResult(BaseModel):
             (:data:`DDP_UNITS`), from which :func:`fit_in_step_rates` fits the in-step rates.
         hivemind_swarms: with ``hivemind``, every timed global epoch of each reference swarm
             (:func:`ddlscope.profiling.swarm.swarm_epochs`), from which the hivemind fit comes.
+        dmoe: with ``dmoe``, the beam searches and remote expert calls measured and their fit
+            (:mod:`ddlscope.profiling.dmoe_rpc`); None without, or when it failed (a note says why).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -349,6 +359,7 @@ class CalibrationResult(BaseModel):
     ddp_plain_step_s: float = 0.0
     ddp_step_s: float = 0.0
     hivemind_swarms: list[dict[str, Any]] = Field(default_factory=list)
+    dmoe: DMoECalibration | None = None
     hostname: str
     cpu: str
     torch_version: str
@@ -727,7 +738,7 @@ def _cpu_name() -> str:
 def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None = None,
               repeats: int = DEFAULT_REPEATS, warmup: int = 2, timeout_s: float = 300.0,
               progress: Callable[[str], None] | None = None, name: str | None = None,
-              hivemind: bool = False, matchmaking_time_s: float | None = None) -> CalibrationResult:
+              hivemind: bool = False, matchmaking_time_s: float | None = None, dmoe: bool = False) -> CalibrationResult:
     """Measure this machine's workers and fit a :class:`ClusterSpec` (see the module docstring).
 
     Args:
@@ -744,6 +755,10 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
             cannot be fitted leaves ``hivemind`` unset, with a note.
         matchmaking_time_s: the swarm's hivemind matchmaking time (seconds, > 0; default
             :data:`ddlscope.profiling.swarm.MATCHMAKING_S`); use the one the predictions will use.
+        dmoe: also time hivemind's beam searches and remote expert calls between an expert
+            server and a client on two cores (about 30 s; :mod:`ddlscope.profiling.dmoe_rpc`) and
+            fit what they cost (``cluster.dmoe``); a measurement that fails or cannot be fitted
+            leaves it unset, with a note.
 
     Returns:
         The fitted description and the raw measurements.
@@ -783,6 +798,16 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
     say(f"calibrating {workers} workers x {threads} thread(s) on cores {core_sets} (gloo over loopback)")
     started = time.monotonic()
     raw = _run_workers(plan, say)
+    dmoe_cal = None
+    if dmoe:  # after the workers: the expert server and its client get the cores to themselves
+        from ddlscope.profiling.dmoe_rpc import DEFAULT_TIMEOUT_S, calibrate_dmoe
+
+        try:
+            dmoe_cal = calibrate_dmoe(say, min(timeout_s, DEFAULT_TIMEOUT_S))
+        except CalibrationError as e:
+            dmoe_notes = [f"dmoe not calibrated ({e}): dmoe predictions leave hivemind's per-call cost out"]
+        else:
+            dmoe_notes = list(dmoe_cal.notes)
     elapsed = time.monotonic() - started
 
     ar_slowest = [_slowest([w["allreduce"][i] for w in raw]) for i in range(len(sizes))]
@@ -817,6 +842,8 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
     if busy_before >= BUSY_PERCENT:
         notes.append(f"other processes kept the workers' cores {busy_before:.0f} % busy just before calibration "
                      f"started: the figures include their interference")
+    if dmoe:
+        notes += dmoe_notes
     if slowdown < 1:
         notes.append(f"compute ran faster with all workers busy (ratio {slowdown:.3f}, noise): slowdown set to 1")
     from ddlscope.modeling.collectives import ring_allgather_s
@@ -855,7 +882,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         p2p_link=LinkSpec(bandwidth_gb_per_s=_sig(p2p.bandwidth_gb_per_s), latency_s=_sig(p2p.latency_s)),
         all_gather=half["allgather"], reduce_scatter=half["reducescatter"], fsdp_unit_fixed_s=_sig(fsdp_unit_fixed),
         fsdp_step_gb_per_s=fsdp_step_rate and _sig(fsdp_step_rate), ddp_step_gb_per_s=ddp_step_rate and _sig(ddp_step_rate),
-        hivemind=swarm,
+        hivemind=swarm, dmoe=dmoe_cal.fit if dmoe_cal else None,
     )
     import torch
 
@@ -866,7 +893,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         overlap_allreduce_s=tm, overlap_both_s=tb, comm_overlap_raw=overlap_raw,
         fsdp_plain_step_s=step_s("fsdp", "plain"), fsdp_sharded_step_s=step_s("fsdp", "wrapped"),
         fsdp_large_plain_step_s=step_s("fsdp_large", "plain"), fsdp_large_sharded_step_s=step_s("fsdp_large", "wrapped"),
-        ddp_plain_step_s=step_s("ddp", "plain"), ddp_step_s=step_s("ddp", "wrapped"), hivemind_swarms=swarm_raw,
+        ddp_plain_step_s=step_s("ddp", "plain"), ddp_step_s=step_s("ddp", "wrapped"), hivemind_swarms=swarm_raw, dmoe=dmoe_cal,
         hostname=platform.node(),
         cpu=_cpu_name(), torch_version=torch.__version__, created_at=time.time(), elapsed_s=elapsed, notes=notes,
     )
@@ -883,6 +910,8 @@ def header_comment(result: CalibrationResult) -> str:
             f"{p2p.table.max_abs_residual:.0%}\n"
             f"ping-pong: latency {p2p.latency_s * 1e6:.1f} us, bandwidth {p2p.bandwidth_gb_per_s:.3g} GB/s; "
             f"all-reduce: intercept {ar.intercept_s * 1e6:.1f} us, bandwidth {ar.bandwidth_gb_per_s:.3g} GB/s\n"
+            + (f"dmoe (hivemind expert server and client on cores {result.dmoe.server_core} and "
+               f"{result.dmoe.client_core}): {describe_dmoe(result.dmoe.fit)}\n" if result.dmoe else "")
             + "\n".join(result.notes))
 
 
@@ -932,6 +961,8 @@ def print_calibration(result: CalibrationResult) -> None:
                                  f"global epoch beyond compute "
                                  f"({hm.epoch_cpu_s:.2f} CPU-s of hivemind's processes), overshoot "
                                  f"{hm.overshoot_steps:.2f} steps per peer, at matchmaking {hm.matchmaking_time_s:g} s"))
+    if c.dmoe is not None:
+        rows.append(("dmoe", describe_dmoe(c.dmoe)))
     for label, text in rows:
         console.print(f"[bold]{label}[/bold]: {text}")
     for note in result.notes:

@@ -13,6 +13,15 @@ crashes or is killed keeps everything measured up to its last step. Tables:
 - ``host_samples``: background samples of CPU %, RSS, network, disk, context switches.
 - ``events``: averaging rounds and other things that happen between steps.
 - ``predictions``: the predictor's figures for a cell, linked to the run that measured it.
+- ``services``: processes a run needs besides its workers (dmoe's expert servers): one row per
+  process started (a restarted server is a new ``generation``), with pid, multiaddrs, status.
+- ``moe_steps``: per step of a dmoe trainer — beam-search time, remote forward / backward wait,
+  calls, failed calls, samples no expert answered, payload bytes.
+- ``moe_calls``: per step, trainer, expert and direction (forward/backward) — calls, failures,
+  summed and largest latency, bytes sent and received, and the server (peer id) that answered.
+- ``moe_server_batches``: every batch an expert server processed — expert, direction, samples,
+  queue wait of its oldest request, compute seconds.
+- ``moe_server_samples``: background samples of an expert server's CPU time, RSS and bytes.
 
 A run whose processes were killed stays ``running`` in the file; :meth:`ResultsStore.mark_stale_runs`
 (called by the read-only commands) marks such runs ``interrupted`` once every process recorded for
@@ -70,6 +79,34 @@ CREATE TABLE IF NOT EXISTS predictions (
     predicted_epoch_s REAL, memory_bytes INTEGER, capacity_bytes INTEGER, fits INTEGER, dominant_cost TEXT,
     detail_json TEXT, run_id TEXT, created_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS services (
+    run_id TEXT NOT NULL, kind TEXT NOT NULL, service_index INTEGER NOT NULL, generation INTEGER NOT NULL,
+    pid INTEGER, pid_started_at REAL, cores TEXT, maddrs TEXT, peer_id TEXT, experts TEXT, status TEXT NOT NULL,
+    reason TEXT, started_at REAL, ended_at REAL,
+    PRIMARY KEY (run_id, kind, service_index, generation)
+);
+CREATE TABLE IF NOT EXISTS moe_steps (
+    run_id TEXT NOT NULL, worker_index INTEGER NOT NULL, step INTEGER NOT NULL, wall_time REAL NOT NULL,
+    samples INTEGER NOT NULL, beam_search_s REAL, expert_forward_s REAL, expert_backward_s REAL,
+    forward_calls INTEGER, backward_calls INTEGER, failed_calls INTEGER, samples_dropped INTEGER,
+    bytes_sent INTEGER, bytes_received INTEGER, experts_chosen INTEGER,
+    PRIMARY KEY (run_id, worker_index, step)
+);
+CREATE TABLE IF NOT EXISTS moe_calls (
+    run_id TEXT NOT NULL, worker_index INTEGER NOT NULL, step INTEGER NOT NULL, expert TEXT NOT NULL,
+    direction TEXT NOT NULL, peer_id TEXT, calls INTEGER NOT NULL, failed INTEGER NOT NULL, latency_s_sum REAL,
+    latency_s_max REAL, bytes_sent INTEGER, bytes_received INTEGER
+);
+CREATE TABLE IF NOT EXISTS moe_server_batches (
+    run_id TEXT NOT NULL, service_index INTEGER NOT NULL, generation INTEGER NOT NULL, wall_time REAL NOT NULL,
+    expert TEXT NOT NULL, direction TEXT NOT NULL, batch_size INTEGER NOT NULL, queue_wait_s REAL, compute_s REAL
+);
+CREATE TABLE IF NOT EXISTS moe_server_samples (
+    run_id TEXT NOT NULL, service_index INTEGER NOT NULL, generation INTEGER NOT NULL, wall_time REAL NOT NULL,
+    cpu_s REAL, rss_bytes INTEGER, net_sent_bytes INTEGER, net_recv_bytes INTEGER
+);
+CREATE INDEX IF NOT EXISTS moe_calls_by_run ON moe_calls (run_id, worker_index, step);
+CREATE INDEX IF NOT EXISTS moe_batches_by_run ON moe_server_batches (run_id, service_index);
 CREATE INDEX IF NOT EXISTS steps_by_run ON steps (run_id, worker_index);
 CREATE INDEX IF NOT EXISTS host_by_run ON host_samples (run_id, worker_index);
 """
@@ -88,6 +125,8 @@ ADDED_COLUMNS = (
     ("workers", "failed_at", "REAL"), ("steps", "background_cpu_s", "REAL"),
     ("runs", "launcher_pid", "INTEGER"), ("runs", "launcher_started_at", "REAL"), ("workers", "pid_started_at", "REAL"),
 )
+MEASUREMENT_TABLES = ("moe_steps", "moe_calls", "moe_server_batches", "moe_server_samples")
+"""Tables written with :meth:`ResultsStore.add_rows` (rows as dicts of their columns)."""
 UNFINISHED_WORKER_STATUSES = ("starting", "training")
 PID_START_TOLERANCE_S = 1.0
 """Seconds two start times of one process may differ by (clock ticks, rounding); more means the pid was reused."""
@@ -381,11 +420,52 @@ class ResultsStore:
         self.conn.execute("INSERT INTO events VALUES (?, ?, ?, ?, ?)",
                           (run_id, worker_index, time.time(), kind, json.dumps(detail, default=str)))
 
+    # ------------------------------------------------------------------ services (dmoe's expert servers)
+    def upsert_service(self, run_id: str, kind: str, index: int, generation: int, **fields: Any) -> None:
+        """Create or update the row of one process of a service; ``fields`` are columns of ``services``.
+
+        A ``pid`` is stored with its start time, like a worker's (:meth:`upsert_worker`).
+        """
+        if fields.get("pid") and "pid_started_at" not in fields:
+            fields["pid_started_at"] = process_start_time(int(fields["pid"]))
+        self.conn.execute("INSERT OR IGNORE INTO services (run_id, kind, service_index, generation, status) "
+                          "VALUES (?, ?, ?, ?, 'starting')", (run_id, kind, index, generation))
+        if fields:
+            cols = ", ".join(f"{k} = ?" for k in fields)
+            self.conn.execute(f"UPDATE services SET {cols} WHERE run_id = ? AND kind = ? AND service_index = ? "
+                              f"AND generation = ?", (*fields.values(), run_id, kind, index, generation))
+
+    def services(self, run_id: str) -> list[sqlite3.Row]:
+        """The run's service processes, by kind, index and generation."""
+        return self.conn.execute("SELECT * FROM services WHERE run_id = ? ORDER BY kind, service_index, generation",
+                                 (run_id,)).fetchall()
+
+    def add_rows(self, table: str, rows: list[dict[str, Any]]) -> None:
+        """Insert measurement rows into one of :data:`MEASUREMENT_TABLES` in one transaction.
+
+        Raises:
+            ValueError: ``table`` is not one of them.
+        """
+        if table not in MEASUREMENT_TABLES:
+            raise ValueError(f"unknown table {table!r}; allowed: {', '.join(MEASUREMENT_TABLES)}")
+        if not rows:
+            return
+        cols = list(rows[0])
+        self.conn.execute("BEGIN")
+        try:
+            self.conn.executemany(f"INSERT OR REPLACE INTO {table} ({', '.join(cols)}) VALUES "
+                                  f"({', '.join('?' * len(cols))})", [tuple(r.get(c) for c in cols) for r in rows])
+            self.conn.execute("COMMIT")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+
     def rows(self, table: str, run_id: str) -> list[dict[str, Any]]:
         """All rows of ``table`` for a run as dicts, ordered by worker and time."""
-        if table not in ("steps", "evals", "host_samples", "events", "workers"):
+        if table not in ("steps", "evals", "host_samples", "events", "workers", "services", *MEASUREMENT_TABLES):
             raise ValueError(f"unknown table {table!r}")
-        order = {"steps": "worker_index, step", "workers": "worker_index"}.get(table, "wall_time")
+        order = {"steps": "worker_index, step", "workers": "worker_index", "moe_steps": "worker_index, step",
+                 "moe_calls": "worker_index, step", "services": "kind, service_index, generation"}.get(table, "wall_time")
         cur = self.conn.execute(f"SELECT * FROM {table} WHERE run_id = ? ORDER BY {order}", (run_id,))
         return [dict(r) for r in cur.fetchall()]
 

@@ -7,6 +7,7 @@ pipeline schedule over stages (``gpipe``, ``1f1b``), an averaging round with oth
 (``collaborative``). The loop never asks which strategy it runs; it calls these methods in
 this order::
 
+    model = strategy.build_model(name, family, num_classes)       # once, before the optimizer
     model = strategy.setup(model, optimizer)                      # once
     for each step:  result = strategy.forward_backward(model, x, y, loss_fn, loss_scale, sync)
                     every GAS steps: outcome = strategy.step(samples); strategy.zero_grad()
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -41,6 +42,8 @@ class WorkerContext:
         announce: callback the strategy calls with its own multiaddrs once it listens.
         listen_maddrs: multiaddrs to listen on (swarm models); default loopback, any free port.
         local_rank: the worker's index on its host (selects ``cuda:<local_rank>``).
+        store: the results store (:class:`~ddlscope.store.db.ResultsStore`) for strategies that
+            record measurements of their own (dmoe's expert calls); None outside a run.
     """
 
     run_id: str
@@ -51,6 +54,7 @@ class WorkerContext:
     announce: "Callable[[list[str]], None] | None" = None
     listen_maddrs: list[str] | None = None
     local_rank: int = 0
+    store: Any = None
 
 
 @dataclass
@@ -138,6 +142,17 @@ class Strategy:
             UserError: naming what does not fit and what is allowed.
         """
 
+    def build_model(self, name: str, family: str, num_classes: int) -> torch.nn.Module:
+        """The network this worker trains, before the optimizer is made from its parameters.
+
+        Default: the zoo's :func:`~ddlscope.workloads.models.build_model`. A strategy whose network
+        depends on its own settings or connections (dmoe: mixture-of-experts layers whose experts
+        live on servers) overrides it.
+        """
+        from ddlscope.workloads.models import build_model
+
+        return build_model(name, family, num_classes=num_classes)
+
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         """Wrap the model and optimizer; return the module the loop trains."""
         self.optimizer = optimizer
@@ -149,19 +164,25 @@ class Strategy:
 
     def forward_backward(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn,
                          loss_scale: float = 1.0, sync: bool = True) -> BatchResult:
-        """Forward ``x`` (shape ``[batch, C, H, W]``), loss against ``y`` (``[batch]``), backward.
+        """Forward ``x`` (shape ``[batch, C, H, W]``, or ``[batch, T]`` byte ids), loss against ``y``
+        (``[batch]``, or ``[batch, T]`` per-position targets), backward.
 
         Args:
-            loss_fn: ``(logits [batch, classes], y) -> scalar mean loss``.
+            loss_fn: ``(logits [batch, classes] or [batch, T, classes], y) -> scalar mean loss``.
             loss_scale: factor on the loss before backward (``1 / GAS`` when accumulating).
             sync: False while accumulating gradients without an optimizer step.
+
+        ``correct`` is in samples' worth (:func:`~ddlscope.workloads.step.correct_samples`), so
+        ``correct / samples`` is the accuracy also for per-position targets.
         """
+        from ddlscope.workloads.step import correct_samples
+
         watch = Stopwatch(x.device)
         watch.start()
         with self.gradient_sync(model, sync):
             logits = model(x)
             loss = loss_fn(logits, y)
-            loss_value, correct = loss.item(), int((logits.argmax(1) == y).sum().item())
+            loss_value, correct = loss.item(), correct_samples(logits, y)
             forward_s = watch.lap()
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             backward_s = watch.lap()

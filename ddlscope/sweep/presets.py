@@ -9,6 +9,10 @@ the format of :mod:`ddlscope.sweep.grid` (``base`` and ``axes`` tables).
   x learning rate x target batch size 10,000/5,000/2,500/1,250/625 x local updates, and 4/8/16
   peers x 4/2/1 vCPUs at target batch size 1,250 over batch size x learning rate x local updates.
   Peer counts are kept where they divide this machine's cores (on 2 cores: only 2 peers, 90 cells).
+- ``dmoe``: the Decentralized Mixture-of-Experts (seed 003) on 2 trainers: experts (grid 2x2 and
+  4x4) x k_best (1, 2, 4) x expert servers (1, 2), next to the same network with its experts
+  in-process (``dmoe.placement = "local"``) and the dense equivalent. Emulated links (bandwidth,
+  latency) are not an axis yet: every server runs on this machine's loopback.
 - ``local``: a small study that ends in under an hour on 2 cores (estimated with
   :mod:`ddlscope.experiments.estimate`): baselines over batch size, learning rate and GAS (2 repeats),
   2 peers over learning rate, target batch size and local updates, and a matchmaking-time axis.
@@ -92,10 +96,32 @@ def local(cores: int) -> dict[str, Any]:
             ]}
 
 
+DMOE_SAMPLE_BUDGET = 1_600
+
+
+def dmoe(cores: int) -> dict[str, Any]:
+    """Decentralized MoE: experts x k_best x servers on 2 trainers, with local and dense baselines (19 cells).
+
+    Raises:
+        UserError: fewer than 2 cores (a core per trainer; the expert servers share them).
+    """
+    if cores < 2:
+        raise UserError(f"preset dmoe needs at least 2 cores (one per trainer); this machine gives {cores}")
+    grids = [[2, 2], [4, 4]]
+    return {"base": dict(strategy="dmoe", model="moe_cnn", dataset="digits", peers=2, vcpus_per_peer=1,
+                         sample_budget=DMOE_SAMPLE_BUDGET, batch_size=32, eval_every_steps=10),
+            "axes": [
+                {"dmoe.grid_size": grids, "dmoe.k_best": [1, 2, 4], "dmoe.servers": [1, 2]},
+                {"dmoe.placement": ["local"], "dmoe.grid_size": grids, "dmoe.k_best": [1, 2, 4]},
+                {"dmoe.placement": ["dense"]},
+            ]}
+
+
 PRESETS: dict[str, Callable[[int], dict[str, Any]]] = {
     "thesis-baseline": thesis_baseline,
     "thesis-collaborative": thesis_collaborative,
     "local": local,
+    "dmoe": dmoe,
 }
 
 

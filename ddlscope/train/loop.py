@@ -47,8 +47,13 @@ class Workload:
     device: torch.device
 
 
-def build_workload(cfg: RunConfig, worker_index: int = 0, local_rank: int = 0) -> Workload:
+def build_workload(cfg: RunConfig, worker_index: int = 0, local_rank: int = 0,
+                   build_model_fn=None) -> Workload:
     """Build the workload of one worker.
+
+    ``build_model_fn(name, family, num_classes) -> nn.Module`` builds the network (default the
+    zoo's :func:`~ddlscope.workloads.models.build_model`; a strategy's :meth:`Strategy.build_model`
+    when it builds its own, e.g. remote experts).
 
     All workers initialise the model from the same seed (``cfg.seed``); each data-parallel
     worker shuffles its data with its own seed (``cfg.seed + worker_index``) so peers see
@@ -64,7 +69,7 @@ def build_workload(cfg: RunConfig, worker_index: int = 0, local_rank: int = 0) -
     eval_set = Transformed(eval_set, eval_transform(spec))
     device = torch.device(f"cuda:{local_rank}") if cfg.device == "cuda" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, spec.family, num_classes=spec.num_classes).to(device)
+    model = (build_model_fn or build_model)(cfg.model, spec.family, num_classes=spec.num_classes).to(device)
     optimizer = optimizer_for(cfg, model.parameters())
     gen = torch.Generator().manual_seed(cfg.seed + cfg.data_rank(worker_index))
     loader_kw = dict(num_workers=cfg.loader_workers, persistent_workers=cfg.loader_workers > 0,
@@ -116,9 +121,9 @@ def run_worker(cfg: RunConfig, ctx: WorkerContext, store: ResultsStore) -> str:
     """
     run_id, wi = ctx.run_id, ctx.worker_index
     torch.set_num_threads(max(1, len(ctx.cores)))
-    wl = build_workload(cfg, wi, ctx.local_rank)
     strategy = strategy_class(cfg.strategy)(cfg, ctx)
     try:
+        wl = build_workload(cfg, wi, ctx.local_rank, strategy.build_model)
         model = strategy.setup(wl.model, wl.optimizer)
         sampler = HostSampler(lambda s: store.add_host_sample(run_id, wi, s), cfg.host_sample_interval_s,
                               network=strategy.uses_network)

@@ -103,7 +103,7 @@ def serve_worker(db: str, run_id: str, worker_index: int, num_workers: int, core
     cfg = RunConfig(**store.run_config(run_id))
     ctx = WorkerContext(
         run_id=run_id, worker_index=worker_index, num_workers=num_workers, cores=cores,
-        initial_peers=initial_peers, listen_maddrs=listen, local_rank=local_rank,
+        initial_peers=initial_peers, listen_maddrs=listen, local_rank=local_rank, store=store,
         announce=lambda maddrs: store.upsert_worker(run_id, worker_index, maddrs=json.dumps(maddrs)),
     )
     try:

@@ -7,9 +7,15 @@ synthetic stand-ins go through exactly the same reading and decoding code:
 * ``cifar10-python``  CIFAR-10 "python version" pickled batches (``data_batch_1..5``, ``test_batch``),
 * ``imagefolder``     ``root/train/<class>/*.png|jpg|jpeg`` and ``root/val|test/<class>/...``.
 
-Whatever the format, a dataset item is ``(image, label)`` with ``image`` a ``torch.uint8`` tensor
-of shape ``(C, H, W)`` (values 0..255) and ``label`` a Python ``int`` in ``[0, num_classes)``;
-an optional ``transform`` is applied to the image (see ``ddlscope.workloads.preprocessing``).
+Whatever the image format, a dataset item is ``(image, label)`` with ``image`` a ``torch.uint8``
+tensor of shape ``(C, H, W)`` (values 0..255) and ``label`` a Python ``int`` in
+``[0, num_classes)``; an optional ``transform`` is applied to the image (see
+``ddlscope.workloads.preprocessing``).
+
+The ``text`` format is byte-level text held in memory: the built-in ``python-docs`` corpus
+(``ddlscope.workloads.text``; CPython's documentation topics, read from the standard library,
+so it needs no files under the data root). Its items are ``(x, y)``, both ``torch.int64
+[length]``: byte ids with some positions masked, and the masked bytes to predict.
 
 Nothing here downloads anything. ``write_synthetic`` writes class-dependent random images in the
 standard formats; ``materialize_digits`` turns scikit-learn's bundled real 8x8 digits into a
@@ -36,6 +42,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from ddlscope.errors import DatasetError, UserError
+from ddlscope.workloads import text
 
 Transform = Callable[[torch.Tensor], object]
 """A callable applied to each decoded uint8 ``(C, H, W)`` image tensor."""
@@ -43,7 +50,8 @@ Transform = Callable[[torch.Tensor], object]
 MNIST_IDX = "mnist-idx"
 CIFAR10_PYTHON = "cifar10-python"
 IMAGEFOLDER = "imagefolder"
-FORMATS = (MNIST_IDX, CIFAR10_PYTHON, IMAGEFOLDER)
+TEXT = "text"
+FORMATS = (MNIST_IDX, CIFAR10_PYTHON, IMAGEFOLDER, TEXT)
 SPLITS = ("train", "test")
 
 MARKER_NAME = ".ddlscope-complete.json"
@@ -62,16 +70,19 @@ class DatasetSpec:
     Attributes:
         name: dataset name, a key of ``DATASETS`` for the built-in ones.
         format: on-disk format, one of ``FORMATS``.
-        channels: image channels, 1 (grayscale) or 3 (RGB).
-        height, width: image size in pixels that items are decoded to.
-        num_classes: number of classes; labels are in ``[0, num_classes)``.
-        train_size: images in the full training set (the thesis's count), used to extrapolate
-            seconds per epoch from a measured subset.
+        channels: image channels, 1 (grayscale) or 3 (RGB); 1 for ``text``.
+        height, width: image size in pixels that items are decoded to; ``text``: height 1 and
+            width the window length in bytes.
+        num_classes: number of classes; labels are in ``[0, num_classes)`` (``text``: byte values
+            a model predicts at each scored position).
+        train_size: images (``text``: windows) in the full training set (the thesis's count),
+            used to extrapolate seconds per epoch from a measured subset.
         family: model family that trains on it (``"mnist"``, ``"cifar10"``, ``"imagenet"``,
-            ``"highres"``).
+            ``"highres"``; ``"text"`` for byte-level text).
 
     Raises:
-        ValueError: on an unknown format, a channel count other than 1 or 3, or a non-positive size.
+        ValueError: on an unknown format, a channel count other than 1 or 3 (1 and height 1 for
+            ``text``), or a non-positive size.
     """
 
     name: str
@@ -86,6 +97,9 @@ class DatasetSpec:
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ValueError(f"unknown dataset format {self.format!r}; allowed: {', '.join(FORMATS)}")
+        if self.format == TEXT and (self.channels, self.height) != (1, 1):
+            raise ValueError(f"a text dataset has channels = height = 1 (width = window bytes), got "
+                             f"{self.channels} x {self.height}")
         if self.channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {self.channels}")
         if min(self.height, self.width, self.num_classes, self.train_size) < 1:
@@ -93,8 +107,13 @@ class DatasetSpec:
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
-        """``(C, H, W)`` of a decoded item."""
+        """``(C, H, W)`` of a decoded item (image formats)."""
         return (self.channels, self.height, self.width)
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """Shape of one input: ``(C, H, W)`` for images, ``(window bytes,)`` for ``text``."""
+        return (self.width,) if self.format == TEXT else self.image_shape
 
 
 DIGITS_TRAIN_SIZE = 1438
@@ -106,6 +125,8 @@ DATASETS: dict[str, DatasetSpec] = {
     "imagenet": DatasetSpec("imagenet", IMAGEFOLDER, 3, 224, 224, 1000, 1_280_000, "imagenet"),
     "highres": DatasetSpec("highres", IMAGEFOLDER, 3, 512, 512, 1000, 60_000, "highres"),
     "digits": DatasetSpec("digits", IMAGEFOLDER, 1, 28, 28, 10, DIGITS_TRAIN_SIZE, "mnist"),
+    text.PYTHON_DOCS: DatasetSpec(text.PYTHON_DOCS, TEXT, 1, 1, text.SEQUENCE_LENGTH, text.VOCAB_SIZE,
+                                  text.window_count("train"), text.TEXT_FAMILY),
 }
 
 
@@ -427,11 +448,13 @@ def detect_format(folder: Path) -> str:
 
 def open_dataset(name_or_path: str, root: Path | None = None, split: str = "train",
                  transform: Transform | None = None) -> tuple[Dataset, DatasetSpec]:
-    """Open a dataset split; items are ``(transform(uint8 (C,H,W) image), int label)``.
+    """Open a dataset split; items are ``(transform(uint8 (C,H,W) image), int label)``, or for
+    ``text`` datasets ``(transform(int64 [length] byte ids), int64 [length] targets)``.
 
     Args:
         name_or_path: a key of ``DATASETS`` (read from ``root/<name>`` in that dataset's format;
-            ``digits`` is materialized there on first use), or the path of a dataset folder whose
+            ``digits`` is materialized there on first use; ``python-docs`` comes from the
+            standard library and ignores ``root``), or the path of a dataset folder whose
             format is detected (``detect_format``). Names take precedence over same-named folders.
         root: data root for names; ``default_data_root()`` when None. Unused for paths.
         split: ``"train"`` or ``"test"``.
@@ -451,6 +474,8 @@ def open_dataset(name_or_path: str, root: Path | None = None, split: str = "trai
     _check_split(split)
     if name_or_path in DATASETS:
         spec = DATASETS[name_or_path]
+        if spec.format == TEXT:
+            return text.python_docs(split, transform), spec
         root = default_data_root() if root is None else Path(root)
         folder = materialize_digits(root) if spec.name == "digits" else root / spec.name
         if not folder.is_dir():

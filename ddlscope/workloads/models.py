@@ -1,8 +1,10 @@
 """Model zoo of the benchmark suite (thesis Appendix A), written in plain PyTorch.
 
 Networks: ``resnet18``, ``resnet50``, ``resnet152``, ``vgg11``, ``vgg16``, ``mobilenet_v2`` and
-``tiny_cnn`` (a ~4k-parameter CNN for tests). Each network has a variant per dataset family
-(see ``DATASET_FAMILIES``):
+``tiny_cnn`` (a ~4k-parameter CNN for tests), and the two networks with a mixture-of-experts layer
+that the ``dmoe`` distribution model trains, ``moe_cnn`` (image families ``mnist``, ``digits``,
+``cifar10``) and ``moe_lm`` (family ``text``): see :data:`MOE_NETWORKS`. Each CNN has a variant per
+dataset family (see ``DATASET_FAMILIES``):
 
 * small families (``mnist``, its alias ``digits``, ``cifar10``) get the CIFAR-style variants of
   the thesis: no early downsampling (3x3 stride-1 stems, no stem max pool), VGG pools skipped once
@@ -15,7 +17,9 @@ Layer layout: every zoo model is a :class:`SequentialNet` (an ``nn.Sequential``)
 children are, in order: the stem, one child per block (residual block, inverted-residual block,
 or VGG conv/max-pool unit), ``pool`` (pooling + flatten, output ``(N, features)``) and
 ``classifier`` (output ``(N, num_classes)``). ``forward`` applies the children in order, so
-``list(model.children())`` is a ready-made list of pipeline-parallel stage boundaries.
+``list(model.children())`` is a ready-made list of pipeline-parallel stage boundaries. The
+mixture-of-experts networks follow the same layout with their own children (see
+:data:`MOE_NETWORKS`), the whole mixture being one child named ``moe``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ddlscope.errors import UserError
 
 __all__ = [
     "DATASET_FAMILIES",
+    "MOE_NETWORKS",
     "NETWORKS",
     "InputSpec",
     "SequentialNet",
@@ -269,7 +274,24 @@ _BUILDERS: dict[str, Callable[[InputSpec, bool, int], SequentialNet]] = {
     "mobilenet_v2": _mobilenet_v2,
     "tiny_cnn": _tiny_cnn,
 }
-NETWORKS: tuple[str, ...] = tuple(_BUILDERS)
+
+MOE_NETWORKS: tuple[str, ...] = ("moe_cnn", "moe_lm")
+"""Zoo networks with a mixture-of-experts layer (:mod:`ddlscope.moe.networks`), built with the
+experts held in-process (``placement = "local"``) and the zoo's ``[dmoe]`` settings
+(:func:`ddlscope.distribution.dmoe.zoo_config`: the table's defaults, with ``transformer`` experts
+for ``moe_lm``), so that the profiler measures the network the ``dmoe`` cost model reads. As
+:class:`SequentialNet` with the forward order of children:
+
+* ``moe_cnn``: ``trunk`` (convolutions to ``[N, hidden]``), ``moe`` (the mixture), ``head``
+  (``[N, classes]``);
+* ``moe_lm``: ``embed`` (byte ids ``[N, 128]`` -> embeddings plus positions ``[N, 128, hidden]``),
+  ``moe`` (the mixture of ``transformer`` experts, with an all-False padding mask), ``norm``,
+  ``head`` (logits ``[N, 128, 256]``).
+
+The children are the very modules :func:`ddlscope.moe.networks.build_moe_network` builds (same
+parameters, same initialisation), re-ordered so that applying them in turn is the forward pass."""
+
+NETWORKS: tuple[str, ...] = tuple(_BUILDERS) + MOE_NETWORKS
 
 
 def input_spec(family: str) -> InputSpec:
@@ -302,10 +324,14 @@ def build_model(name: str, family: str, num_classes: int | None = None) -> nn.Mo
         ``(N, C, H, W)`` of the family's geometry to logits ``(N, num_classes)``.
 
     Raises:
-        UserError: unknown network or family, ``num_classes`` not a positive int, a factory
-            string that is malformed, cannot be imported or names no callable, or a factory that
-            returns something other than an ``nn.Module``.
+        UserError: unknown network or family (or a family the network does not take: the
+            networks of :data:`MOE_NETWORKS` take their own, ``moe_lm`` the ``text`` family),
+            ``num_classes`` not a positive int, a factory string that is malformed, cannot be
+            imported or names no callable, or a factory that returns something other than an
+            ``nn.Module``.
     """
+    if isinstance(name, str) and name in MOE_NETWORKS:
+        return _build_moe(name, family, num_classes)
     spec = input_spec(family)
     classes = spec.num_classes if num_classes is None else num_classes
     if isinstance(classes, bool) or not isinstance(classes, int) or classes < 1:
@@ -321,6 +347,59 @@ def build_model(name: str, family: str, num_classes: int | None = None) -> nn.Mo
     model = builder(spec, family in _SMALL_FAMILIES, classes)
     _init_weights(model)
     return model
+
+
+class _Embed(nn.Module):
+    """``moe_lm``'s input child: byte ids ``[N, T]`` -> ``embed(ids) + positions[:, :T]`` ``[N, T, hidden]``."""
+
+    def __init__(self, embed: nn.Embedding, positions: nn.Parameter) -> None:
+        super().__init__()
+        self.embed = embed
+        self.positions = positions
+
+    def forward(self, x):
+        return self.embed(x) + self.positions[:, : x.shape[1]]
+
+
+class _SequenceMixture(nn.Module):
+    """``moe_lm``'s mixture child: ``mixture(h, padding)`` with an all-False ``[N, T]`` padding mask
+    (nothing padded), as :class:`ddlscope.moe.networks.MoELanguageModel` calls it."""
+
+    def __init__(self, mixture: nn.Module) -> None:
+        super().__init__()
+        self.mixture = mixture
+
+    def forward(self, h):
+        import torch
+
+        return self.mixture(h, torch.zeros(h.shape[:2], dtype=torch.bool, device=h.device))
+
+
+def _build_moe(name: str, family: str, num_classes: int | None) -> SequentialNet:
+    """A network of :data:`MOE_NETWORKS` as a :class:`SequentialNet` (see there).
+
+    Raises:
+        UserError: ``num_classes`` not a positive int, or a family the network does not take
+            (:func:`ddlscope.moe.networks.network_family_ok`; e.g. ``moe_cnn`` on ``imagenet``).
+    """
+    from ddlscope.distribution.dmoe import zoo_config
+    from ddlscope.moe.networks import build_moe_network, network_family_ok
+
+    why = network_family_ok(name, family)
+    if why:
+        raise UserError(why)
+    classes = num_classes
+    if classes is None:  # moe_lm predicts byte values whatever it is given
+        classes = DATASET_FAMILIES[family].num_classes if family in DATASET_FAMILIES else 256
+    if isinstance(classes, bool) or not isinstance(classes, int) or classes < 1:
+        raise UserError(f"num_classes must be a positive integer, got {num_classes!r}")
+    net = build_moe_network(name, family, classes, zoo_config(name))
+    if hasattr(net, "trunk"):  # moe_cnn
+        parts = OrderedDict(trunk=net.trunk, moe=net.moe, head=net.head)
+    else:  # moe_lm
+        parts = OrderedDict(embed=_Embed(net.embed, net.positions), moe=_SequenceMixture(net.moe), norm=net.norm,
+                            head=net.head)
+    return SequentialNet(parts)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ddlscope.workloads.datasets import DatasetSpec
+from ddlscope.workloads.datasets import TEXT, DatasetSpec
 
 # Per-channel mean and standard deviation of the pixel values scaled to [0, 1], by model family.
 _IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
@@ -158,7 +158,12 @@ def normalization_stats(spec: DatasetSpec) -> tuple[tuple[float, ...], tuple[flo
 
 
 def eval_transform(spec: DatasetSpec) -> Compose:
-    """Evaluation pipeline: uint8 ``(C, H, W)`` -> normalized float32 ``(C, H, W)`` (ToFloat, Normalize)."""
+    """Evaluation pipeline: uint8 ``(C, H, W)`` -> normalized float32 ``(C, H, W)`` (ToFloat, Normalize).
+
+    ``text`` datasets: the identity (``Compose([])``), byte ids stay int64.
+    """
+    if spec.format == TEXT:
+        return Compose([])
     return Compose([ToFloat(), Normalize(*normalization_stats(spec))])
 
 
@@ -169,11 +174,12 @@ def train_transform(spec: DatasetSpec, augment: bool = True) -> Compose:
     are not mirror-symmetric); cifar10 random crop with padding 4 plus horizontal flip; imagenet
     and highres random crop with padding ``size // 8`` plus horizontal flip. Crops keep the
     spec's ``height`` x ``width``. With ``augment=False`` it is ``eval_transform(spec)``.
+    ``text`` datasets: the identity (their masking is drawn by the dataset itself).
 
     Raises:
         ValueError: for a family without normalization statistics.
     """
-    if not augment:
+    if not augment or spec.format == TEXT:
         return eval_transform(spec)
     size = (spec.height, spec.width)
     if spec.family == "mnist":

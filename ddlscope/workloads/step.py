@@ -47,10 +47,61 @@ def optimizer_for(cfg: "RunConfig", params) -> torch.optim.Optimizer:
     return build_optimizer(params, cfg.optimizer, cfg.learning_rate, cfg.momentum, cfg.weight_decay)
 
 
+IGNORE_INDEX = -100
+"""A target equal to this is not predicted: the loss and the accuracy leave its position out
+(``torch.nn.CrossEntropyLoss``'s default ``ignore_index``; text datasets mark unmasked bytes with it)."""
+
+
+def flatten_sequence(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position logits ``[batch, T, classes]`` with targets ``[batch, T]`` as
+    ``([batch * T, classes], [batch * T])``; class logits ``[batch, classes]`` with ``[batch]``
+    unchanged. Views, no copies (reshape of contiguous tensors)."""
+    if logits.dim() == 3 and y.dim() == 2:
+        return logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+    return logits, y
+
+
+def prediction_counts(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(correct, scored)``: 0-dim int64 tensors counting the top-1 hits and the predictions
+    scored (positions whose target is not :data:`IGNORE_INDEX`), over class or per-position
+    logits (see :func:`flatten_sequence`). Tensors, so reading them is the caller's sync."""
+    logits, y = flatten_sequence(logits, y)
+    scored = y != IGNORE_INDEX
+    return ((logits.argmax(-1) == y) & scored).sum(), scored.sum()
+
+
+def correct_samples(logits: torch.Tensor, y: torch.Tensor) -> float:
+    """Correct predictions in samples' worth, so that ``correct_samples / batch`` is the accuracy.
+
+    Class logits ``[batch, classes]``: the number of correctly classified samples (an integer).
+    Per-position logits ``[batch, T, classes]`` with targets ``[batch, T]``: ``batch`` times the
+    share of scored positions (targets not :data:`IGNORE_INDEX`) predicted right; 0 when none
+    is scored.
+    """
+    correct, scored = torch.stack(prediction_counts(logits, y)).tolist()  # one device sync
+    if logits.dim() == 2:
+        return correct
+    return correct * y.shape[0] / scored if scored else 0.0
+
+
+class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """``torch.nn.CrossEntropyLoss`` that also takes per-position logits ``[batch, T, classes]``
+    with targets ``[batch, T]`` (flattened by :func:`flatten_sequence`, so ``"mean"`` averages over
+    scored positions); targets equal to :data:`IGNORE_INDEX` are left out."""
+
+    def __init__(self, reduction: Literal["mean", "sum"] = "mean"):
+        super().__init__(reduction=reduction, ignore_index=IGNORE_INDEX)
+
+    def forward(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return super().forward(*flatten_sequence(logits, y))
+
+
 def loss_function(reduction: Literal["mean", "sum"] = "mean") -> torch.nn.Module:
     """The loss every workload trains with: cross-entropy over class logits ``[batch, classes]``
-    and labels ``[batch]``; ``reduction="sum"`` for code that adds micro-batches' losses itself."""
-    return torch.nn.CrossEntropyLoss(reduction=reduction)
+    and labels ``[batch]``, or over per-position logits ``[batch, T, classes]`` and targets
+    ``[batch, T]`` (:class:`CrossEntropyLoss`); ``reduction="sum"`` for code that adds
+    micro-batches' losses itself."""
+    return CrossEntropyLoss(reduction)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
@@ -58,7 +109,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torc
     """One plain training step: forward, loss, backward, optimizer step, ``zero_grad(set_to_none=True)``.
 
     Args:
-        x: inputs ``[batch, ...]`` (images ``[batch, C, H, W]``); y: class labels ``[batch]``.
+        x: inputs ``[batch, ...]`` (images ``[batch, C, H, W]``); y: class labels ``[batch]``
+            (or per-position targets ``[batch, T]``, see :func:`loss_function`).
         loss_fn: the loss (default :func:`loss_function`).
 
     Returns:

@@ -1,0 +1,617 @@
+"""``dmoe``: the Decentralized Mixture-of-Experts — Ryabinin & Gusev 2020, "Towards Crowdsourced
+Training of Large Neural Networks using Decentralized Mixture-of-Experts" (NeurIPS 2020; seed 003).
+
+A network's mixture-of-experts layer keeps its experts on *expert servers* (processes that each
+host some of the experts, train them, and announce them in a DHT); *trainers* hold the rest of
+the network (a trunk) and a gating function. For each input a trainer scores the grid of expert
+ids, finds the ``k_best`` experts that are alive with a beam search over the DHT (one look-up round
+per grid dimension), sends the input to each chosen expert over the network, and averages the
+answers weighted by a softmax over the chosen experts' scores. Experts that fail or miss
+``forward_timeout_s`` are left out as long as ``k_min`` answer (hivemind 1.1.12
+``hivemind.moe.RemoteMixtureOfExperts``). Several trainers may share one set of experts; each
+trainer keeps its own trunk and gating (no averaging between trainers).
+
+``placement`` runs the same network three ways, so a report can say what decentralization costs:
+``remote`` (experts on the servers, the model above), ``local`` (the same experts with the same
+gating in the trainer's own process, no servers) and ``dense`` (one expert of the same type
+applied to every sample, no gating).
+
+This module holds the descriptor, the ``[dmoe]`` config table (:class:`DMoEConfig`, with its
+server schedule :class:`ServerEvent`), the pre-flight checks, the expert servers the launcher
+starts (:func:`expert_servers`) and the cost and memory models (:func:`predict_dmoe`,
+:func:`memory_dmoe`, :func:`server_memory_bytes`: a trainer's trunk compute from the profile of the
+zoo's network, :func:`zoo_config`, plus beam search and remote calls from the cluster's
+:class:`~ddlscope.modeling.cluster.DMoEFit`, ``calibrate --dmoe``); it is torch-free. The trainer's side is
+:class:`ddlscope.strategies.dmoe.DMoEStrategy`, the server process :mod:`ddlscope.moe.server`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ddlscope.distribution import DistributionModel, Service, register
+
+if TYPE_CHECKING:
+    from ddlscope.config import RunConfig
+    from ddlscope.modeling.cluster import ClusterSpec, LinkSpec
+    from ddlscope.modeling.memory import MemoryEstimate
+    from ddlscope.modeling.prediction import Prediction, Setting
+    from ddlscope.modeling.profile import LayerProfile, WorkloadProfile
+
+BUILTIN_EXPERTS: tuple[str, ...] = ("ffn", "transformer")
+"""hivemind's expert blocks (``hivemind.moe.server.layers.name_to_block``) a config may name; or a
+user factory ``"package.module:factory"`` called as ``factory(hidden_dim)``."""
+
+UID_PREFIX = "expert."
+"""The common prefix of expert ids: an expert's id is ``expert.<i0>.<i1>...`` over the grid."""
+
+TRANSFORMER_SEQUENCE_LENGTH = 128
+"""Sequence length hivemind's ``transformer`` expert is declared with (its sample input is
+``[batch, 128, hidden]`` plus a ``[batch, 128]`` padding mask): networks that use it feed
+sequences of exactly this length."""
+
+TRANSFORMER_HEADS = 16
+"""Attention heads of hivemind's ``transformer`` expert: its ``hidden_dim`` must be a multiple."""
+
+
+class ServerEvent(BaseModel):
+    """When an expert server starts, is killed, or comes back (``[[dmoe.server_events]]``).
+
+    Times are seconds after the launcher starts the run. A server without an event starts at 0
+    and runs to the end. ``kill_at_s`` ends the server's process with SIGKILL (what a crashed or
+    disconnected volunteer looks like); ``restart_at_s`` then starts a new process hosting the
+    same expert ids (fresh parameters, a new peer id), which trainers find through the DHT.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    server: int = Field(ge=0, description="index of the server, 0 .. servers - 1")
+    start_at_s: float = Field(0.0, ge=0, le=86_400, description="start the server this late (0: with the run)")
+    kill_at_s: float | None = Field(None, gt=0, le=86_400, description="SIGKILL the server at this time")
+    restart_at_s: float | None = Field(None, gt=0, le=86_400,
+                                       description="start a new server with the same experts at this time")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "ServerEvent":
+        if self.kill_at_s is not None and self.kill_at_s <= self.start_at_s:
+            raise ValueError(f"server {self.server}: kill_at_s = {self.kill_at_s:g} is not after start_at_s = "
+                             f"{self.start_at_s:g}; allowed: kill_at_s > start_at_s")
+        if self.restart_at_s is not None and (self.kill_at_s is None or self.restart_at_s <= self.kill_at_s):
+            raise ValueError(f"server {self.server}: restart_at_s needs an earlier kill_at_s; allowed: "
+                             f"restart_at_s > kill_at_s")
+        return self
+
+
+class DMoEConfig(BaseModel):
+    """Settings of the ``dmoe`` distribution model (``[dmoe]`` table of a run config).
+
+    Expert ids form a grid (``grid_size``, e.g. ``[2, 2]`` -> ``expert.0.0 .. expert.1.1``); the
+    grid's experts are dealt to ``servers`` in turn (server ``s`` of ``S`` hosts experts ``s, s + S,
+    s + 2S, ...`` in grid order: :meth:`server_uids`). Servers train their experts with
+    the run's own optimizer and learning rate, one optimizer step per batch they process (hivemind's
+    ``ModuleBackend.on_backward``). Timeouts follow ``RemoteMixtureOfExperts``'s arguments.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    placement: Literal["remote", "local", "dense"] = Field(
+        "remote", description="remote: experts on servers; local: the same experts in-process; dense: one expert, no gating")
+    expert: str = Field("ffn", description="expert block: 'ffn', 'transformer' (hivemind's) or 'package.module:factory'")
+    hidden_dim: int = Field(64, ge=1, le=8192, description="width of the experts' input and output")
+    grid_size: list[int] = Field(default_factory=lambda: [2, 2], min_length=1, max_length=4,
+                                 description="expert-id grid; experts = product of its sizes")
+    servers: int = Field(2, ge=1, le=64, description="expert servers ddlscope starts (placement remote)")
+    vcpus_per_server: int = Field(1, ge=1, le=256, description="CPU cores each server is pinned to")
+    k_best: int = Field(2, ge=1, description="experts each sample is sent to")
+    k_min: int = Field(1, ge=1, description="a sample needs at least this many experts to answer")
+    forward_timeout_s: float = Field(10.0, gt=0, le=3600, description="give up waiting for experts' forward answers")
+    backward_timeout_s: float = Field(10.0, gt=0, le=3600, description="give up waiting for experts' backward answers")
+    timeout_after_k_min_s: float = Field(
+        1.0, gt=0, le=3600, description="once k_min experts answered every sample, wait this long for the others")
+    max_batch_size: int = Field(1024, ge=1, le=1_000_000, description="samples a server batches into one forward/backward")
+    update_period_s: float = Field(
+        5.0, gt=0, le=3600, description="servers re-announce their experts this often; an expert vanishes after 2x")
+    server_events: list[ServerEvent] = Field(default_factory=list, description="servers that start late, die, come back")
+    listen_host: str = Field("127.0.0.1", description="address servers and trainers listen on; loopback unless you ask")
+    join_timeout_s: float = Field(60.0, gt=0, le=3600, description="servers must be up and experts found within this")
+    initial_peers: list[str] = Field(default_factory=list,
+                                     description="multiaddrs of running expert servers to use instead of starting them")
+
+    @field_validator("grid_size")
+    @classmethod
+    def _grid(cls, v: list[int]) -> list[int]:
+        if any(n < 1 or n > 1024 for n in v):
+            raise ValueError(f"{v}: allowed: 1 to 4 sizes, each 1..1024")
+        return v
+
+    @field_validator("expert")
+    @classmethod
+    def _expert(cls, v: str) -> str:
+        module, sep, attr = v.partition(":")
+        if v not in BUILTIN_EXPERTS and not (sep and module and attr and ":" not in attr):
+            raise ValueError(f"{v!r}: allowed: {', '.join(BUILTIN_EXPERTS)} or 'package.module:factory'")
+        return v
+
+    @property
+    def num_experts(self) -> int:
+        """Experts in the grid: the product of ``grid_size``."""
+        return math.prod(self.grid_size)
+
+    def expert_uids(self) -> list[str]:
+        """Every expert id of the grid in grid order (``expert.0.0``, ``expert.0.1``, ...)."""
+        uids = [""]
+        for size in self.grid_size:
+            uids = [f"{u}.{i}" if u else str(i) for u in uids for i in range(size)]
+        return [UID_PREFIX + u for u in uids]
+
+    def server_uids(self, server: int) -> list[str]:
+        """The expert ids server ``server`` hosts: every ``servers``-th id of :meth:`expert_uids`
+        from the ``server``-th on (strided, so that the experts of one grid row, which a sample's
+        ``k_best`` often share, sit on different servers and one lost server leaves them some)."""
+        return self.expert_uids()[server::self.servers]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "DMoEConfig":
+        e = self.num_experts
+        if self.k_best > e:
+            raise ValueError(f"k_best = {self.k_best} exceeds the {e} experts of grid_size = {self.grid_size}; "
+                             f"allowed: k_best <= {e}")
+        if self.k_min > self.k_best:
+            raise ValueError(f"k_min = {self.k_min} exceeds k_best = {self.k_best}; allowed: k_min <= k_best")
+        if self.placement == "remote" and not self.initial_peers and self.servers > e:
+            raise ValueError(f"servers = {self.servers} but grid_size = {self.grid_size} has only {e} experts: "
+                             f"a server would host nothing; allowed: servers <= {e}")
+        for event in self.server_events:
+            if event.server >= self.servers:
+                raise ValueError(f"server_events: server {event.server} does not exist; allowed: 0..{self.servers - 1}")
+        if len({ev.server for ev in self.server_events}) < len(self.server_events):
+            raise ValueError("server_events: one event per server; allowed: each server index at most once")
+        if self.expert == "transformer" and self.hidden_dim % TRANSFORMER_HEADS:
+            raise ValueError(f"hidden_dim = {self.hidden_dim}: hivemind's transformer expert has "
+                             f"{TRANSFORMER_HEADS} heads; allowed: a multiple of {TRANSFORMER_HEADS}")
+        return self
+
+
+def check_dmoe(cfg: "RunConfig") -> None:
+    """Checks of a dmoe run that involve the run's other fields.
+
+    Raises:
+        ValueError: a server event after the run's time limit, or a schedule that leaves a sample
+            no expert server at the start.
+    """
+    d = cfg.dmoe
+    limit = cfg.time_limit_s
+    for ev in d.server_events:
+        latest = max(t for t in (ev.start_at_s, ev.kill_at_s, ev.restart_at_s) if t is not None)
+        if limit is not None and latest >= limit:
+            raise ValueError(f"dmoe.server_events: server {ev.server} has an event at {latest:g} s, after the run's "
+                             f"time_limit_s = {limit:g}; allowed: times < time_limit_s")
+    if d.placement == "remote" and not d.initial_peers and d.server_events:
+        late = {ev.server for ev in d.server_events if ev.start_at_s > 0}
+        if len(late) == d.servers:
+            raise ValueError("dmoe.server_events: every server starts late, so the trainers would start with no "
+                             "experts; allowed: at least one server with start_at_s = 0")
+
+
+def expert_servers(cfg: "RunConfig") -> list[Service]:
+    """The expert servers the launcher starts for a run (none unless ``placement = "remote"`` and
+    no ``initial_peers`` name servers that already run), with their schedules."""
+    d = cfg.dmoe
+    if d.placement != "remote" or d.initial_peers:
+        return []
+    events = {ev.server: ev for ev in d.server_events}
+    services = []
+    for s in range(d.servers):
+        ev = events.get(s)
+        services.append(Service(kind="expert server", index=s, module="ddlscope.moe.server", cores=d.vcpus_per_server,
+                                start_at_s=ev.start_at_s if ev else 0.0, kill_at_s=ev.kill_at_s if ev else None,
+                                restart_at_s=ev.restart_at_s if ev else None))
+    return services
+
+
+# ------------------------------------------------------------------------------------ prediction
+MOE_LAYER = "moe"
+"""Name of the mixture-of-experts layer among a profile's layers (the zoo's ``net.moe`` child)."""
+
+ZOO_EXPERTS: dict[str, str] = {"moe_cnn": "ffn", "moe_lm": "transformer"}
+"""The expert type of each zoo network with a mixture-of-experts layer
+(:data:`ddlscope.workloads.models.MOE_NETWORKS`)."""
+
+WITHOUT_FIT_NOTE = ("dmoe: no remote-call fit in the cluster file (calibrate --dmoe): the beam search and the remote "
+                    "expert calls are costed from the cluster's link alone (latency and bytes), without hivemind's "
+                    "own per-call cost, which is milliseconds per call on CPUs; this predicts remote experts too fast")
+"""The note of every remote prediction made without a :class:`~ddlscope.modeling.cluster.DMoEFit`."""
+
+
+def zoo_config(network: str) -> DMoEConfig:
+    """The ``[dmoe]`` settings the model zoo builds ``network`` with, so what its profile measured:
+    the table's defaults with the experts in-process (``placement = "local"``) and the network's
+    expert type (:data:`ZOO_EXPERTS`).
+
+    Raises:
+        UserError: ``network`` is not one of the zoo's mixture-of-experts networks.
+    """
+    from ddlscope.errors import UserError
+
+    if network not in ZOO_EXPERTS:
+        raise UserError(f"network {network!r} has no mixture-of-experts layer of the zoo; allowed: "
+                        f"{', '.join(ZOO_EXPERTS)}")
+    return DMoEConfig(placement="local", expert=ZOO_EXPERTS[network])
+
+
+def options_of(setting: "Setting", profile: "WorkloadProfile | None" = None) -> DMoEConfig:
+    """The ``[dmoe]`` values of a prediction :class:`~ddlscope.modeling.prediction.Setting`: its
+    ``options`` (other models' options in it are ignored), and where it has none the defaults of
+    the table, or with ``profile`` of a zoo network (:func:`zoo_config`) that network's expert
+    type and width (placement stays the table's default, ``remote``).
+
+    Raises:
+        UserError: values outside the table's ranges or inconsistent (one message naming each field).
+    """
+    from pydantic import ValidationError
+
+    from ddlscope.errors import UserError
+
+    base = {}
+    if profile is not None and profile.network in ZOO_EXPERTS:
+        zoo = zoo_config(profile.network)
+        base = {"expert": zoo.expert, "hidden_dim": zoo.hidden_dim}
+    mine = {**base, **{k: v for k, v in setting.options.items() if k in DMoEConfig.model_fields}}
+    try:
+        return DMoEConfig(**mine)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(['dmoe', *map(str, e['loc'])])}: {e['msg'].removeprefix('Value error, ')}"
+                             + (f" (got {e.get('input')!r})" if e["loc"] else "") for e in err.errors())
+        raise UserError(f"invalid setting: {problems}") from None
+
+
+def _moe_layer(profile: "WorkloadProfile") -> tuple[int, "LayerProfile", DMoEConfig]:
+    """The index and profile of the mixture-of-experts layer and the settings the profile was taken with.
+
+    Raises:
+        UserError: the profile is not of a zoo network with a mixture-of-experts layer.
+    """
+    from ddlscope.errors import UserError
+
+    zoo = zoo_config(profile.network)
+    for i, layer in enumerate(profile.layers):
+        if layer.name == MOE_LAYER:
+            return i, layer, zoo
+    raise UserError(f"the profile of {profile.network!r} has no layer named {MOE_LAYER!r} (layers: "
+                    f"{', '.join(x.name for x in profile.layers)}); profile it again with this ddlscope")
+
+
+def check_setting(profile: "WorkloadProfile", setting: "Setting") -> None:
+    """A dmoe prediction's setting: valid ``[dmoe]`` options (:func:`options_of`), a profile of a
+    zoo network with a mixture-of-experts layer, and the experts that profile measured.
+
+    Raises:
+        UserError: bad options; a profile of another network; ``dmoe.expert`` or
+            ``dmoe.hidden_dim`` other than the profiled network's (the experts' compute comes
+            from the profile).
+    """
+    from ddlscope.errors import UserError
+
+    d = options_of(setting, profile)
+    _, _, zoo = _moe_layer(profile)
+    for name in ("expert", "hidden_dim"):
+        if getattr(d, name) != getattr(zoo, name):
+            raise UserError(f"dmoe.{name} = {getattr(d, name)!r}, but the profile of {profile.network!r} measured "
+                            f"{name} = {getattr(zoo, name)!r} (the zoo's; the experts' compute comes from the "
+                            f"profile); allowed: {getattr(zoo, name)!r}")
+
+
+def gate_flops_per_sample(hidden_dim: int, grid_size: list[int]) -> float:
+    """FLOPs of the gate per sample: ``proj = Linear(hidden, sum(grid_size))``, ``2 x hidden x sum(grid)``
+    (multiply-adds counted as 2, as ``torch.utils.flop_counter`` counts them)."""
+    return 2.0 * hidden_dim * sum(grid_size)
+
+
+def gate_param_bytes(hidden_dim: int, grid_size: list[int]) -> int:
+    """Bytes of the gate's float32 parameters: ``(hidden + 1) x sum(grid_size) x 4``."""
+    return 4 * (hidden_dim + 1) * sum(grid_size)
+
+
+def _busiest_share(d: DMoEConfig) -> tuple[float, int]:
+    """(share of all expert calls the busiest server gets, experts it hosts), with the gate spreading
+    samples evenly over the grid's experts and the servers hosting :meth:`DMoEConfig.server_uids`."""
+    hosted = max(len(d.server_uids(s)) for s in range(d.servers))
+    return hosted / d.num_experts, hosted
+
+
+def _expert_figures(profile: "WorkloadProfile", batch: float) -> dict[str, float]:
+    """What the profile says about the mixture layer at ``batch`` samples (seconds, bytes):
+    the gate's share of its compute, its forward/backward seconds, one expert's seconds per
+    sample forward and backward, one expert's parameter bytes and saved bytes per sample, and
+    the bytes of one sample's hidden tensor."""
+    i, layer, zoo = _moe_layer(profile)
+    fwd, bwd = profile.layer_times_s(batch)
+    gate_share = min(1.0, gate_flops_per_sample(zoo.hidden_dim, zoo.grid_size) / layer.forward_flops_per_sample) \
+        if layer.forward_flops_per_sample > 0 else 0.0
+    routed = batch * zoo.k_best  # the local layer runs k_best experts per sample
+    gate_bytes = gate_param_bytes(zoo.hidden_dim, zoo.grid_size)
+    return {"layer_forward_s": fwd[i], "layer_backward_s": bwd[i], "gate_share": gate_share,
+            "expert_forward_s_per_sample": fwd[i] * (1 - gate_share) / routed,
+            "expert_backward_s_per_sample": bwd[i] * (1 - gate_share) / routed,
+            "expert_param_bytes": max(0, layer.param_bytes - gate_bytes) / zoo.num_experts,
+            "expert_saved_bytes_per_sample": layer.saved_bytes_per_sample * (1 - gate_share) / zoo.k_best,
+            "hidden_bytes_per_sample": float(layer.output_bytes_per_sample),
+            "layer_param_bytes": float(layer.param_bytes), "layer_buffer_bytes": float(layer.buffer_bytes),
+            "layer_saved_bytes_per_sample": float(layer.saved_bytes_per_sample)}
+
+
+def _link(cluster: "ClusterSpec", workers: int) -> "LinkSpec":
+    """The link between a trainer and the servers: the slowest of the first ``workers`` listed
+    peers' links, else the cluster's inter-node link when it has several nodes, else its intra-node link."""
+    from ddlscope.modeling.cluster import LinkSpec
+
+    if cluster.peers:
+        peers = cluster.peers[:workers]
+        return LinkSpec(bandwidth_gb_per_s=min(p.bandwidth_gb_per_s for p in peers),
+                        latency_s=max(p.latency_s for p in peers))
+    return cluster.inter_node if cluster.nodes > 1 and cluster.inter_node is not None else cluster.intra_node
+
+
+def predict_dmoe(profile: "WorkloadProfile", cluster: "ClusterSpec", setting: "Setting",
+                 scale: float = 1.0) -> "Prediction":
+    """Seconds per step of one dmoe trainer (Ryabinin & Gusev 2020; hivemind 1.1.12 ``hivemind.moe``).
+
+    ``placement = "local"`` or ``"dense"``: no servers, no network; each of the ``T`` trainers is a
+    plain single process training the profiled network, so the step is ``single``'s
+    (:func:`~ddlscope.distribution.single.predict_single`) with its compute slowed by the
+    contention of ``T`` busy devices; ``T x b`` samples per step. (The profile is of the zoo's
+    ``local`` network; ``dense`` applies one expert instead of ``k_best`` and no gate, which a note
+    says.)
+
+    ``placement = "remote"``, a trainer at batch ``b`` with ``k = k_best`` (notation: ``L`` the
+    profile's mixture layer, ``g`` the gate's share of its FLOPs, ``2 hidden sum(grid)`` over the
+    layer's, ``k0`` the profiled network's ``k_best``; times at ``b`` from
+    :meth:`~ddlscope.modeling.profile.WorkloadProfile.layer_times_s`):
+
+    * trunk compute: ``forward_s = F(b) - L_f(b) + g L_f(b) x sum(grid) / sum(grid0)`` (the whole
+      step's forward without the local experts, with the setting's gate), ``backward_s`` likewise;
+    * one expert's seconds per sample: ``e_f = (1 - g) L_f(b) / (b k0)``, ``e_b = (1 - g) L_b(b) / (b k0)``
+      (the profiled layer ran ``k0`` experts per sample; the gate's other work, top-k and the
+      weighted sum, is counted as the experts', a small error for these networks);
+    * beam search (``MoEBeamSearcher.batch_find_best_experts``): ``fit.beam_search_s(b, dims)`` =
+      ``fixed + b x max(1, dims - 1) x lookup`` (one DHT look-up round per grid dimension but the
+      last, every sample's search its own coroutine);
+    * remote forward: ``C = b k`` calls (``_RemoteCallMany``: one RPC per sample per chosen
+      expert) of ``2 h`` bytes (input and output, ``h`` the mixture layer's output bytes per
+      sample); the trainer waits ``max(client, server)`` where ``client = fit.round_s("forward", C,
+      2h)`` (measured on these machines) and ``server`` is the busiest server's work per step: the
+      ``T`` trainers send it ``n = T b k x E_s / E`` samples (``E_s`` of the grid's ``E`` experts on
+      it, the gate spreading samples evenly), which take ``n e_f`` of compute plus
+      ``fit.cpu_s("server", "forward", n, 2h)`` of hivemind's own CPU;
+    * remote backward: the same with ``3 h`` bytes (input and output gradient out, input gradient
+      back), ``e_f + e_b`` per sample on the server (``ModuleBackend.backward`` re-runs the forward)
+      plus one optimizer step of each of its ``E_s`` experts per trainer (``on_backward`` after
+      every batch, one batch per expert per trainer's burst): ``T E_s x o_e``, ``o_e`` the profiled
+      optimizer step scaled to one expert's parameters;
+    * optimizer: the profiled step scaled to the trainer's parameters (trunk and gate);
+    * data loading as ``single`` (what prefetching does not hide).
+
+    Parts: ``forward_s``, ``backward_s``, ``optimizer_s`` (trunk compute, times the compute scale
+    and the contention of the busy devices, :func:`~ddlscope.modeling.collectives.contention`),
+    ``data_load_s``, and ``comm_wait_s`` = beam search + remote forward + remote backward (what
+    the strategy stores there). On a cluster whose device is another kind than ``local`` the
+    calls also cross its link: ``2 x latency + C x bytes / bandwidth`` per round. Without a fit
+    (:attr:`~ddlscope.modeling.cluster.ClusterSpec.dmoe`, ``calibrate --dmoe``) the client side is
+    that link term alone and a beam search ``rounds x 2 x latency``, with a note.
+
+    Trainers and servers share this machine's cores when the device is the profiled CPU (cluster
+    kind ``local``, :func:`~ddlscope.modeling.collectives.serial_comm`): then the step is at least
+    the CPU seconds every process needs per step over the cores (``devices x threads``): ``T x``
+    the trainer's (its compute, its beam search, its share of the calls' client CPU) plus the
+    servers' (compute and hivemind's CPU for all ``T b k`` calls); when that is longer than the
+    critical path above, every part is stretched by the same factor (a note says so).
+
+    Not modelled: timeouts and failed calls (a dead server's calls wait ``forward_timeout_s``;
+    a note says so when the setting has server events), batches capped at ``max_batch_size``
+    (one batch per expert per burst is assumed), and the first steps' cold DHT look-ups.
+
+    Raises:
+        UserError: bad ``[dmoe]`` options or a profile without the zoo's mixture layer (:func:`check_setting`).
+    """
+    from ddlscope.distribution.single import predict_single
+    from ddlscope.modeling.collectives import busy_per_node, contention, exposed_loading_s, serial_comm
+    from ddlscope.modeling.cluster import beam_search_rounds
+    from ddlscope.modeling.prediction import make_prediction
+
+    check_setting(profile, setting)
+    d = options_of(setting, profile)
+    t, b = setting.workers, setting.batch_size
+    on_cpu = serial_comm(profile, cluster)
+    notes: list[str] = []
+    if d.placement != "remote":
+        slow = contention(cluster, busy_per_node(cluster, t))
+        alone = predict_single(profile, cluster, setting, scale * slow)
+        if d.placement == "dense":
+            notes.append("dmoe dense: predicted from the profile of the zoo's local mixture (k_best experts per "
+                         "sample and a gate); the dense network applies one expert, so this overestimates its layer")
+        return make_prediction(setting, dict(alone.breakdown_s), t * b,
+                               inputs={**alone.inputs, "placement": d.placement, "trainers": t, "contention": slow},
+                               notes=notes)
+
+    _, layer, zoo = _moe_layer(profile)
+    ex = _expert_figures(profile, b)
+    step = profile.step_at(b)
+    k, dims = d.k_best, len(d.grid_size)
+    gate_ratio = sum(d.grid_size) / sum(zoo.grid_size)
+    gate_f = ex["layer_forward_s"] * ex["gate_share"] * gate_ratio
+    gate_b = ex["layer_backward_s"] * ex["gate_share"] * gate_ratio
+    trunk_f = max(0.0, step.forward_s - ex["layer_forward_s"]) + gate_f
+    trunk_b = max(0.0, step.backward_s - ex["layer_backward_s"]) + gate_b
+    trainer_params = profile.param_bytes - layer.param_bytes + gate_param_bytes(d.hidden_dim, d.grid_size)
+    opt_trainer = step.optimizer_s * trainer_params / profile.param_bytes if profile.param_bytes else 0.0
+    opt_expert = step.optimizer_s * ex["expert_param_bytes"] / profile.param_bytes if profile.param_bytes else 0.0
+
+    servers = d.servers
+    busy = t + servers if on_cpu else t
+    slow = contention(cluster, busy_per_node(cluster, busy))
+    c = scale * slow  # compute factor, trainers and servers alike
+    calls = b * k
+    hbytes = ex["hidden_bytes_per_sample"]
+    fwd_bytes, bwd_bytes = 2 * hbytes, 3 * hbytes
+    share, hosted = _busiest_share(d)
+    n_busiest = t * calls * share  # samples (calls) the busiest server gets per trainer step
+    fit = cluster.dmoe
+    link = _link(cluster, t)
+    rounds = beam_search_rounds(dims)
+    wire_f = wire_b = 0.0
+    if fit is None or cluster.device.kind != "local":  # the calls cross the cluster's link (loopback is in the fit)
+        wire_f = 2 * link.latency_s + calls * fwd_bytes / (link.bandwidth_gb_per_s * 1e9)
+        wire_b = 2 * link.latency_s + calls * bwd_bytes / (link.bandwidth_gb_per_s * 1e9)
+    if fit is not None:
+        beam = fit.beam_search_s(b, dims) + (rounds * 2 * link.latency_s if cluster.device.kind != "local" else 0.0)
+        client_f = fit.round_s("forward", calls, fwd_bytes) + wire_f
+        client_b = fit.round_s("backward", calls, bwd_bytes) + wire_b
+        hm_server_f = fit.cpu_s("server", "forward", n_busiest, fwd_bytes)
+        hm_server_b = fit.cpu_s("server", "backward", n_busiest, bwd_bytes)
+        client_cpu = fit.cpu_s("client", "forward", calls, fwd_bytes) + fit.cpu_s("client", "backward", calls, bwd_bytes)
+    else:
+        beam = rounds * 2 * link.latency_s
+        client_f, client_b = wire_f, wire_b
+        hm_server_f = hm_server_b = client_cpu = 0.0
+        notes.append(WITHOUT_FIT_NOTE)
+    server_f = n_busiest * ex["expert_forward_s_per_sample"] * c + hm_server_f
+    server_b = (n_busiest * (ex["expert_forward_s_per_sample"] + ex["expert_backward_s_per_sample"])
+                + t * hosted * opt_expert) * c + hm_server_b
+    remote_f, remote_b = max(client_f, server_f), max(client_b, server_b)
+
+    parts = {"forward_s": trunk_f * c, "backward_s": trunk_b * c, "optimizer_s": opt_trainer * c,
+             "comm_wait_s": beam + remote_f + remote_b}
+    parts["data_load_s"] = exposed_loading_s(profile, b, setting.loader_workers,
+                                             parts["forward_s"] + parts["backward_s"] + parts["optimizer_s"])
+    critical = sum(parts.values())
+    stretch, cores, cpu_per_step = 1.0, 0, 0.0
+    if on_cpu:  # trainers and servers take turns on this machine's cores
+        threads = profile.device.threads
+        cores = cluster.nodes * cluster.devices_per_node * threads
+        trainer_cpu = (parts["forward_s"] + parts["backward_s"] + parts["optimizer_s"] + parts["data_load_s"]) \
+            * threads + beam + client_cpu
+        all_samples = t * calls
+        servers_cpu = (all_samples * (2 * ex["expert_forward_s_per_sample"] + ex["expert_backward_s_per_sample"])
+                       + t * d.num_experts * opt_expert) * c * threads
+        if fit is not None:
+            servers_cpu += fit.cpu_s("server", "forward", all_samples, fwd_bytes) \
+                + fit.cpu_s("server", "backward", all_samples, bwd_bytes)
+        cpu_per_step = t * trainer_cpu + servers_cpu
+        if critical > 0 and cpu_per_step / cores > critical:
+            stretch = cpu_per_step / cores / critical
+            parts = {p: v * stretch for p, v in parts.items()}
+            notes.append(f"dmoe: {t} trainer(s) and {servers} server(s) need {cpu_per_step:.3g} CPU-s per step on "
+                         f"{cores} core(s), more than the step's critical path: every part stretched x{stretch:.2f}")
+    if d.server_events:
+        notes.append("dmoe: server events (late starts, kills) are not modelled: calls to a missing server wait up to "
+                     "forward_timeout_s / backward_timeout_s, and its experts' samples go to fewer servers")
+    if d.vcpus_per_server != profile.device.threads:
+        notes.append(f"dmoe: servers have {d.vcpus_per_server} core(s), the profile measured the experts at "
+                     f"{profile.device.threads} thread(s): their compute is taken as profiled")
+    memory = server_memory_bytes(profile, setting)
+    return make_prediction(
+        setting, parts, t * b, notes=notes,
+        inputs={"placement": "remote", "trainers": t, "servers": servers, "k_best": k, "grid_dims": dims,
+                "beam_search_rounds": rounds, "calls_per_step": calls, "forward_bytes_per_call": fwd_bytes,
+                "backward_bytes_per_call": bwd_bytes, "busiest_server_share": share,
+                "busiest_server_experts": hosted, "busiest_server_samples_per_step": n_busiest,
+                "beam_search_s": beam, "client_forward_s": client_f, "client_backward_s": client_b,
+                "server_forward_s": server_f, "server_backward_s": server_b, "remote_forward_s": remote_f,
+                "remote_backward_s": remote_b, "gate_share": ex["gate_share"],
+                "expert_forward_s_per_sample": ex["expert_forward_s_per_sample"],
+                "expert_backward_s_per_sample": ex["expert_backward_s_per_sample"],
+                "expert_optimizer_s": opt_expert, "trainer_param_bytes": trainer_params,
+                "expert_param_bytes": ex["expert_param_bytes"], "server_memory_bytes": memory,
+                "dmoe_fit": fit is not None, "cpu_s_per_step": cpu_per_step, "cores": cores,
+                "core_stretch": stretch, "contention": slow, "compute_scale": scale})
+
+
+def server_memory_bytes(profile: "WorkloadProfile", setting: "Setting") -> int:
+    """Peak memory (bytes) of the busiest expert server of a remote setting, from the profile.
+
+    ``E_s x p_e x (2 + O / P)`` (each hosted expert's parameters, gradients and optimizer state,
+    ``p_e`` one expert's parameter bytes, the optimizer's state in the profile's proportion) plus
+    one batch's activations, ``min(max_batch_size, T b k / E) x s_e`` (hivemind's Runtime runs one
+    batch at a time; ``s_e`` one expert's saved bytes per sample, from the profiled mixture layer,
+    twice: the backward re-runs the forward), plus the input and output of that batch (``2 h``
+    per sample), plus the worker runtime ``R`` (the interpreter and libraries; hivemind's task
+    pools, connection handler, DHT and ``p2pd`` are processes of their own and not counted).
+    0 for placements other than ``remote``.
+
+    Raises:
+        UserError: as :func:`check_setting`.
+    """
+    check_setting(profile, setting)
+    d = options_of(setting, profile)
+    if d.placement != "remote":
+        return 0
+    ex = _expert_figures(profile, setting.batch_size)
+    _, hosted = _busiest_share(d)
+    state = profile.optimizer_state_bytes / profile.param_bytes if profile.param_bytes else 0.0
+    per_expert_batch = min(d.max_batch_size, setting.workers * setting.batch_size * d.k_best / d.num_experts)
+    activations = per_expert_batch * (2 * ex["expert_saved_bytes_per_sample"] + 2 * ex["hidden_bytes_per_sample"])
+    return int(hosted * ex["expert_param_bytes"] * (2 + state) + activations + profile.device.runtime_bytes)
+
+
+def memory_dmoe(profile: "WorkloadProfile", setting: "Setting") -> list["MemoryEstimate"]:
+    """Peak memory of every trainer (bytes), from the profile (notation of :mod:`ddlscope.modeling.memory`).
+
+    ``placement = "local"`` or ``"dense"``: ``single``'s full replica on every trainer
+    (:func:`~ddlscope.modeling.memory.replicas`). ``remote``: the trainer holds the trunk and the
+    gate, ``P_t = P - p_L + p_gate`` (``p_L`` the profiled mixture layer's parameters, the gate
+    ``Linear(hidden, sum(grid))`` of the setting): ``params = P_t + Bf - bf_L``, ``grads = P_t``,
+    ``optimizer = O x P_t / P``; ``activations = A(b) - b s_L + b (k + 1) h`` (the experts' saved
+    activations live on the servers; ``_RemoteCallMany`` keeps the layer's input, ``b h``, and the
+    weighted sum keeps the ``b k`` expert outputs, ``h`` bytes each); ``comm_buffers = 3 b k h``
+    (the serialized requests and answers of a backward round in flight, the largest round).
+    hivemind's DHT process and ``p2pd`` are processes of their own and not counted. The busiest
+    server's memory (:func:`server_memory_bytes`) is in the notes: servers are not trainers.
+
+    Raises:
+        UserError: as :func:`check_setting`.
+    """
+    from ddlscope.modeling.memory import MemoryEstimate, activation_bytes, replicas
+
+    check_setting(profile, setting)
+    d = options_of(setting, profile)
+    if d.placement != "remote":
+        return replicas(profile, setting, 0, f"full replica (dmoe placement {d.placement}: no servers)")
+    _, layer, _ = _moe_layer(profile)
+    b, k = setting.batch_size, d.k_best
+    h = layer.output_bytes_per_sample
+    trunk = profile.param_bytes - layer.param_bytes + gate_param_bytes(d.hidden_dim, d.grid_size)
+    state = profile.optimizer_state_bytes * trunk / profile.param_bytes if profile.param_bytes else 0
+    acts = max(0, activation_bytes(profile, b) - b * layer.saved_bytes_per_sample + b * (k + 1) * h)
+    server = server_memory_bytes(profile, setting)
+    note = (f"trunk + gate replica (experts on {d.servers} server(s)); the busiest server needs about "
+            f"{server / 2**20:.1f} MiB")
+    return [MemoryEstimate(worker=w, params_bytes=trunk + max(0, profile.buffer_bytes - layer.buffer_bytes),
+                           grads_bytes=trunk, optimizer_bytes=int(state), activations_bytes=int(acts),
+                           comm_buffers_bytes=int(3 * b * k * h), runtime_bytes=profile.device.runtime_bytes,
+                           notes=note)
+            for w in range(setting.workers)]
+
+
+MODEL = register(DistributionModel(
+    name="dmoe",
+    summary="a mixture-of-experts layer whose experts live on expert servers found through a DHT (Ryabinin 2020)",
+    strategy="dmoe:DMoEStrategy",
+    launcher="swarm",
+    measures="beam-search look-ups, remote expert calls (latency, bytes, server, failures), server batches and queues",
+    predicts="trunk compute + beam search + remote expert calls (hivemind's measured per-call cost, calibrate --dmoe) "
+             "or the busiest server's compute, whichever is longer (Ryabinin & Gusev 2020)",
+    order=70,
+    min_workers=1,
+    config_table="dmoe",
+    config_class=DMoEConfig,
+    check_config=check_dmoe,
+    check_setting=check_setting,
+    lockstep=False,  # trainers step on their own; they share only the experts
+    cost_model=predict_dmoe,
+    memory_model=memory_dmoe,
+    services=expert_servers,
+    uses_cluster_devices=False,
+))

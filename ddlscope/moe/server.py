@@ -1,0 +1,244 @@
+"""One expert server of a ``dmoe`` run: ``python -m ddlscope.moe.server --db DB --run-id RUN --index I``.
+
+The launcher starts one of these per server (:func:`ddlscope.distribution.dmoe.expert_servers`),
+each in its own process group and pinned to its cores, before the trainers. A server
+
+1. joins the run's DHT (the first server bootstraps it; the others get its multiaddrs), listening
+   on ``dmoe.listen_host``;
+2. builds its block of the grid's experts (:meth:`~ddlscope.distribution.dmoe.DMoEConfig.server_uids`)
+   with the run's optimizer, and serves them with hivemind 1.1.12's ``Server`` (one connection
+   handler process, one Runtime thread that batches requests per expert, up to
+   ``dmoe.max_batch_size`` samples), re-announcing them in the DHT every ``dmoe.update_period_s``
+   seconds (they expire after twice that, so a dead server's experts disappear from beam search);
+3. records in the store: its row in ``services`` (pid, multiaddrs, peer id, experts, status), every
+   batch it processed (``moe_server_batches``: expert, forward/backward, samples, queue wait,
+   compute seconds) and its CPU and memory every ``host_sample_interval_s`` (``moe_server_samples``);
+4. runs until SIGTERM/SIGINT (the launcher stops it when the trainers are done) or its parent dies.
+
+The queue wait of a batch is the age of the request hivemind's task pool ranks first when the
+Runtime takes the batch (``TaskPool.priority``: the time stamp of the oldest request not yet
+dispatched, as hivemind keeps it), so it says how long requests wait for the server's one
+compute thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+STOP_GRACE_S = 5.0
+FLUSH_EVERY_S = 1.0
+KIND = "expert server"
+
+
+class _BatchLog:
+    """Batches the Runtime thread processed, buffered and written to the store every second by the
+    sampler thread (through its own connection: an SQLite connection belongs to its thread)."""
+
+    def __init__(self, run_id: str, index: int, generation: int):
+        self.run_id, self.index, self.generation = run_id, index, generation
+        self.rows: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+
+    def add(self, expert: str, direction: str, batch_size: int, queue_wait_s: float | None, compute_s: float) -> None:
+        with self.lock:
+            self.rows.append(dict(run_id=self.run_id, service_index=self.index, generation=self.generation,
+                                  wall_time=time.time(), expert=expert, direction=direction, batch_size=batch_size,
+                                  queue_wait_s=queue_wait_s, compute_s=compute_s))
+
+    def flush(self, store) -> None:
+        with self.lock:
+            rows, self.rows = self.rows, []
+        store.add_rows("moe_server_batches", rows)
+
+
+def _instrumented_backend(log: _BatchLog):
+    """A hivemind ``ModuleBackend`` subclass that records each batch it processes into ``log``."""
+    from hivemind.moe.server import ModuleBackend
+
+    class MeasuredBackend(ModuleBackend):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._waits: dict[str, float | None] = {}
+            for pool, direction in ((self.forward_pool, "forward"), (self.backward_pool, "backward")):
+                pool.load_batch_to_runtime = self._timed_load(pool, direction)
+
+        def _timed_load(self, pool, direction: str):
+            inner = pool.load_batch_to_runtime
+
+            def load(*args, **kwargs):
+                oldest = pool.priority  # hivemind: time stamp of the oldest request not yet dispatched
+                self._waits[direction] = max(0.0, time.time() - oldest) if 0 < oldest < float("inf") else None
+                return inner(*args, **kwargs)
+
+            return load
+
+        def forward(self, *inputs):
+            t0 = time.perf_counter()
+            out = super().forward(*inputs)
+            log.add(self.name, "forward", int(inputs[0].shape[0]), self._waits.get("forward"), time.perf_counter() - t0)
+            return out
+
+        def backward(self, *inputs):
+            t0 = time.perf_counter()
+            out = super().backward(*inputs)
+            log.add(self.name, "backward", int(inputs[0].shape[0]), self._waits.get("backward"),
+                    time.perf_counter() - t0)
+            return out
+
+    return MeasuredBackend
+
+
+def _sample_forever(db: str, run_id: str, index: int, generation: int, interval_s: float, log: _BatchLog,
+                    stop: threading.Event) -> None:
+    """Every ``interval_s``: this server's process tree's CPU seconds and RSS; every second: flush
+    the batch log. Ends after a last flush once ``stop`` is set."""
+    import psutil
+
+    from ddlscope.store.db import ResultsStore
+
+    store = ResultsStore(db)
+    me = psutil.Process()
+    next_sample = 0.0
+    while True:
+        stopping = stop.wait(FLUSH_EVERY_S)
+        try:
+            log.flush(store)
+            if stopping:
+                store.close()
+                return
+            if time.monotonic() >= next_sample:
+                next_sample = time.monotonic() + interval_s
+                cpu, rss = 0.0, 0
+                for p in [me, *me.children(recursive=True)]:
+                    try:
+                        t = p.cpu_times()
+                        cpu += t.user + t.system
+                        rss += p.memory_info().rss
+                    except psutil.Error:
+                        continue
+                # bytes per server are counted where they are known exactly: per call, on the trainers
+                store.add_rows("moe_server_samples", [dict(run_id=run_id, service_index=index, generation=generation,
+                                                           wall_time=time.time(), cpu_s=cpu, rss_bytes=rss)])
+        except Exception as e:  # measuring must never take the server down; the log says what was lost
+            print(f"expert server {index}: measurement not stored: {type(e).__name__}: {e}", file=sys.stderr)
+            if stopping:
+                return
+
+
+def build_backends(cfg, uids: list[str], log: _BatchLog) -> dict[str, Any]:
+    """The ``ModuleBackend`` of each expert this server hosts, each with its own optimizer (the run's).
+
+    Every expert is initialised from ``cfg.seed`` and its id (:func:`~ddlscope.moe.experts.expert_seed`),
+    so a server restarted with the same experts starts them as the first one did, and as the same
+    experts in-process (``placement = "local"``) start.
+    """
+    import torch
+    from hivemind.moe.server.layers import name_to_block  # noqa: F401  (registers hivemind's experts)
+
+    from ddlscope.moe.experts import args_schema, expert_seed, make_expert
+    from ddlscope.workloads.step import optimizer_for
+
+    d = cfg.dmoe
+    backend_cls = _instrumented_backend(log)
+    schema = args_schema(d.expert, d.hidden_dim)
+    backends = {}
+    for uid in uids:
+        torch.manual_seed(expert_seed(cfg.seed, uid))
+        expert = make_expert(d.expert, d.hidden_dim)
+        backends[uid] = backend_cls(name=uid, module=expert, args_schema=schema,
+                                    optimizer=optimizer_for(cfg, expert.parameters()), max_batch_size=d.max_batch_size)
+    return backends
+
+
+def serve(db: str, run_id: str, index: int, generation: int, cores: list[int], initial_peers: list[str]) -> int:
+    """Serve this server's experts until stopped; returns the exit code (0 stopped, 1 failed)."""
+    import hivemind
+    import torch
+    from hivemind.moe.server import Server
+
+    from ddlscope.config import RunConfig
+    from ddlscope.store.db import ResultsStore
+
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    store = ResultsStore(db)
+    store.upsert_service(run_id, KIND, index, generation, pid=os.getpid(), cores=",".join(map(str, cores)),
+                         status="starting", started_at=time.time())
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server = dht = None
+    try:
+        cfg = RunConfig(**store.run_config(run_id))
+        d = cfg.dmoe
+        uids = d.server_uids(index)
+        dht = hivemind.DHT(initial_peers=initial_peers or None, host_maddrs=[f"/ip4/{d.listen_host}/tcp/0"],
+                           start=True, startup_timeout=d.join_timeout_s)
+        log = _BatchLog(run_id, index, generation)
+        server = Server(dht, build_backends(cfg, uids, log), num_connection_handlers=1,
+                        update_period=d.update_period_s, expiration=2 * d.update_period_s, start=True)
+        maddrs = [str(a) for a in dht.get_visible_maddrs()]
+        store.upsert_service(run_id, KIND, index, generation, status="serving", experts=json.dumps(uids),
+                             peer_id=dht.peer_id.to_base58(), maddrs=json.dumps(maddrs))
+        print(f"expert server {index} serves {', '.join(uids)} at {' '.join(maddrs)}", file=sys.stderr, flush=True)
+        sampler = threading.Thread(target=_sample_forever, args=(db, run_id, index, generation,
+                                                                 cfg.host_sample_interval_s, log, stop), daemon=True)
+        sampler.start()
+        while not stop.wait(0.5):
+            if not server.is_alive():
+                raise RuntimeError("hivemind's server thread ended on its own (see the log)")
+        sampler.join(2 * FLUSH_EVERY_S)
+        store.upsert_service(run_id, KIND, index, generation, status="stopped", ended_at=time.time())
+        return 0
+    except Exception as e:
+        store.upsert_service(run_id, KIND, index, generation, status="failed", reason=f"{type(e).__name__}: {e}",
+                             ended_at=time.time())
+        print(f"expert server {index} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        closer = threading.Thread(target=_shutdown, args=(server, dht), daemon=True)
+        closer.start()
+        closer.join(STOP_GRACE_S)
+
+
+def _shutdown(server, dht) -> None:
+    if server is not None:
+        server.shutdown()
+    elif dht is not None:
+        dht.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from ddlscope.launch.processes import die_with_parent
+
+    p = argparse.ArgumentParser(prog="python -m ddlscope.moe.server")
+    p.add_argument("--db", required=True)
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--generation", type=int, default=0, help="0 for the first process of this server, +1 per restart")
+    p.add_argument("--cores", required=True, help="comma-separated core ids")
+    p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--die-with-parent", action="store_true")
+    args = p.parse_args(argv)
+    if args.die_with_parent:
+        die_with_parent(signal.SIGTERM)
+    code = serve(args.db, args.run_id, args.index, args.generation, [int(c) for c in args.cores.split(",")],
+                 args.initial_peers)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # hivemind leaves non-daemon threads; the launcher ends the process group anyway
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,622 @@
+"""Calibrating dmoe: what a beam search and a remote expert call cost here (``ddlscope calibrate --dmoe``).
+
+A ``dmoe`` trainer (Ryabinin & Gusev 2020; hivemind 1.1.12 ``hivemind.moe.RemoteMixtureOfExperts``)
+pays, besides its own compute, for
+
+1. a **beam search** over the DHT for each sample's ``k_best`` experts
+   (``MoEBeamSearcher.batch_find_best_experts``: one look-up round per grid dimension but the last,
+   at least one; every sample's search runs as its own coroutine in the trainer's DHT process);
+2. a **forward round** of ``_RemoteCallMany``: one RPC per sample per chosen expert, ``B x k``
+   calls sent from one event-loop thread (``RemoteExpertWorker``), each carrying one sample; the
+   server's connection handler queues them in the expert's task pool, its Runtime thread runs
+   them in batches;
+3. a **backward round**: the same number of calls carrying the input and the output gradient
+   back; the server re-runs the forward, computes the input gradient and steps the expert's
+   optimizer.
+
+None of this is in a profile or a gloo microbenchmark, and on CPUs its per-call cost (protobuf
+serialization, ``p2pd`` on both sides, the task pools' inter-process queues) is milliseconds, far
+above the wire time of a few hundred bytes. So this module measures it on this machine, with
+experts that cost next to nothing to compute (``y = w x``: one scalar parameter), so that the
+per-call figures are hivemind's own and the cost model adds the real experts' compute from the
+profile:
+
+* a **server** child process (``python -m ddlscope.profiling.dmoe_rpc --serve``), pinned to one
+  core with one intra-op thread, runs hivemind's ``Server`` with one connection handler (as
+  :mod:`ddlscope.moe.server` does) on loopback, hosting two such experts per payload size
+  (:data:`PAYLOAD_HIDDEN`: 64-byte and 64-KiB samples) and declaring the ids of
+  :data:`BEAM_SIDE`-wide grids of 1, 2 and 3 dimensions in its DHT (look-ups only: nothing calls
+  them);
+* a **client** child process (``--client``), pinned to another core, joins that DHT in client
+  mode and times, after one untimed warm-up call of each configuration, :data:`REPEATS` calls of
+  the beam search (each grid, :data:`BEAM_BATCHES`, ``k_best`` 1 and 2) and of forward and
+  backward rounds (each payload, :data:`ROUND_BATCHES`, ``k_best`` in :data:`ROUND_K`), reading
+  the CPU seconds of both process trees (their DHT and ``p2pd`` included) around every round.
+
+:func:`fit_dmoe` reduces the client's times (a 20 %-trimmed mean per configuration) to a
+:class:`~ddlscope.modeling.cluster.DMoEFit`: the beam search as ``fixed + B x rounds x lookup``
+(:func:`fit_beam_search`) and each direction's rounds as ``fixed + C x (per_call + bytes / rate)``
+(:func:`fit_rounds`), both by least squares on relative residuals (every configuration counts
+alike, however long it takes). The whole measurement takes about 20-30 s on two cores; both
+children die with their parent and are terminated, then killed (whole process groups: hivemind's
+task pools, DHT and ``p2pd``), however it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ddlscope.measure.stats import trimmed_mean
+from ddlscope.modeling.cluster import DMoEFit, beam_search_rounds
+
+PAYLOAD_HIDDEN: tuple[int, ...] = (16, 16384)
+"""Widths of the reference experts' samples: 64 bytes (an ``ffn`` of hidden 16) and 64 KiB (a
+``transformer`` expert's ``[1, 128, 128]`` sample), float32."""
+ROUND_BATCHES: tuple[int, ...] = (4, 16, 64)
+"""Samples per forward/backward round (the calls are ``B x k``)."""
+ROUND_K: tuple[int, ...] = (1, 2)
+"""``k_best`` of the rounds: experts each sample is sent to."""
+ROUND_EXPERTS = 2
+"""Reference experts per payload size (a one-dimensional grid of 2)."""
+BEAM_DIMS: tuple[int, ...] = (1, 2, 3)
+"""Grid dimensions of the beam searches."""
+BEAM_SIDE = 4
+"""Size of every dimension of the beam-search grids (4, 16 and 64 declared ids)."""
+BEAM_BATCHES: tuple[int, ...] = (4, 16, 64)
+BEAM_K: tuple[int, ...] = (1, 2)
+BEAM_REPEATS = 9
+"""Timed beam searches per configuration (they are cheap and noisy)."""
+REPEATS = 5
+"""Timed calls per configuration (after one untimed warm-up call); their 20 %-trimmed mean is used."""
+TRIM = 0.2
+CALL_TIMEOUT_S = 30.0
+"""``forward_timeout`` / ``backward_timeout`` of the rounds: a call not answered by then fails the calibration."""
+DEFAULT_TIMEOUT_S = 120.0
+"""The whole measurement (both children) fails after this long."""
+STOP_GRACE_S = 3.0
+UPDATE_PERIOD_S = 300.0
+"""The server re-declares its experts this rarely, so that no re-declaration falls inside the measurement."""
+
+
+class DMoECalibration(BaseModel):
+    """What :func:`calibrate_dmoe` measured and fitted (seconds, bytes).
+
+    Attributes:
+        fit: the fitted costs (:class:`~ddlscope.modeling.cluster.DMoEFit`).
+        beam: per configuration ``{"dims", "batch", "k", "times_s"}`` (the timed repeats).
+        rounds: per configuration ``{"direction", "hidden", "batch", "k", "calls", "bytes_per_call",
+            "times_s", "server_cpu_s", "client_cpu_s", "answered"}`` (per repeat).
+        beam_residuals / forward_residuals / backward_residuals: ``(fitted - measured) / measured``
+            per configuration, in the order of ``beam`` / the rounds of that direction.
+        server_core / client_core: the cores the two children were pinned to (the same core when
+            this process may use only one).
+        startup_s: seconds until the server answered and the client had joined.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    fit: DMoEFit
+    beam: list[dict[str, Any]]
+    rounds: list[dict[str, Any]]
+    beam_residuals: list[float]
+    forward_residuals: list[float]
+    backward_residuals: list[float]
+    server_core: int
+    client_core: int
+    startup_s: float = Field(ge=0)
+    elapsed_s: float = Field(ge=0)
+    notes: list[str] = Field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------ fitting
+class RoundFit(BaseModel):
+    """``t = fixed_s + calls x (per_call_s + bytes_per_call / (gb_per_s x 1e9))`` and its relative residuals."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fixed_s: float
+    per_call_s: float
+    gb_per_s: float | None
+    residuals: list[float]
+
+
+def _relative_lstsq(columns: list[list[float]], measured: list[float]) -> list[float]:
+    """Least squares of ``measured ≈ sum_j coef_j x columns[j]`` on relative residuals (each row
+    divided by its measured value)."""
+    import numpy as np
+
+    m = np.asarray(measured, dtype=float)
+    a = np.asarray(columns, dtype=float).T / m[:, None]
+    coef, *_ = np.linalg.lstsq(a, np.ones_like(m), rcond=None)
+    return [float(c) for c in coef]
+
+
+def _check_rows(name: str, measured: Sequence[float], needed: int) -> None:
+    if len(measured) < needed:
+        raise ValueError(f"{name}: {len(measured)} measurement(s); need at least {needed}")
+    if any(not (t > 0) for t in measured):
+        raise ValueError(f"{name}: every measured time must be > 0 s, got {list(measured)}")
+
+
+def fit_beam_search(batches: Sequence[float], dims: Sequence[int], times_s: Sequence[float]) -> tuple[float, float, list[float]]:
+    """Fit ``t = fixed_s + B x rounds x lookup_s`` (``rounds`` = :func:`~ddlscope.modeling.cluster.beam_search_rounds`
+    of ``dims``) to beam searches of ``batches[i]`` samples over grids of ``dims[i]`` dimensions.
+
+    Least squares on relative residuals; a negative intercept is refitted through the origin.
+
+    Returns:
+        ``(fixed_s, lookup_s, residuals)``, residuals ``(fitted - measured) / measured`` per row.
+
+    Raises:
+        ValueError: fewer than 2 rows, lengths that differ, a time <= 0, or fewer than 2
+            distinct ``B x rounds`` (the two terms cannot be told apart), or a slope <= 0.
+    """
+    if not len(batches) == len(dims) == len(times_s):
+        raise ValueError(f"beam search: {len(batches)} batches, {len(dims)} dims, {len(times_s)} times; allowed: equal")
+    _check_rows("beam search", times_s, 2)
+    x = [b * beam_search_rounds(d) for b, d in zip(batches, dims)]
+    if len(set(x)) < 2:
+        raise ValueError("beam search: need at least 2 distinct batch x rounds to fit a fixed and a per-look-up cost")
+    fixed, slope = _relative_lstsq([[1.0] * len(x), x], list(times_s))
+    if fixed < 0:
+        fixed, (slope,) = 0.0, _relative_lstsq([x], list(times_s))
+    if slope <= 0:
+        raise ValueError(f"beam search: the time does not grow with batch x rounds (slope {slope:.3g} s); "
+                         f"the measurements are noise")
+    return fixed, slope, [(fixed + slope * xi - t) / t for xi, t in zip(x, times_s)]
+
+
+def fit_rounds(calls: Sequence[float], bytes_per_call: Sequence[float], times_s: Sequence[float],
+               name: str = "rounds") -> RoundFit:
+    """Fit ``t = fixed_s + C x (per_call_s + bytes_per_call / (gb_per_s x 1e9))`` to rounds of ``calls[i]``
+    calls moving ``bytes_per_call[i]`` bytes each.
+
+    Least squares on relative residuals (every round counts alike). When the payload term's
+    coefficient comes out <= 0 (the bytes make no measurable difference, or one payload size
+    only) it is dropped (``gb_per_s`` None) and the rest refitted; a negative intercept is
+    refitted as 0.
+
+    Raises:
+        ValueError: fewer than 2 rows, lengths that differ, a time <= 0, fewer than 2 distinct
+            call counts, or a per-call cost <= 0 (``name`` says which fit).
+    """
+    if not len(calls) == len(bytes_per_call) == len(times_s):
+        raise ValueError(f"{name}: {len(calls)} calls, {len(bytes_per_call)} sizes, {len(times_s)} times; allowed: equal")
+    _check_rows(name, times_s, 2)
+    if len(set(calls)) < 2:
+        raise ValueError(f"{name}: need at least 2 distinct call counts to fit a fixed and a per-call cost")
+    ones, c = [1.0] * len(calls), [float(v) for v in calls]
+    cb = [ci * b for ci, b in zip(c, bytes_per_call)]
+    times = list(times_s)
+    use_bytes = len(set(bytes_per_call)) > 1
+    fixed, per_call, per_byte = 0.0, 0.0, 0.0
+    for with_fixed in (True, False):
+        cols = ([ones] if with_fixed else []) + [c] + ([cb] if use_bytes else [])
+        coef = _relative_lstsq(cols, times)
+        fixed = coef.pop(0) if with_fixed else 0.0
+        per_call = coef.pop(0)
+        per_byte = coef.pop(0) if use_bytes else 0.0
+        if use_bytes and per_byte <= 0:  # no measurable payload term: fit without it
+            use_bytes = False
+            cols = ([ones] if with_fixed else []) + [c]
+            coef = _relative_lstsq(cols, times)
+            fixed = coef.pop(0) if with_fixed else 0.0
+            per_call, per_byte = coef.pop(0), 0.0
+        if fixed >= 0:
+            break
+    if per_call <= 0:
+        raise ValueError(f"{name}: the time does not grow with the calls (per call {per_call:.3g} s); the "
+                         f"measurements are noise")
+    fitted = [fixed + ci * per_call + cbi * per_byte for ci, cbi in zip(c, cb)]
+    return RoundFit(fixed_s=fixed, per_call_s=per_call, gb_per_s=1 / per_byte / 1e9 if per_byte > 0 else None,
+                    residuals=[(f - t) / t for f, t in zip(fitted, times)])
+
+
+def fit_cpu(directions: Sequence[str], calls: Sequence[float], bytes_per_call: Sequence[float],
+            cpu_s: Sequence[float]) -> tuple[float, float, float | None]:
+    """Fit ``cpu = C x (per_call_s[direction] + bytes_per_call / (gb_per_s x 1e9))`` to the CPU seconds
+    one side spent in rounds of ``calls[i]`` calls of ``directions[i]`` (``"forward"``/``"backward"``).
+
+    Non-negative least squares on the absolute CPU seconds (``scipy.optimize.nnls``): a round's
+    CPU figure is a difference of clock-tick counts (10 ms each per process), so short rounds read
+    0 or one tick and relative residuals would be meaningless; the sums over many rounds are not.
+
+    Returns:
+        ``(forward per call s, backward per call s, gb_per_s or None)`` (None: no payload term).
+
+    Raises:
+        ValueError: lengths that differ, an unknown direction, or no rounds.
+    """
+    import numpy as np
+    from scipy.optimize import nnls
+
+    if not len(directions) == len(calls) == len(bytes_per_call) == len(cpu_s) or not calls:
+        raise ValueError("cpu fit: need equally many directions, calls, sizes and CPU figures, at least one")
+    bad = sorted(set(directions) - {"forward", "backward"})
+    if bad:
+        raise ValueError(f"cpu fit: direction(s) {bad}; allowed: forward, backward")
+    a = np.array([[c if d == "forward" else 0.0, c if d == "backward" else 0.0, c * b]
+                  for d, c, b in zip(directions, calls, bytes_per_call)], dtype=float)
+    coef, _ = nnls(a, np.asarray(cpu_s, dtype=float))
+    return float(coef[0]), float(coef[1]), (1 / coef[2] / 1e9 if coef[2] > 0 else None)
+
+
+def _sig(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else (float(f"{value:.{digits - 1}e}") if value else 0.0)
+
+
+def fit_dmoe(beam: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> tuple[DMoEFit, dict[str, list[float]]]:
+    """Reduce the client's measurements (:data:`DMoECalibration.beam`, ``.rounds``) to a
+    :class:`~ddlscope.modeling.cluster.DMoEFit` (see the module docstring).
+
+    Each configuration's repeats become their 20 %-trimmed mean; the CPU figures are fitted on
+    every round's CPU seconds summed over its repeats (:func:`fit_cpu`).
+
+    Returns:
+        the fit (4 significant digits) and the residuals ``{"beam": [...], "forward": [...],
+        "backward": [...]}`` per configuration.
+
+    Raises:
+        ValueError: a fit that cannot be made (:func:`fit_beam_search`, :func:`fit_rounds`), or a
+            direction without rounds.
+    """
+    b_fixed, b_lookup, b_res = fit_beam_search([r["batch"] for r in beam], [r["dims"] for r in beam],
+                                               [trimmed_mean(r["times_s"], TRIM) for r in beam])
+    fits: dict[str, RoundFit] = {}
+    for direction in ("forward", "backward"):
+        mine = [r for r in rounds if r["direction"] == direction]
+        if not mine:
+            raise ValueError(f"no {direction} rounds were measured")
+        fits[direction] = fit_rounds([r["calls"] for r in mine], [r["bytes_per_call"] for r in mine],
+                                     [trimmed_mean(r["times_s"], TRIM) for r in mine], direction)
+    f, b = fits["forward"], fits["backward"]
+    cpu = {side: fit_cpu([r["direction"] for r in rounds], [r["calls"] * len(r[f"{side}_cpu_s"]) for r in rounds],
+                         [r["bytes_per_call"] for r in rounds], [sum(r[f"{side}_cpu_s"]) for r in rounds])
+           for side in ("server", "client")}
+    hidden = sorted({r["hidden"] for r in rounds})
+    fit = DMoEFit(
+        beam_search_fixed_s=_sig(b_fixed), beam_search_lookup_s=_sig(b_lookup),
+        forward_fixed_s=_sig(f.fixed_s), forward_per_call_s=_sig(f.per_call_s), forward_gb_per_s=_sig(f.gb_per_s),
+        backward_fixed_s=_sig(b.fixed_s), backward_per_call_s=_sig(b.per_call_s), backward_gb_per_s=_sig(b.gb_per_s),
+        server_forward_cpu_s=_sig(cpu["server"][0]), server_backward_cpu_s=_sig(cpu["server"][1]),
+        server_cpu_gb_per_s=_sig(cpu["server"][2]),
+        client_forward_cpu_s=_sig(cpu["client"][0]), client_backward_cpu_s=_sig(cpu["client"][1]),
+        client_cpu_gb_per_s=_sig(cpu["client"][2]),
+        max_abs_residual=_sig(max(abs(x) for x in f.residuals + b.residuals)),
+        reference=(f"hivemind Server, 1 core, 1 connection handler, loopback; {ROUND_EXPERTS} experts y = w x per "
+                   f"payload of {'/'.join(str(4 * h) for h in hidden)} B per sample; rounds of batch "
+                   f"{'/'.join(map(str, sorted({r['batch'] for r in rounds})))} x k_best "
+                   f"{'/'.join(map(str, sorted({r['k'] for r in rounds})))}; beam search over {BEAM_SIDE}-wide grids of "
+                   f"{'/'.join(map(str, sorted({r['dims'] for r in beam})))} dimensions"))
+    return fit, {"beam": b_res, "forward": f.residuals, "backward": b.residuals}
+
+
+# ------------------------------------------------------------------------------------ children
+def _write_json(path: str, data: Any) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def _child_setup(core: int, parent_pid: int) -> threading.Event:
+    """Die with the parent, pin to ``core`` with one thread, turn SIGTERM/SIGINT into a stop event."""
+    from ddlscope.launch.processes import die_with_parent
+
+    die_with_parent(signal.SIGTERM)
+    if os.getppid() != parent_pid:  # the parent died before PR_SET_PDEATHSIG took effect
+        os._exit(1)
+    os.sched_setaffinity(0, [core])
+    import torch
+
+    torch.set_num_threads(1)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    return stop
+
+
+def _scale_expert():
+    """The reference expert: ``y = w x`` with one scalar parameter ``w`` (compute next to nothing)."""
+    import torch
+    from torch import nn
+
+    class ScaleExpert(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w
+
+    return ScaleExpert()
+
+
+def beam_uids(dims: int, side: int = BEAM_SIDE) -> list[str]:
+    """Every id of the ``side``-wide beam-search grid of ``dims`` dimensions (prefix ``beam<dims>.``)."""
+    uids = [f"beam{dims}"]
+    for _ in range(dims):
+        uids = [f"{u}.{i}" for u in uids for i in range(side)]
+    return uids
+
+
+def _serve(folder: str, core: int, parent_pid: int) -> int:
+    """The server child: hivemind ``Server`` with the reference experts; writes ``server.json``, runs until stopped."""
+    stop = _child_setup(core, parent_pid)
+    import hivemind
+    import torch
+    from hivemind.moe.server import ModuleBackend, Server, declare_experts
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.tensor_descr import BatchTensorDescriptor
+
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    backends = {}
+    for hidden in PAYLOAD_HIDDEN:
+        for i in range(ROUND_EXPERTS):
+            expert = _scale_expert()
+            uid = f"rpc{hidden}.{i}"
+            backends[uid] = ModuleBackend(name=uid, module=expert, args_schema=(BatchTensorDescriptor(hidden),),
+                                          optimizer=torch.optim.SGD(expert.parameters(), lr=1e-6), max_batch_size=4096)
+    Server(dht, backends, num_connection_handlers=1, update_period=UPDATE_PERIOD_S, expiration=2 * UPDATE_PERIOD_S,
+           start=True)
+    declare_experts(dht, [u for d in BEAM_DIMS for u in beam_uids(d)], expiration_time=get_dht_time() + 2 * UPDATE_PERIOD_S)
+    _write_json(os.path.join(folder, "server.json"), {"pid": os.getpid(),
+                                                       "maddrs": [str(a) for a in dht.get_visible_maddrs()]})
+    while not stop.wait(0.2):
+        if os.getppid() != parent_pid:
+            break
+    return 0
+
+
+def _tree_cpu_s(proc) -> float:
+    """User + system CPU seconds of a psutil process and all its descendants (the living ones)."""
+    import psutil
+
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
+
+
+def _client(folder: str, core: int, parent_pid: int) -> int:
+    """The client child: times beam searches and rounds against the server; writes ``result.json``."""
+    _child_setup(core, parent_pid)
+    started = time.monotonic()
+    import hivemind
+    import numpy as np
+    import psutil
+    import torch
+    from hivemind.moe.client.beam_search import MoEBeamSearcher
+    from hivemind.moe.client.expert import DUMMY
+    from hivemind.moe.client.moe import _RemoteCallMany
+
+    with open(os.path.join(folder, "server.json")) as f:
+        server = json.load(f)
+    progress = open(os.path.join(folder, "progress.log"), "a", buffering=1)
+    me, server_proc = psutil.Process(), psutil.Process(server["pid"])
+    dht = hivemind.DHT(initial_peers=server["maddrs"], client_mode=True, start=True)
+    startup_s = time.monotonic() - started
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+
+    beam = []
+    for dims in BEAM_DIMS:
+        searcher = MoEBeamSearcher(dht, f"beam{dims}.", [BEAM_SIDE] * dims)
+        for batch in BEAM_BATCHES:
+            for k in BEAM_K:
+                times = []
+                for rep in range(BEAM_REPEATS + 1):
+                    scores = [rng.standard_normal((batch, BEAM_SIDE)).astype(np.float32) for _ in range(dims)]
+                    t0 = time.perf_counter()
+                    found = searcher.batch_find_best_experts(scores, k)
+                    elapsed = time.perf_counter() - t0
+                    if any(len(row) != k for row in found):
+                        raise RuntimeError(f"beam search over grid {[BEAM_SIDE] * dims} found "
+                                           f"{sorted({len(r) for r in found})} experts per sample, not {k}")
+                    if rep:
+                        times.append(elapsed)
+                beam.append({"dims": dims, "batch": batch, "k": k, "times_s": times})
+        progress.write(f"dmoe: beam search over {dims}-dimensional grids timed\n")
+
+    rounds = []
+    for hidden in PAYLOAD_HIDDEN:
+        moe = hivemind.moe.RemoteMixtureOfExperts(in_features=hidden, grid_size=(ROUND_EXPERTS,), dht=dht,
+                                                  uid_prefix=f"rpc{hidden}.", k_best=max(ROUND_K))
+        info = moe.info
+        for batch in ROUND_BATCHES:
+            for k in ROUND_K:
+                x = torch.randn(batch, hidden, requires_grad=True)
+                with torch.no_grad():
+                    scores = [s.numpy() for s in moe.proj(x).split_with_sizes(moe.beam_search.grid_size, dim=-1)]
+                experts = moe.beam_search.batch_find_best_experts(scores, k)
+                calls = sum(len(row) for row in experts)
+                if calls != batch * k:
+                    raise RuntimeError(f"beam search found {calls} experts for {batch} samples x k_best {k}")
+                rows = {d: {"direction": d, "hidden": hidden, "batch": batch, "k": k, "calls": calls,
+                            "bytes_per_call": (2 if d == "forward" else 3) * 4 * hidden, "times_s": [],
+                            "server_cpu_s": [], "client_cpu_s": [], "answered": []}
+                        for d in ("forward", "backward")}
+                for rep in range(REPEATS + 1):
+                    x.grad = None
+                    cpu0 = (_tree_cpu_s(server_proc), _tree_cpu_s(me))
+                    t0 = time.perf_counter()
+                    mask, *outputs = _RemoteCallMany.apply(DUMMY, experts, 1, 1, CALL_TIMEOUT_S, CALL_TIMEOUT_S,
+                                                           CALL_TIMEOUT_S, False, False, info, x)
+                    t1 = time.perf_counter()
+                    cpu1 = (_tree_cpu_s(server_proc), _tree_cpu_s(me))
+                    loss = outputs[0].sum()
+                    t2 = time.perf_counter()
+                    loss.backward()
+                    t3 = time.perf_counter()
+                    cpu2 = (_tree_cpu_s(server_proc), _tree_cpu_s(me))
+                    answered = int(mask.sum())
+                    if answered != calls or x.grad is None:
+                        raise RuntimeError(f"a forward round of {calls} calls got {answered} answers (payload "
+                                           f"{4 * hidden} B, batch {batch}, k_best {k})")
+                    if rep:
+                        for d, t, c0, c1 in (("forward", t1 - t0, cpu0, cpu1), ("backward", t3 - t2, cpu1, cpu2)):
+                            rows[d]["times_s"].append(t)
+                            rows[d]["server_cpu_s"].append(c1[0] - c0[0])
+                            rows[d]["client_cpu_s"].append(c1[1] - c0[1])
+                            rows[d]["answered"].append(answered)
+                rounds += rows.values()
+        progress.write(f"dmoe: forward and backward rounds of {4 * hidden}-byte samples timed\n")
+    _write_json(os.path.join(folder, "result.json"), {"beam": beam, "rounds": rounds, "startup_s": startup_s})
+    return 0
+
+
+# ------------------------------------------------------------------------------------ parent
+def _children_cores() -> tuple[int, int]:
+    from ddlscope.config import available_cores
+
+    cores = available_cores()
+    return cores[0], cores[1 % len(cores)]
+
+
+def measure(progress: Callable[[str], None] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Start the server and the client children, relay the client's progress, return its raw
+    measurements (``beam``, ``rounds``, ``startup_s``) plus ``server_core`` and ``client_core``.
+
+    Raises:
+        ddlscope.profiling.calibrate.CalibrationError: a child failed or died, or the whole
+            measurement took longer than ``timeout_s``. Both children (their whole process
+            groups) are stopped before this returns or raises.
+    """
+    from ddlscope.launch.processes import log_tail, start_process, stop_processes
+    from ddlscope.profiling.calibrate import CalibrationError, _sigterm_as_interrupt
+
+    say = progress or (lambda msg: None)
+    server_core, client_core = _children_cores()
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)}
+    deadline = time.monotonic() + timeout_s
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="ddlscope-dmoe-rpc-") as tmp:
+        def start(role: str, core: int):
+            cmd = [sys.executable, "-m", "ddlscope.profiling.dmoe_rpc", f"--{role}", "--dir", tmp, "--core", str(core),
+                   "--parent-pid", str(os.getpid())]
+            procs.append(start_process(cmd, os.path.join(tmp, f"{role}.log"), 1, env_extra=env))
+            return procs[-1]
+
+        seen = [0]
+
+        def relay() -> None:  # the client's progress lines not yet passed on
+            progress_path = os.path.join(tmp, "progress.log")
+            if os.path.exists(progress_path):
+                with open(progress_path) as f:
+                    lines = f.read().splitlines()
+                for line in lines[seen[0]:]:
+                    say(line)
+                seen[0] = len(lines)
+
+        def wait_for(path: str, what: str) -> None:
+            while not os.path.exists(path):
+                relay()
+                for role, p in zip(("serve", "client"), procs):
+                    if p.poll() is not None and not os.path.exists(path):
+                        tail = log_tail(os.path.join(tmp, f"{role}.log"))
+                        raise CalibrationError(f"dmoe calibration: the {'server' if role == 'serve' else 'client'} "
+                                               f"exited with code {p.returncode} before {what}"
+                                               + (f": {tail}" if tail else ""))
+                if time.monotonic() > deadline:
+                    raise CalibrationError(f"dmoe calibration did not finish within {timeout_s:g} s (waiting for {what})")
+                time.sleep(0.1)
+
+        previous_sigterm = _sigterm_as_interrupt()
+        try:
+            say(f"dmoe: expert server on core {server_core}, client on core {client_core} (hivemind over loopback)")
+            start("serve", server_core)
+            wait_for(os.path.join(tmp, "server.json"), "it served its experts")
+            start("client", client_core)
+            wait_for(os.path.join(tmp, "result.json"), "its measurements were written")
+            relay()
+            with open(os.path.join(tmp, "result.json")) as f:
+                raw = json.load(f)
+            return {**raw, "server_core": server_core, "client_core": client_core}
+        finally:
+            stop_processes(procs, STOP_GRACE_S)
+            if previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def calibrate_dmoe(progress: Callable[[str], None] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DMoECalibration:
+    """Measure beam searches and remote expert calls here and fit them (see the module docstring).
+
+    Raises:
+        ddlscope.profiling.calibrate.CalibrationError: a child failed or timed out, or the
+            measurements cannot be fitted.
+    """
+    from ddlscope.profiling.calibrate import CalibrationError
+
+    started = time.monotonic()
+    raw = measure(progress, timeout_s)
+    try:
+        fit, residuals = fit_dmoe(raw["beam"], raw["rounds"])
+    except ValueError as e:
+        raise CalibrationError(f"dmoe calibration: cannot fit the measurements: {e}") from None
+    notes = []
+    if raw["server_core"] == raw["client_core"]:
+        notes.append(f"dmoe: the server and the client shared core {raw['server_core']} (this process may use one "
+                     f"core): the per-call figures include their competition for it")
+    return DMoECalibration(fit=fit, beam=raw["beam"], rounds=raw["rounds"], beam_residuals=residuals["beam"],
+                           forward_residuals=residuals["forward"], backward_residuals=residuals["backward"],
+                           server_core=raw["server_core"], client_core=raw["client_core"], startup_s=raw["startup_s"],
+                           elapsed_s=time.monotonic() - started, notes=notes)
+
+
+def describe(fit: DMoEFit) -> str:
+    """One line for people: the fitted figures in milliseconds."""
+    def rate(v: float | None) -> str:
+        return "" if v is None else f" + bytes at {v:.3g} GB/s"
+
+    return (f"beam search {fit.beam_search_fixed_s * 1e3:.2f} ms + {fit.beam_search_lookup_s * 1e3:.3f} ms per sample "
+            f"per look-up round; forward {fit.forward_fixed_s * 1e3:.2f} ms + {fit.forward_per_call_s * 1e3:.3f} ms per "
+            f"call{rate(fit.forward_gb_per_s)}; backward {fit.backward_fixed_s * 1e3:.2f} ms + "
+            f"{fit.backward_per_call_s * 1e3:.3f} ms per call{rate(fit.backward_gb_per_s)}; server CPU "
+            f"{fit.server_forward_cpu_s * 1e3:.3f} / {fit.server_backward_cpu_s * 1e3:.3f} ms per forward / backward "
+            f"call{rate(fit.server_cpu_gb_per_s)}, client CPU {fit.client_forward_cpu_s * 1e3:.3f} / "
+            f"{fit.client_backward_cpu_s * 1e3:.3f} ms{rate(fit.client_cpu_gb_per_s)}; max |residual| "
+            f"{fit.max_abs_residual:.0%}")
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m ddlscope.profiling.dmoe_rpc")
+    role = p.add_mutually_exclusive_group(required=True)
+    role.add_argument("--serve", action="store_true")
+    role.add_argument("--client", action="store_true")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--core", type=int, required=True)
+    p.add_argument("--parent-pid", type=int, required=True)
+    args = p.parse_args(argv)
+    try:
+        return (_serve if args.serve else _client)(args.dir, args.core, args.parent_pid)
+    except Exception as e:  # the parent reads the log's last lines
+        import traceback
+
+        traceback.print_exc()
+        print(f"dmoe calibration {'server' if args.serve else 'client'} failed: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    code = _main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown: hivemind's background threads and processes can hang it

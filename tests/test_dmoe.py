@@ -1,0 +1,71 @@
+"""The dmoe distribution model: its config checks, expert placement, server schedule and launcher."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddlscope import distribution
+from ddlscope.config import validate_config
+from ddlscope.distribution.dmoe import DMoEConfig, expert_servers
+from ddlscope.errors import UserError
+from ddlscope.launch.local import service_core_sets
+
+
+def dmoe(**table):
+    return validate_config({"strategy": "dmoe", "model": "moe_cnn", "peers": 2, "dmoe": table})
+
+
+def test_registered_as_a_swarm_model_with_services():
+    m = distribution.get("dmoe")
+    assert m.launcher == "swarm" and m.services is not None and m.config_table == "dmoe"
+
+
+def test_grid_experts_are_dealt_to_servers_in_turn():
+    d = DMoEConfig(grid_size=[2, 3], servers=4, k_best=2)
+    uids = d.expert_uids()
+    assert uids[:3] == ["expert.0.0", "expert.0.1", "expert.0.2"] and len(uids) == 6
+    hosted = [d.server_uids(s) for s in range(4)]
+    assert sorted(u for h in hosted for u in h) == sorted(uids) and all(hosted)
+    assert hosted[0] == ["expert.0.0", "expert.1.1"]  # a grid row's experts on different servers
+    assert DMoEConfig(servers=2).server_uids(0) == ["expert.0.0", "expert.1.0"]
+
+
+@pytest.mark.parametrize("table, words", [
+    ({"k_best": 5}, "k_best = 5 exceeds the 4 experts"),
+    ({"k_best": 2, "k_min": 3}, "k_min = 3 exceeds k_best = 2"),
+    ({"servers": 5}, "a server would host nothing"),
+    ({"grid_size": [0, 2]}, "each 1..1024"),
+    ({"expert": "nope"}, "'package.module:factory'"),
+    ({"expert": "transformer", "hidden_dim": 40}, "multiple of 16"),
+    ({"server_events": [{"server": 2, "kill_at_s": 5}]}, "server 2 does not exist"),
+    ({"server_events": [{"server": 0, "restart_at_s": 5}]}, "restart_at_s needs an earlier kill_at_s"),
+    ({"server_events": [{"server": 0, "kill_at_s": 5, "restart_at_s": 4}]}, "restart_at_s > kill_at_s"),
+    ({"server_events": [{"server": 0, "start_at_s": 3}, {"server": 1, "start_at_s": 3}]}, "every server starts late"),
+    ({"forward_timeout_s": 0}, "greater than 0"),
+])
+def test_bad_tables_get_one_message_naming_the_field(table, words):
+    with pytest.raises(UserError) as err:
+        dmoe(**table)
+    assert words in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_server_event_after_the_time_limit_is_refused():
+    with pytest.raises(UserError, match="after the run's time_limit_s = 20"):
+        validate_config({"strategy": "dmoe", "model": "moe_cnn", "peers": 2, "time_limit_s": 20,
+                         "dmoe": {"server_events": [{"server": 1, "kill_at_s": 25}]}})
+
+
+def test_servers_and_their_schedule():
+    cfg = dmoe(server_events=[{"server": 1, "kill_at_s": 10, "restart_at_s": 20}])
+    services = expert_servers(cfg)
+    assert [s.index for s in services] == [0, 1]
+    assert services[1].kill_at_s == 10 and services[1].restart_at_s == 20 and services[0].kill_at_s is None
+    assert expert_servers(dmoe(placement="local")) == []
+    assert expert_servers(dmoe(initial_peers=["/ip4/127.0.0.1/tcp/1/p2p/x"])) == []
+
+
+def test_services_take_free_cores_first_then_share():
+    assert service_core_sets([1, 1], [[0]], cores=[0, 1, 2]) == [[1], [2]]
+    assert service_core_sets([1, 1], [[0], [1]], cores=[0, 1]) == [[0], [1]]
+    assert service_core_sets([2], [[0, 1]], cores=[0, 1]) == [[0, 1]]
