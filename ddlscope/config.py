@@ -248,6 +248,12 @@ def validate_config(values: dict[str, Any], nnodes: int = 1) -> RunConfig:
         raise UserError(
             f"dataset: unknown dataset {cfg.dataset!r} and no such path; allowed: {', '.join(DATASETS)} or a folder with a local copy"
         )
+    if cfg.dataset in DATASETS:
+        from ddlscope.workloads.models import network_takes
+
+        why = network_takes(cfg.model, DATASETS[cfg.dataset].family)
+        if why:
+            raise UserError(f"{why} (dataset = {cfg.dataset!r})")
     if nnodes > 1 and cfg.peers % nnodes:
         raise UserError(f"peers = {cfg.peers} cannot be spread evenly over {nnodes} nodes; allowed: a multiple of {nnodes}")
     cfg.core_sets(local_workers=cfg.peers // nnodes)

@@ -69,3 +69,38 @@ def test_services_take_free_cores_first_then_share():
     assert service_core_sets([1, 1], [[0]], cores=[0, 1, 2]) == [[1], [2]]
     assert service_core_sets([1, 1], [[0], [1]], cores=[0, 1]) == [[0], [1]]
     assert service_core_sets([2], [[0, 1]], cores=[0, 1]) == [[0, 1]]
+
+
+def test_a_network_that_does_not_take_the_dataset_is_refused_before_anything_starts():
+    with pytest.raises(UserError, match="allowed for 'text': moe_lm"):
+        validate_config({"model": "resnet18", "dataset": "python-docs"})
+    with pytest.raises(UserError, match="use model = 'moe_lm'"):
+        validate_config({"strategy": "dmoe", "model": "moe_cnn", "dataset": "python-docs"})
+
+
+def test_unreachable_servers_get_one_message_in_bounded_time_and_no_run(tmp_path):
+    from typer.testing import CliRunner
+
+    from ddlscope.cli import app
+
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDsfU27XJQS5F2Uf722KP3teQb7vL5CcwwbQbbVr4zkfo"
+    result = CliRunner().invoke(app, ["run", "--db", str(tmp_path / "r.db"), "--set", 'strategy="dmoe"', "--set",
+                                      'model="moe_cnn"', "--set", f'dmoe.initial_peers=["{dead}"]', "--set",
+                                      "dmoe.join_timeout_s=2"])
+    assert isinstance(result.exception, UserError), result.output
+    assert "could not reach the expert servers" in str(result.exception)
+    assert not (tmp_path / "r.db").exists()
+
+
+def test_a_user_expert_with_the_wrong_shape_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from ddlscope.cli import app
+
+    (tmp_path / "bad_expert.py").write_text("import torch\ndef make(h):\n    return torch.nn.Linear(h, h + 1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = CliRunner().invoke(app, ["run", "--db", str(tmp_path / "r.db"), "--set", 'strategy="dmoe"', "--set",
+                                      'model="moe_cnn"', "--set", 'dmoe.expert="bad_expert:make"'])
+    assert isinstance(result.exception, UserError), result.output
+    assert "dmoe.expert = 'bad_expert:make'" in str(result.exception)
+    assert not (tmp_path / "r.db").exists()

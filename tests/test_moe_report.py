@@ -57,8 +57,8 @@ def _remote_run(store, name="remote", server0_compute_s=0.005):
                              started_at=T0 + 0.2 + s, ended_at=T0 + (10.0 if s else 20.5))
         _event(store, run_id, "service_started", 0.0 + s, service=KIND, index=s, generation=0)
         store.add_rows("moe_server_samples", [
-            dict(run_id=run_id, service_index=s, generation=0, wall_time=T0 + 5.0, cpu_s=1.0 + s, rss_bytes=100_000_000),
-            dict(run_id=run_id, service_index=s, generation=0, wall_time=T0 + 9.0, cpu_s=2.5 + s, rss_bytes=150_000_000)])
+            dict(run_id=run_id, service_index=s, generation=0, wall_time=T0 + 5.0, cpu_s=1.0 + s, pss_bytes=100_000_000),
+            dict(run_id=run_id, service_index=s, generation=0, wall_time=T0 + 9.0, cpu_s=2.5 + s, pss_bytes=150_000_000)])
     _event(store, run_id, "service_killed", 10.0, service=KIND, index=1, generation=0)
     for wi in (0, 1):
         store.upsert_worker(run_id, wi, status="completed", train_start_time=T0 + 2.0, train_end_time=T0 + 20.0)
@@ -166,7 +166,7 @@ def test_remote_run_per_trainer_server_and_expert_figures(store):
     assert s1.lifetime_s == pytest.approx(10.0 - 1.2)
     assert s1.compute_s == pytest.approx(64 * 0.005) and s1.busy_fraction == pytest.approx(64 * 0.005 / 8.8)
     assert s1.mean_queue_wait_s == pytest.approx(0.001) and s1.p95_queue_wait_s == pytest.approx(0.001)
-    assert s1.cpu_s == pytest.approx(3.5) and s1.peak_rss_bytes == 150_000_000
+    assert s1.cpu_s == pytest.approx(3.5) and s1.peak_pss_bytes == 150_000_000
     assert s1.started_at_s == pytest.approx(1.2) and s1.ended_at_s == pytest.approx(10.0)
 
     load = {e.expert: e for e in s.experts}
@@ -205,7 +205,7 @@ def test_verdict_names_the_largest_share_and_who_makes_it(store):
     assert s.verdict.kind == "remote-expert-bound (per-call RPC overhead)"  # servers 3 % busy, 6 of 20 ms per call
     assert "32 of 1888 expert calls failed (1.7%); 8 of 480 samples (1.7%)" in s.verdict.explanation
     busy = summarize_moe(store, _remote_run(store, "busy", server0_compute_s=0.1))
-    assert busy.verdict.kind == "remote-expert-bound (expert servers)"
+    assert busy.verdict.kind == "remote-expert-bound (expert compute)"
     assert "the busiest, expert server 0, computed 59% of its lifetime" in busy.verdict.explanation
 
 

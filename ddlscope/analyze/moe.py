@@ -139,7 +139,7 @@ class ServerMoE:
     compute_s: float
     busy_fraction: float | None  # compute_s / lifetime_s
     cpu_s: float | None  # CPU seconds of its process tree (last sample)
-    peak_rss_bytes: int | None
+    peak_pss_bytes: int | None
 
 
 @dataclass
@@ -403,7 +403,7 @@ def _servers(store: ResultsStore, run_id: str, services: list[dict], calls: list
         compute = sum(b["compute_s"] or 0.0 for b in mine)
         batch_samples = sum(b["batch_size"] for b in mine)
         cpus = [x["cpu_s"] for x in mine_samples if x["cpu_s"] is not None]
-        rss = [x["rss_bytes"] for x in mine_samples if x["rss_bytes"] is not None]
+        pss = [x["pss_bytes"] for x in mine_samples if x["pss_bytes"] is not None]
         out.append(ServerMoE(
             label=_label(s["kind"], s["service_index"], s["generation"]), service_index=s["service_index"],
             generation=s["generation"], status=s["status"], reason=s["reason"], peer_id=s["peer_id"],
@@ -414,7 +414,7 @@ def _servers(store: ResultsStore, run_id: str, services: list[dict], calls: list
             batches=len(mine), batch_samples=batch_samples, mean_batch_size=batch_samples / len(mine) if mine else None,
             mean_queue_wait_s=_mean(waits), p95_queue_wait_s=weighted_quantile([(w, 1.0) for w in waits], 0.95),
             compute_s=compute, busy_fraction=compute / lifetime if lifetime and lifetime > 0 else None,
-            cpu_s=cpus[-1] if cpus else None, peak_rss_bytes=max(rss) if rss else None))
+            cpu_s=cpus[-1] if cpus else None, peak_pss_bytes=max(pss) if pss else None))
     return out, label_of_peer
 
 
@@ -561,22 +561,27 @@ def moe_verdict(s: MoESummary) -> MoEVerdict | None:
         server_share = (s.mean_server_s_per_call / latency if s.mean_server_s_per_call is not None and latency
                         else None)
         busy = busiest is not None and busiest.busy_fraction >= BUSY_SERVER_FRACTION
-        if busy or (server_share is not None and server_share >= SERVER_SHARE_OF_LATENCY):
-            label += " (expert servers)"
-            text += " The servers are the bottleneck:"
+        queued = server_share is not None and server_share >= SERVER_SHARE_OF_LATENCY
+        if busy:
+            label += " (expert compute)"
+            text += " The servers' expert compute is the bottleneck:"
+        elif queued:
+            label += " (server queueing)"
+            text += (" Requests wait on the servers while their compute thread is mostly idle: the servers' "
+                     "processes (connection handler, task pools, p2pd) lack CPU, e.g. cores shared with trainers:")
         else:
             label += " (per-call RPC overhead)"
             text += " The servers are mostly idle, so the wait is per-call RPC overhead:"
         if busiest is not None:
             text += f" the busiest, {busiest.label}, computed {busiest.busy_fraction:.0%} of its lifetime"
             if busiest.mean_queue_wait_s is not None:
-                text += f" (mean queue wait {busiest.mean_queue_wait_s * 1000:.1f} ms)"
+                text += f" (a batch's oldest request waited {busiest.mean_queue_wait_s * 1000:.1f} ms on average)"
             text += ";"
         if latency is not None:
             text += f" an answered call took {latency * 1000:.1f} ms on average"
             if s.mean_server_s_per_call is not None:
-                text += (f", of which {s.mean_server_s_per_call * 1000:.1f} ms ({server_share:.0%}) queueing and "
-                         f"compute on a server")
+                text += (f", a batch's oldest request spent {s.mean_server_s_per_call * 1000:.1f} ms queued and "
+                         f"computed on a server")
         text = text.rstrip(";") + "."
     elif busiest is not None:
         text += f" The busiest expert server ({busiest.label}) computed {busiest.busy_fraction:.0%} of its lifetime."
@@ -645,9 +650,9 @@ def moe_markdown(summaries: list[MoESummary]) -> list[str]:
                              str(x.calls), str(x.failed), str(x.batches), _f(x.mean_batch_size),
                              f"{_f(x.mean_queue_wait_s, scale=1e3)} / {_f(x.p95_queue_wait_s, scale=1e3)}",
                              _f(x.compute_s, ".2f"), _f(x.busy_fraction, ".0%"), _f(x.cpu_s),
-                             _f(x.peak_rss_bytes, ".0f", 1e-6), (x.reason or "").replace("|", "/")[:80]])
+                             _f(x.peak_pss_bytes, ".0f", 1e-6), (x.reason or "").replace("|", "/")[:80]])
         lines += _table(["run", "server", "status", "alive s", "calls", "failed", "batches", "mean batch",
-                         "queue ms mean / p95", "compute s", "busy", "CPU s", "peak RSS MB", "reason"], rows)
+                         "queue ms mean / p95", "compute s", "busy", "CPU s", "peak PSS MB", "reason"], rows)
     faulted = [s for s in summaries if s.faults]
     if faulted:
         lines += ["", "### Server faults", "",

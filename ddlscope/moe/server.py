@@ -12,13 +12,12 @@ each in its own process group and pinned to its cores, before the trainers. A se
    seconds (they expire after twice that, so a dead server's experts disappear from beam search);
 3. records in the store: its row in ``services`` (pid, multiaddrs, peer id, experts, status), every
    batch it processed (``moe_server_batches``: expert, forward/backward, samples, queue wait,
-   compute seconds) and its CPU and memory every ``host_sample_interval_s`` (``moe_server_samples``);
+   compute seconds) and its CPU and memory (PSS) every ``host_sample_interval_s`` (``moe_server_samples``);
 4. runs until SIGTERM/SIGINT (the launcher stops it when the trainers are done) or its parent dies.
 
-The queue wait of a batch is the age of the request hivemind's task pool ranks first when the
-Runtime takes the batch (``TaskPool.priority``: the time stamp of the oldest request not yet
-dispatched, as hivemind keeps it), so it says how long requests wait for the server's one
-compute thread.
+The queue wait of a batch is the time from the arrival of its oldest request to the start of its
+compute (:func:`_measured_pool`): how long requests wait for their batch to form and for the
+server's one compute thread.
 """
 
 from __future__ import annotations
@@ -59,45 +58,79 @@ class _BatchLog:
 
 
 def _instrumented_backend(log: _BatchLog):
-    """A hivemind ``ModuleBackend`` subclass that records each batch it processes into ``log``."""
+    """A hivemind ``ModuleBackend`` subclass that records each batch it processes into ``log``,
+    with task pools that time their requests (:func:`_measured_pool`)."""
     from hivemind.moe.server import ModuleBackend
 
+    pool_cls = _measured_pool()
+
     class MeasuredBackend(ModuleBackend):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._waits: dict[str, float | None] = {}
-            for pool, direction in ((self.forward_pool, "forward"), (self.backward_pool, "backward")):
-                pool.load_batch_to_runtime = self._timed_load(pool, direction)
+        def __init__(self, *args, max_batch_size: int, **kwargs):
+            super().__init__(*args, max_batch_size=max_batch_size, **kwargs)
+            # the same pools hivemind makes, measured (not started yet: the Runtime starts them)
+            self.forward_pool = pool_cls(self.forward, max_batch_size=max_batch_size, name=f"{self.name}_forward")
+            self.backward_pool = pool_cls(self.backward, max_batch_size=max_batch_size, name=f"{self.name}_backward")
 
-        def _timed_load(self, pool, direction: str):
-            inner = pool.load_batch_to_runtime
-
-            def load(*args, **kwargs):
-                oldest = pool.priority  # hivemind: time stamp of the oldest request not yet dispatched
-                self._waits[direction] = max(0.0, time.time() - oldest) if 0 < oldest < float("inf") else None
-                return inner(*args, **kwargs)
-
-            return load
-
-        def forward(self, *inputs):
-            t0 = time.perf_counter()
-            out = super().forward(*inputs)
-            log.add(self.name, "forward", int(inputs[0].shape[0]), self._waits.get("forward"), time.perf_counter() - t0)
-            return out
-
-        def backward(self, *inputs):
-            t0 = time.perf_counter()
-            out = super().backward(*inputs)
-            log.add(self.name, "backward", int(inputs[0].shape[0]), self._waits.get("backward"),
+        def _timed(self, direction: str, pool, run, inputs):
+            t0, started = time.perf_counter(), time.time()
+            out = run(*inputs)
+            log.add(self.name, direction, int(inputs[0].shape[0]), max(0.0, started - pool.oldest_request()),
                     time.perf_counter() - t0)
             return out
+
+        def forward(self, *inputs):
+            return self._timed("forward", self.forward_pool, super().forward, inputs)
+
+        def backward(self, *inputs):
+            return self._timed("backward", self.backward_pool, super().backward, inputs)
 
     return MeasuredBackend
 
 
+def _measured_pool():
+    """hivemind's ``TaskPool`` that also knows, for each batch it hands to the Runtime, when the
+    oldest request in it arrived: the queue wait of a batch is the time from that arrival to the
+    start of the batch's compute (requests wait for the batch to form and for the server's one
+    Runtime thread). Requests are stamped where hivemind stamps them (``submit_task``, in the
+    connection handler's process); the stamps travel with the request's id through a queue of
+    their own to the pool's process, which matches them to the requests of each batch."""
+    import multiprocessing as mp
+
+    from hivemind.moe.server.task_pool import TaskPool
+
+    class MeasuredPool(TaskPool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._arrivals = mp.SimpleQueue()  # connection handler -> pool process: one stamp per request
+            self._oldest = mp.SimpleQueue()    # pool process -> Runtime: one stamp per batch
+
+        def submit_task(self, *args):
+            future = super().submit_task(*args)
+            if not future.done():  # hivemind refused it at once (too large): it forms no batch
+                self._arrivals.put((future._uid, time.time()))
+            return future
+
+        def iterate_minibatches(self, *args, **kwargs):
+            arrived: dict = {}  # request id -> arrival; requests cancelled before batching stay here
+            for batch in super().iterate_minibatches(*args, **kwargs):
+                for task in batch:
+                    while task.future._uid not in arrived:
+                        uid, stamp = self._arrivals.get()
+                        arrived[uid] = stamp
+                self._oldest.put(min(arrived.pop(task.future._uid) for task in batch))
+                yield batch
+
+        def oldest_request(self) -> float:
+            return self._oldest.get()
+
+    return MeasuredPool
+
+
 def _sample_forever(db: str, run_id: str, index: int, generation: int, interval_s: float, log: _BatchLog,
                     stop: threading.Event) -> None:
-    """Every ``interval_s``: this server's process tree's CPU seconds and RSS; every second: flush
+    """Every ``interval_s``: this server's process tree's CPU seconds and memory (the sum of its
+    processes' proportional set sizes: hivemind's task pools are forked and share the server's
+    pages, which RSS would count once per process); every second: flush
     the batch log. Ends after a last flush once ``stop`` is set."""
     import psutil
 
@@ -115,17 +148,17 @@ def _sample_forever(db: str, run_id: str, index: int, generation: int, interval_
                 return
             if time.monotonic() >= next_sample:
                 next_sample = time.monotonic() + interval_s
-                cpu, rss = 0.0, 0
+                cpu, pss = 0.0, 0
                 for p in [me, *me.children(recursive=True)]:
                     try:
                         t = p.cpu_times()
                         cpu += t.user + t.system
-                        rss += p.memory_info().rss
-                    except psutil.Error:
+                        pss += p.memory_full_info().pss  # forked task pools share pages: PSS splits them
+                    except (psutil.Error, AttributeError):
                         continue
                 # bytes per server are counted where they are known exactly: per call, on the trainers
                 store.add_rows("moe_server_samples", [dict(run_id=run_id, service_index=index, generation=generation,
-                                                           wall_time=time.time(), cpu_s=cpu, rss_bytes=rss)])
+                                                           wall_time=time.time(), cpu_s=cpu, pss_bytes=pss)])
         except Exception as e:  # measuring must never take the server down; the log says what was lost
             print(f"expert server {index}: measurement not stored: {type(e).__name__}: {e}", file=sys.stderr)
             if stopping:

@@ -21,7 +21,8 @@ crashes or is killed keeps everything measured up to its last step. Tables:
   summed and largest latency, bytes sent and received, and the server (peer id) that answered.
 - ``moe_server_batches``: every batch an expert server processed — expert, direction, samples,
   queue wait of its oldest request, compute seconds.
-- ``moe_server_samples``: background samples of an expert server's CPU time, RSS and bytes.
+- ``moe_server_samples``: background samples of an expert server's CPU seconds and memory
+  (proportional set size of its process tree).
 
 A run whose processes were killed stays ``running`` in the file; :meth:`ResultsStore.mark_stale_runs`
 (called by the read-only commands) marks such runs ``interrupted`` once every process recorded for
@@ -103,7 +104,7 @@ CREATE TABLE IF NOT EXISTS moe_server_batches (
 );
 CREATE TABLE IF NOT EXISTS moe_server_samples (
     run_id TEXT NOT NULL, service_index INTEGER NOT NULL, generation INTEGER NOT NULL, wall_time REAL NOT NULL,
-    cpu_s REAL, rss_bytes INTEGER, net_sent_bytes INTEGER, net_recv_bytes INTEGER
+    cpu_s REAL, pss_bytes INTEGER
 );
 CREATE INDEX IF NOT EXISTS moe_calls_by_run ON moe_calls (run_id, worker_index, step);
 CREATE INDEX IF NOT EXISTS moe_batches_by_run ON moe_server_batches (run_id, service_index);

@@ -150,6 +150,44 @@ class _Tolerant(torch.nn.Module):
             return torch.zeros_like(x)
 
 
+def join_experts(d, peers: list[str], need: int, who: str):
+    """Join the expert servers' DHT (client mode: a trainer makes calls, it takes none) and wait
+    until ``need`` of the grid's experts are announced; returns the running ``hivemind.DHT``.
+
+    Raises:
+        UserError: no initial peers, none reachable, or fewer than ``need`` experts of the grid
+            found within ``dmoe.join_timeout_s`` (names the grid, what was found and the peers).
+    """
+    import hivemind
+    from hivemind.moe.server.dht_handler import get_experts
+
+    if not peers:
+        raise UserError("dmoe: no expert servers to join (no initial peers); allowed: let ddlscope start "
+                        "dmoe.servers, or give dmoe.initial_peers of running servers")
+    try:
+        dht = hivemind.DHT(initial_peers=peers, client_mode=True, start=True, startup_timeout=d.join_timeout_s)
+    except hivemind.p2p.P2PDaemonError as e:
+        raise UserError(f"dmoe: {who} could not reach the expert servers at {peers} within join_timeout_s = "
+                        f"{d.join_timeout_s:g} s: {e}") from None
+    uids = d.expert_uids()
+    deadline, found = time.monotonic() + d.join_timeout_s, 0
+    while time.monotonic() < deadline:
+        found = sum(e is not None for e in get_experts(dht, uids))
+        if found >= need:
+            return dht
+        time.sleep(0.25)
+    _shutdown(dht)
+    raise UserError(f"dmoe: {who} found {found} of the {len(uids)} experts of grid_size = {d.grid_size} "
+                    f"(ids {uids[0]} .. {uids[-1]}) within join_timeout_s = {d.join_timeout_s:g} s, needed {need}; "
+                    f"do the servers at {peers} host this grid?")
+
+
+def _shutdown(dht) -> None:
+    closer = threading.Thread(target=dht.shutdown, daemon=True)
+    closer.start()
+    closer.join(SHUTDOWN_S)
+
+
 class DMoEStrategy(Strategy):
     """One dmoe trainer. See the module docstring for what it runs and measures."""
 
@@ -164,8 +202,9 @@ class DMoEStrategy(Strategy):
 
     @classmethod
     def preflight(cls, cfg) -> None:
-        """The network fits the dataset and the expert, and the expert maps its input to the same
-        shape (a user factory is imported and called once), before any process starts.
+        """The network fits the dataset and the expert, the expert maps its input to the same
+        shape (a user factory is imported and called once), and servers given by
+        ``dmoe.initial_peers`` are reachable and host the grid — before any process starts.
 
         Raises:
             UserError: naming ``model`` / ``dmoe.expert`` and what is allowed.
@@ -179,6 +218,9 @@ class DMoEStrategy(Strategy):
         if why:
             raise UserError(why)
         check_expert(cfg.dmoe.expert, cfg.dmoe.hidden_dim)
+        d = cfg.dmoe
+        if d.placement == "remote" and d.initial_peers:  # servers someone else runs: reachable, with this grid?
+            _shutdown(join_experts(d, d.initial_peers, d.k_best, "ddlscope"))
 
     # ------------------------------------------------------------------ network
     def build_model(self, name: str, family: str, num_classes: int) -> torch.nn.Module:
@@ -209,39 +251,11 @@ class DMoEStrategy(Strategy):
         return build_moe_network(name, family, num_classes, d, mixture=self.mixture, seed=self.cfg.seed)
 
     def _join(self) -> None:
-        """Join the servers' DHT (client mode: a trainer makes calls, it takes none) and wait until
-        the experts of the servers that start with the run are announced.
-
-        Raises:
-            UserError: no DHT peer reachable, or too few of the grid's experts found within
-                ``dmoe.join_timeout_s`` (names the grid, what was found and the initial peers).
-        """
-        import hivemind
-        from hivemind.moe.server.dht_handler import get_experts
-
         d = self.cfg.dmoe
-        peers = self.ctx.initial_peers or d.initial_peers
-        if not peers:
-            raise UserError("dmoe: no expert servers to join (no initial peers); allowed: let ddlscope start "
-                            "dmoe.servers, or give dmoe.initial_peers of running servers")
-        try:
-            self.dht = hivemind.DHT(initial_peers=peers, client_mode=True, start=True, startup_timeout=d.join_timeout_s)
-        except hivemind.p2p.P2PDaemonError as e:
-            raise UserError(f"dmoe: trainer {self.ctx.worker_index} could not reach the expert servers at {peers} "
-                            f"within join_timeout_s = {d.join_timeout_s:g} s: {e}") from None
         late = {ev.server for ev in d.server_events if ev.start_at_s > 0}
         need = (sum(len(d.server_uids(s)) for s in range(d.servers) if s not in late)
                 if not d.initial_peers else d.k_best)
-        uids = d.expert_uids()
-        deadline, found = time.monotonic() + d.join_timeout_s, 0
-        while time.monotonic() < deadline:
-            found = sum(e is not None for e in get_experts(self.dht, uids))
-            if found >= need:
-                return
-            time.sleep(0.25)
-        raise UserError(f"dmoe: found {found} of the {len(uids)} experts of grid_size = {d.grid_size} "
-                        f"(ids {uids[0]} .. {uids[-1]}) within join_timeout_s = {d.join_timeout_s:g} s, needed {need}; "
-                        f"do the servers at {peers} host this grid?")
+        self.dht = join_experts(d, self.ctx.initial_peers or d.initial_peers, need, f"trainer {self.ctx.worker_index}")
 
     # ------------------------------------------------------------------ steps
     def forward_backward(self, model, x, y, loss_fn, loss_scale: float = 1.0, sync: bool = True) -> BatchResult:
@@ -296,6 +310,4 @@ class DMoEStrategy(Strategy):
 
     def close(self) -> None:
         if self.dht is not None:
-            closer = threading.Thread(target=self.dht.shutdown, daemon=True)
-            closer.start()
-            closer.join(SHUTDOWN_S)
+            _shutdown(self.dht)

@@ -402,6 +402,30 @@ def _build_moe(name: str, family: str, num_classes: int | None) -> SequentialNet
     return SequentialNet(parts)
 
 
+def network_takes(name: str, family: str) -> str | None:
+    """Why zoo network ``name`` cannot train on a dataset of ``family`` (None: it can, or ``name``
+    is a user factory, which only building it can tell). The CNNs take the image families of
+    :data:`DATASET_FAMILIES`; the mixture-of-experts networks those of
+    :func:`ddlscope.moe.networks.network_family_ok`. The reason names ``model`` and what is allowed."""
+    if ":" in name or name not in NETWORKS:
+        return None
+    if name in MOE_NETWORKS:
+        from ddlscope.moe.networks import network_family_ok
+
+        return network_family_ok(name, family)
+    if family not in DATASET_FAMILIES:
+        fitting = [n for n in MOE_NETWORKS if _moe_takes(n, family)]
+        return (f"model = {name!r} takes image datasets (families {', '.join(DATASET_FAMILIES)}), not {family!r} "
+                f"ones; allowed for {family!r}: {', '.join(fitting) or 'none of the zoo'}")
+    return None
+
+
+def _moe_takes(name: str, family: str) -> bool:
+    from ddlscope.moe.networks import network_family_ok
+
+    return network_family_ok(name, family) is None
+
+
 def count_parameters(model: nn.Module) -> int:
     """Total number of parameter elements (trainable or not); works for models on the meta device."""
     return sum(p.numel() for p in model.parameters())
