@@ -159,6 +159,7 @@ def test_remote_run_per_trainer_server_and_expert_figures(store):
     by_label = {x.label: x for x in s.servers}
     s0, s1 = by_label["expert server 0"], by_label["expert server 1"]
     assert s0.calls == 2 * (16 * 16 + 2 * 16 + 12 * 32) and s0.failed == 0
+    assert s0.payload_bytes == s0.calls * 512  # 256 B each way per answered call
     assert s1.calls == 2 * (16 * 16 + 2 * 8) and s1.failed == 2 * 2 * 8 and s1.answered == 2 * 16 * 16
     assert s1.status == "killed" and "SIGKILL" in s1.reason
     assert s0.batches == 2 * 30 * 2 and s1.batches == 2 * 16 * 2

@@ -131,6 +131,7 @@ class ServerMoE:
     calls: int  # calls the trainers addressed to it
     answered: int
     failed: int
+    payload_bytes: int  # tensor bytes of its calls, both ways, as the trainers counted them
     batches: int
     batch_samples: int
     mean_batch_size: float | None
@@ -381,11 +382,12 @@ def _servers(store: ResultsStore, run_id: str, services: list[dict], calls: list
     batches, samples = store.rows("moe_server_batches", run_id), store.rows("moe_server_samples", run_id)
     by_peer = {s["peer_id"]: s for s in services if s["peer_id"]}
     label_of_peer = {p: _label(s["kind"], s["service_index"], s["generation"]) for p, s in by_peer.items()}
-    per_peer: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # peer id -> [calls, failed]
+    per_peer: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # peer id -> [calls, failed, payload bytes]
     for c in calls:
         if c["peer_id"]:
             per_peer[c["peer_id"]][0] += c["calls"]
             per_peer[c["peer_id"]][1] += c["failed"]
+            per_peer[c["peer_id"]][2] += (c["bytes_sent"] or 0) + (c["bytes_received"] or 0)
     batches_of, samples_of = defaultdict(list), defaultdict(list)
     for b in batches:
         batches_of[(b["service_index"], b["generation"])].append(b)
@@ -395,7 +397,7 @@ def _servers(store: ResultsStore, run_id: str, services: list[dict], calls: list
     for s in services:
         key = (s["service_index"], s["generation"])
         mine, mine_samples = batches_of[key], samples_of[key]
-        n_calls, failed = per_peer[s["peer_id"]] if s["peer_id"] else (0, 0)
+        n_calls, failed, payload = per_peer[s["peer_id"]] if s["peer_id"] else (0, 0, 0)
         last_seen = max([b["wall_time"] for b in mine] + [x["wall_time"] for x in mine_samples], default=None)
         end = s["ended_at"] if s["ended_at"] is not None else last_seen
         lifetime = end - s["started_at"] if end is not None and s["started_at"] is not None else None
@@ -410,7 +412,7 @@ def _servers(store: ResultsStore, run_id: str, services: list[dict], calls: list
             experts=json.loads(s["experts"]) if s["experts"] else [],
             started_at_s=s["started_at"] - origin if s["started_at"] is not None and origin is not None else None,
             ended_at_s=end - origin if end is not None and origin is not None else None,
-            lifetime_s=lifetime, calls=n_calls, answered=n_calls - failed, failed=failed,
+            lifetime_s=lifetime, calls=n_calls, answered=n_calls - failed, failed=failed, payload_bytes=payload,
             batches=len(mine), batch_samples=batch_samples, mean_batch_size=batch_samples / len(mine) if mine else None,
             mean_queue_wait_s=_mean(waits), p95_queue_wait_s=weighted_quantile([(w, 1.0) for w in waits], 0.95),
             compute_s=compute, busy_fraction=compute / lifetime if lifetime and lifetime > 0 else None,
@@ -647,11 +649,12 @@ def moe_markdown(summaries: list[MoESummary]) -> list[str]:
         for s in served:
             for x in s.servers:
                 rows.append([f"{s.name} ({s.run_id})", x.label, x.status, f"{_f(x.started_at_s)} - {_f(x.ended_at_s)}",
-                             str(x.calls), str(x.failed), str(x.batches), _f(x.mean_batch_size),
+                             str(x.calls), str(x.failed), f"{x.payload_bytes / 1e6:.2f}", str(x.batches),
+                             _f(x.mean_batch_size),
                              f"{_f(x.mean_queue_wait_s, scale=1e3)} / {_f(x.p95_queue_wait_s, scale=1e3)}",
                              _f(x.compute_s, ".2f"), _f(x.busy_fraction, ".0%"), _f(x.cpu_s),
                              _f(x.peak_pss_bytes, ".0f", 1e-6), (x.reason or "").replace("|", "/")[:80]])
-        lines += _table(["run", "server", "status", "alive s", "calls", "failed", "batches", "mean batch",
+        lines += _table(["run", "server", "status", "alive s", "calls", "failed", "payload MB", "batches", "mean batch",
                          "queue ms mean / p95", "compute s", "busy", "CPU s", "peak PSS MB", "reason"], rows)
     faulted = [s for s in summaries if s.faults]
     if faulted:
