@@ -125,6 +125,7 @@ ADDED_COLUMNS = (
     ("steps", "bubble_s", "REAL"), ("steps", "comm_bytes", "INTEGER"), ("runs", "cell_key", "TEXT"),
     ("workers", "failed_at", "REAL"), ("steps", "background_cpu_s", "REAL"),
     ("runs", "launcher_pid", "INTEGER"), ("runs", "launcher_started_at", "REAL"), ("workers", "pid_started_at", "REAL"),
+    ("moe_server_samples", "pss_bytes", "INTEGER"),
 )
 MEASUREMENT_TABLES = ("moe_steps", "moe_calls", "moe_server_batches", "moe_server_samples")
 """Tables written with :meth:`ResultsStore.add_rows` (rows as dicts of their columns)."""
