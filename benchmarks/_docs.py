@@ -9,7 +9,7 @@ the markers is kept byte for byte.
     from _docs import update_docs_block, predictor_markdown
     update_docs_block(DOCS_PAGE, "predictor", predictor_markdown(result))
 
-Used by ``benchmarks/predictor.py`` and ``benchmarks/overhead.py``; tested by
+Used by ``benchmarks/predictor.py``, ``benchmarks/overhead.py`` and ``benchmarks/dmoe_overhead.py``; tested by
 ``tests/test_docs.py``. Torch-free (the machine description asks torch only if it is installed).
 """
 
@@ -284,3 +284,58 @@ def overhead_markdown(result: Mapping[str, Any], header: str | None = None) -> s
     table = markdown_table(["workload", "timed steps", "repeats", "plain ms/step", "ddlscope ms/step",
                             "overhead (median)", "target", "met"], [row])
     return f"{header}\n\n{table}"
+
+
+def dmoe_overhead_markdown(result: Mapping[str, Any], header: str | None = None) -> str:
+    """The block of ``benchmarks/dmoe_overhead.py``: ms per step of each pairing of trainer and
+    expert servers (plain hivemind or ddlscope's), the overhead against plain hivemind and the noise.
+
+    Args:
+        result: the dict written to ``benchmarks/results/dmoe_overhead.json``: ``model``,
+            ``dataset``, ``batch_size``, ``expert``, ``hidden_dim``, ``grid_size``, ``k_best``,
+            ``servers``, ``trainer_cores``, ``server_cores``, ``steps``, ``timed_steps``, ``repeats``;
+            ``pairs`` (each ``{servers, trainer, step_ms, step_ms_min, step_ms_max,
+            vs_plain_fraction, median_step_ms, median_step_vs_plain_fraction,
+            server_cpu_ms_per_step}``); ``overhead_fraction``, ``trainer_overhead_fraction``,
+            ``server_overhead_fraction``, ``median_step_overhead_fraction``,
+            ``paired_overhead_fractions``, ``plain_spread_fraction``, ``target_fraction``,
+            ``meets_target`` (fractions, not %); ``measured_at`` optional.
+        header: the line above the tables (default: :func:`provenance` of this machine, now).
+
+    Raises:
+        UserError: ``result`` lacks one of those keys (not a dmoe overhead result).
+    """
+    try:
+        grid = " x ".join(map(str, result["grid_size"]))
+        intro = (f"{result['model']} / {result['dataset']}, batch {result['batch_size']}; {result['expert']} experts "
+                 f"(hidden {result['hidden_dim']}) on a {grid} grid, k_best {result['k_best']}, "
+                 f"{result['servers']} expert servers; trainer on core(s) {result['trainer_cores']}, servers on "
+                 f"{', '.join(map(str, result['server_cores']))}; {result['timed_steps']} timed steps per trainer run "
+                 f"after {result['steps'] - result['timed_steps']} warm-up; {result['repeats']} repeats, each with "
+                 f"every pairing of trainer and servers. ms/step: the run's timed seconds / timed steps, median "
+                 f"over the repeats (min – max beside it); median step: the run's median step, median over the "
+                 f"repeats (robust to bursts of load, blind to costs that hit few steps).")
+        rows = [[p["servers"], p["trainer"], f"{p['step_ms']:.1f}", f"{p['step_ms_min']:.1f} – {p['step_ms_max']:.1f}",
+                 _pct(p["vs_plain_fraction"], signed=True), f"{p['median_step_ms']:.1f}",
+                 _pct(p["median_step_vs_plain_fraction"], signed=True), f"{p['server_cpu_ms_per_step']:.1f}"]
+                for p in result["pairs"]]
+        figures = [
+            ["overhead: ddlscope trainer + servers vs. plain (ms/step)", _pct(result["overhead_fraction"], signed=True),
+             f"< {_pct(result['target_fraction'])}", ("yes" if result["meets_target"] else "**no**")
+             + (", within noise" if abs(result["overhead_fraction"]) <= result["plain_spread_fraction"] else "")],
+            ["of it, the trainer's / the servers' (the mixed pairings)",
+             f"{_pct(result['trainer_overhead_fraction'], signed=True)} / "
+             f"{_pct(result['server_overhead_fraction'], signed=True)}", "", ""],
+            ["the same by median steps", _pct(result["median_step_overhead_fraction"], signed=True), "", ""],
+            ["overhead per repeat (paired, ms/step)",
+             ", ".join(_pct(v, signed=True) for v in result["paired_overhead_fractions"]), "", ""],
+            ["noise: plain + plain repeats' ms/step, (max - min) / median", _pct(result["plain_spread_fraction"]),
+             "", ""],
+        ]
+    except (KeyError, TypeError) as e:
+        raise UserError(f"not a benchmarks/dmoe_overhead.py result: missing {e}; allowed: the dict it writes to "
+                        "benchmarks/results/dmoe_overhead.json") from None
+    header = header or provenance("benchmarks/dmoe_overhead.py", str(result.get("measured_at", ""))[:16] or None)
+    pairs = markdown_table(["expert servers", "trainer", "ms/step", "min – max", "vs. plain + plain", "median step ms",
+                            "vs. plain + plain", "servers' CPU ms per trainer step"], rows)
+    return "\n".join([header, "", intro, "", pairs, "", markdown_table(["figure", "value", "target", "met"], figures)])

@@ -149,5 +149,38 @@ def test_missing_page_and_wrong_result_are_user_errors(tmp_path):
 def test_the_docs_page_has_the_blocks_the_benchmarks_write():
     """A 15-minute benchmark must not fail at its last step: docs/validation.md has both blocks once."""
     text = docs.DOCS_PAGE.read_text()
-    for name in ("predictor", "overhead"):
+    for name in ("predictor", "overhead", "dmoe-overhead"):
         assert docs.replace_block(text, name, "x") != text
+
+
+def fake_dmoe_overhead_result(overhead: float = 0.017, spread: float = 0.05) -> dict:
+    def pair(servers, trainer, ms, vs):
+        return {"servers": servers, "trainer": trainer, "step_ms": ms, "step_ms_min": ms - 0.5, "step_ms_max": ms + 1,
+                "vs_plain_fraction": vs, "median_step_ms": ms - 1, "median_step_vs_plain_fraction": vs / 2,
+                "server_cpu_ms_per_step": 3.21}
+
+    return {"model": "moe_cnn", "dataset": "digits", "batch_size": 16, "expert": "ffn", "hidden_dim": 64,
+            "grid_size": [2, 2], "k_best": 2, "servers": 2, "trainer_cores": [0], "server_cores": [[1], [0]],
+            "steps": 40, "timed_steps": 37, "repeats": 4,
+            "pairs": [pair("plain", "plain", 10.0, 0.0), pair("ddlscope", "ddlscope", 10.17, overhead)],
+            "overhead_fraction": overhead, "trainer_overhead_fraction": 0.01, "server_overhead_fraction": 0.005,
+            "median_step_overhead_fraction": -0.002, "paired_overhead_fractions": [0.02, -0.01],
+            "plain_spread_fraction": spread, "target_fraction": 0.03, "meets_target": overhead < 0.03}
+
+
+def test_dmoe_overhead_table():
+    lines = docs.dmoe_overhead_markdown(fake_dmoe_overhead_result(), header=HEADER).splitlines()
+    assert lines[0] == HEADER
+    assert "| ddlscope | ddlscope | 10.2 | 9.7 – 11.2 | +1.7 % | 9.2 | +0.9 % | 3.2 |" in lines
+    assert "| overhead: ddlscope trainer + servers vs. plain (ms/step) | +1.7 % | < 3.0 % | yes, within noise |" in lines
+    assert "| of it, the trainer's / the servers' (the mixed pairings) | +1.0 % / +0.5 % |  |  |" in lines
+    assert "| overhead per repeat (paired, ms/step) | +2.0 %, -1.0 % |  |  |" in lines
+    assert "| noise: plain + plain repeats' ms/step, (max - min) / median | 5.0 % |  |  |" in lines
+    assert any("2 x 2 grid" in line and "servers on [1], [0]" in line for line in lines)
+    missed = docs.dmoe_overhead_markdown(fake_dmoe_overhead_result(0.049, 0.01), header=HEADER).splitlines()
+    assert "| overhead: ddlscope trainer + servers vs. plain (ms/step) | +4.9 % | < 3.0 % | **no** |" in missed
+
+
+def test_dmoe_overhead_needs_its_result():
+    with pytest.raises(UserError, match="not a benchmarks/dmoe_overhead.py result: missing 'grid_size'"):
+        docs.dmoe_overhead_markdown({"model": "x"})

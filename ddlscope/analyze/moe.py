@@ -577,12 +577,12 @@ def moe_verdict(s: MoESummary) -> MoEVerdict | None:
         if busiest is not None:
             text += f" the busiest, {busiest.label}, computed {busiest.busy_fraction:.0%} of its lifetime"
             if busiest.mean_queue_wait_s is not None:
-                text += f" (a batch's oldest request waited {busiest.mean_queue_wait_s * 1000:.1f} ms on average)"
+                text += f" (a batch's oldest sampled request waited {busiest.mean_queue_wait_s * 1000:.1f} ms on average)"
             text += ";"
         if latency is not None:
             text += f" an answered call took {latency * 1000:.1f} ms on average"
             if s.mean_server_s_per_call is not None:
-                text += (f", a batch's oldest request spent {s.mean_server_s_per_call * 1000:.1f} ms queued and "
+                text += (f", a batch's oldest sampled request spent {s.mean_server_s_per_call * 1000:.1f} ms queued and "
                          f"computed on a server")
         text = text.rstrip(";") + "."
     elif busiest is not None:
@@ -643,8 +643,8 @@ def moe_markdown(summaries: list[MoESummary]) -> list[str]:
     served = [s for s in summaries if s.servers]
     if served:
         lines += ["", "### Expert servers", "",
-                  "One row per server process (a restart is a new generation). Queue wait: the oldest request's "
-                  "wait when its batch was taken; busy = compute seconds / lifetime.", ""]
+                  "One row per server process (a restart is a new generation). Queue wait: the oldest sampled "
+                  "(1 in 8) request's wait when its batch was taken; busy = compute seconds / lifetime.", ""]
         rows = []
         for s in served:
             for x in s.servers:

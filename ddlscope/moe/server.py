@@ -15,9 +15,9 @@ each in its own process group and pinned to its cores, before the trainers. A se
    compute seconds) and its CPU and memory (PSS) every ``host_sample_interval_s`` (``moe_server_samples``);
 4. runs until SIGTERM/SIGINT (the launcher stops it when the trainers are done) or its parent dies.
 
-The queue wait of a batch is the time from the arrival of its oldest request to the start of its
-compute (:func:`_measured_pool`): how long requests wait for their batch to form and for the
-server's one compute thread.
+The queue wait of a batch is the time from the arrival of its oldest sampled request (one in
+:data:`STAMP_ONE_IN`) to the start of its compute (:func:`_measured_pool`): how long requests wait
+for their batch to form and for the server's one compute thread.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def _instrumented_backend(log: _BatchLog):
         def _timed(self, direction: str, pool, run, inputs):
             t0, started = time.perf_counter(), time.time()
             out = run(*inputs)
-            log.add(self.name, direction, int(inputs[0].shape[0]), max(0.0, started - pool.oldest_request()),
+            oldest = pool.oldest_request()
+            log.add(self.name, direction, int(inputs[0].shape[0]), None if oldest is None else max(0.0, started - oldest),
                     time.perf_counter() - t0)
             return out
 
@@ -87,13 +88,23 @@ def _instrumented_backend(log: _BatchLog):
     return MeasuredBackend
 
 
+STAMP_ONE_IN = 8
+"""Requests whose arrival is stamped for the queue wait: one in this many, chosen by request id
+(passing every stamp between processes cost the server measurably more CPU per call)."""
+
+PSS_EVERY_S = 10.0
+"""Seconds between two reads of a server's memory (PSS: reading it walks every process's page
+map, milliseconds per process); its CPU seconds are read every ``host_sample_interval_s``."""
+
+
 def _measured_pool():
     """hivemind's ``TaskPool`` that also knows, for each batch it hands to the Runtime, when the
-    oldest request in it arrived: the queue wait of a batch is the time from that arrival to the
-    start of the batch's compute (requests wait for the batch to form and for the server's one
-    Runtime thread). Requests are stamped where hivemind stamps them (``submit_task``, in the
-    connection handler's process); the stamps travel with the request's id through a queue of
-    their own to the pool's process, which matches them to the requests of each batch."""
+    oldest of its sampled requests arrived: the queue wait of a batch is the time from that arrival
+    to the start of the batch's compute (requests wait for the batch to form and for the server's
+    one Runtime thread). One request in :data:`STAMP_ONE_IN` (by its id) is stamped where hivemind
+    stamps requests (``submit_task``, in the connection handler's process); the stamps travel with
+    the request's id through a queue of their own to the pool's process, which matches them to the
+    requests of each batch. A batch without a sampled request has no queue wait (NULL)."""
     import multiprocessing as mp
 
     from hivemind.moe.server.task_pool import TaskPool
@@ -106,21 +117,22 @@ def _measured_pool():
 
         def submit_task(self, *args):
             future = super().submit_task(*args)
-            if not future.done():  # hivemind refused it at once (too large): it forms no batch
+            if not future.done() and future._uid % STAMP_ONE_IN == 0:  # (refused at once: it forms no batch)
                 self._arrivals.put((future._uid, time.time()))
             return future
 
         def iterate_minibatches(self, *args, **kwargs):
             arrived: dict = {}  # request id -> arrival; requests cancelled before batching stay here
             for batch in super().iterate_minibatches(*args, **kwargs):
-                for task in batch:
-                    while task.future._uid not in arrived:
-                        uid, stamp = self._arrivals.get()
-                        arrived[uid] = stamp
-                self._oldest.put(min(arrived.pop(task.future._uid) for task in batch))
+                sampled = [t.future._uid for t in batch if t.future._uid % STAMP_ONE_IN == 0]
+                for uid in sampled:
+                    while uid not in arrived:
+                        got, stamp = self._arrivals.get()
+                        arrived[got] = stamp
+                self._oldest.put(min((arrived.pop(uid) for uid in sampled), default=None))
                 yield batch
 
-        def oldest_request(self) -> float:
+        def oldest_request(self) -> float | None:
             return self._oldest.get()
 
     return MeasuredPool
@@ -128,9 +140,9 @@ def _measured_pool():
 
 def _sample_forever(db: str, run_id: str, index: int, generation: int, interval_s: float, log: _BatchLog,
                     stop: threading.Event) -> None:
-    """Every ``interval_s``: this server's process tree's CPU seconds and memory (the sum of its
-    processes' proportional set sizes: hivemind's task pools are forked and share the server's
-    pages, which RSS would count once per process); every second: flush
+    """Every ``interval_s``: this server's process tree's CPU seconds; every :data:`PSS_EVERY_S`
+    also its memory (the sum of its processes' proportional set sizes: hivemind's task pools are
+    forked and share the server's pages, which RSS would count once per process); every second: flush
     the batch log. Ends after a last flush once ``stop`` is set."""
     import psutil
 
@@ -138,7 +150,7 @@ def _sample_forever(db: str, run_id: str, index: int, generation: int, interval_
 
     store = ResultsStore(db)
     me = psutil.Process()
-    next_sample = 0.0
+    next_sample = next_pss = 0.0
     while True:
         stopping = stop.wait(FLUSH_EVERY_S)
         try:
@@ -148,12 +160,15 @@ def _sample_forever(db: str, run_id: str, index: int, generation: int, interval_
                 return
             if time.monotonic() >= next_sample:
                 next_sample = time.monotonic() + interval_s
-                cpu, pss = 0.0, 0
+                with_pss = time.monotonic() >= next_pss
+                next_pss = next_pss if not with_pss else time.monotonic() + PSS_EVERY_S
+                cpu, pss = 0.0, 0 if with_pss else None
                 for p in [me, *me.children(recursive=True)]:
                     try:
                         t = p.cpu_times()
                         cpu += t.user + t.system
-                        pss += p.memory_full_info().pss  # forked task pools share pages: PSS splits them
+                        if with_pss:  # forked task pools share pages: PSS splits them
+                            pss += p.memory_full_info().pss
                     except (psutil.Error, AttributeError):
                         continue
                 # bytes per server are counted where they are known exactly: per call, on the trainers
@@ -243,6 +258,20 @@ def serve(db: str, run_id: str, index: int, generation: int, cores: list[int], i
         closer = threading.Thread(target=_shutdown, args=(server, dht), daemon=True)
         closer.start()
         closer.join(STOP_GRACE_S)
+        _end_children()
+
+
+def _end_children() -> None:
+    """SIGKILL what hivemind's shutdown left of this server's processes (task pools, connection
+    handlers, the DHT process and its p2pd): they are its children, forked, and would outlive it
+    when it ends by a signal (e.g. its launcher died) or a shutdown that timed out."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            continue
 
 
 def _shutdown(server, dht) -> None:
