@@ -11,7 +11,11 @@ import pytest
 from ddlscope import distribution
 from ddlscope.distribution.dmoe import (
     MOE_LAYER,
+    STARTUP_CALLS,
     WITHOUT_FIT_NOTE,
+    CorePlacement,
+    DMoEConfig,
+    core_placement,
     gate_flops_per_sample,
     gate_param_bytes,
     memory_dmoe,
@@ -35,7 +39,7 @@ from ddlscope.modeling.cluster import (
 from ddlscope.modeling.memory import setting_memory
 from ddlscope.modeling.prediction import Setting, predict
 from ddlscope.modeling.profile import DeviceProfile, LayerProfile, StepProfile, WorkloadProfile
-from ddlscope.profiling.dmoe_rpc import fit_beam_search, fit_cpu, fit_dmoe, fit_rounds
+from ddlscope.profiling.dmoe_rpc import _tree_cpu_s, fit_beam_search, fit_cpu, fit_dmoe, fit_rounds
 
 MIB = 2**20
 BATCHES = [4, 8, 16, 32]
@@ -72,12 +76,16 @@ def make_profile(network="moe_cnn", expert_s_per_sample=1e-4, trunk_s_per_sample
         buffer_bytes=0, optimizer_state_bytes=total, sample_bytes=28 * 28 * 4, profile_s=1.0, created_at=0.0)
 
 
-def make_fit(per_call_s=1e-3, fixed_s=0.01, server_cpu_s=8e-4) -> DMoEFit:
+def make_fit(per_call_s=1e-3, fixed_s=0.01, server_cpu_s=8e-4, batch_cpu_s=1.5e-3, round_cpu_s=4e-3,
+             colocated=1.0) -> DMoEFit:
     return DMoEFit(beam_search_fixed_s=1e-3, beam_search_lookup_s=3e-4, forward_fixed_s=fixed_s,
                    forward_per_call_s=per_call_s, forward_gb_per_s=0.08, backward_fixed_s=fixed_s,
-                   backward_per_call_s=1.2 * per_call_s, backward_gb_per_s=0.05, server_forward_cpu_s=server_cpu_s,
-                   server_backward_cpu_s=1.2 * server_cpu_s, server_cpu_gb_per_s=0.08, client_forward_cpu_s=3e-4,
-                   client_backward_cpu_s=4e-4, client_cpu_gb_per_s=None, max_abs_residual=0.2, reference="test")
+                   backward_per_call_s=1.2 * per_call_s, backward_gb_per_s=0.05, server_forward_batch_cpu_s=batch_cpu_s,
+                   server_backward_batch_cpu_s=1.3 * batch_cpu_s, server_forward_cpu_s=server_cpu_s,
+                   server_backward_cpu_s=1.2 * server_cpu_s, server_cpu_gb_per_s=0.08,
+                   client_forward_round_cpu_s=round_cpu_s,
+                   client_backward_round_cpu_s=round_cpu_s, client_forward_cpu_s=3e-4, client_backward_cpu_s=4e-4,
+                   client_cpu_gb_per_s=None, colocated_cpu_ratio=colocated, max_abs_residual=0.2, reference="test")
 
 
 def make_cluster(fit: DMoEFit | None = None, devices=2, kind="local", latency_s=5e-5) -> ClusterSpec:
@@ -134,16 +142,25 @@ def test_beam_search_fit_uses_hivemind_rounds():
         fit_beam_search([4, 4], [1, 2], [0.01, 0.01])
 
 
-def test_cpu_fit_separates_directions_and_payload():
-    directions = ["forward", "backward"] * 4
-    calls = [10, 10, 100, 100, 10, 10, 100, 100]
-    sizes = [64, 96, 64, 96, 65_536, 98_304, 65_536, 98_304]
-    cpu = [c * ((8e-4 if d == "forward" else 1.1e-3) + b / 0.08e9) for d, c, b in zip(directions, calls, sizes)]
-    fwd, bwd, rate = fit_cpu(directions, calls, sizes, cpu)
-    assert fwd == pytest.approx(8e-4, rel=1e-6) and bwd == pytest.approx(1.1e-3, rel=1e-6)
-    assert rate == pytest.approx(0.08, rel=1e-6)
+def test_cpu_fit_separates_units_directions_and_payload():
+    directions = ["forward", "backward"] * 6
+    calls = [4, 4, 10, 10, 100, 100] * 2
+    units = [1, 1, 2, 2, 2, 2] * 2  # batches: experts the round reached
+    sizes = [64, 96] * 3 + [65_536, 98_304] * 3
+    cpu = [u * (2e-3 if d == "forward" else 2.5e-3) + c * ((8e-4 if d == "forward" else 1.1e-3) + b / 0.08e9)
+           for d, c, u, b in zip(directions, calls, units, sizes)]
+    fit = fit_cpu(directions, calls, sizes, cpu, units)
+    assert fit.forward_unit_s == pytest.approx(2e-3, rel=1e-6)
+    assert fit.backward_unit_s == pytest.approx(2.5e-3, rel=1e-6)
+    assert fit.forward_per_call_s == pytest.approx(8e-4, rel=1e-6)
+    assert fit.backward_per_call_s == pytest.approx(1.1e-3, rel=1e-6)
+    assert fit.gb_per_s == pytest.approx(0.08, rel=1e-6) and max(map(abs, fit.residuals)) < 1e-9
+    per_round = fit_cpu(directions, calls, sizes, cpu)  # units default to one per round: a worse fit
+    assert max(map(abs, per_round.residuals)) > 1e-3
     with pytest.raises(ValueError, match="allowed: forward, backward"):
         fit_cpu(["sideways"], [1], [1], [1.0])
+    with pytest.raises(ValueError, match="do not grow with the calls"):
+        fit_cpu(["forward", "forward"], [4, 64], [64, 64], [0.01, 0.01], [1, 16])  # all of it per unit
 
 
 def _raw(rng: random.Random, noise: float = 0.0):
@@ -159,10 +176,12 @@ def _raw(rng: random.Random, noise: float = 0.0):
                 for d, per_call, n in (("forward", 1e-3, 2), ("backward", 1.2e-3, 3)):
                     size = n * 4 * hidden
                     t = 0.012 + b * k * (per_call + size / 0.06e9)
+                    experts = k  # batches: one per expert reached
                     rounds.append({"direction": d, "hidden": hidden, "batch": b, "k": k, "calls": b * k,
-                                   "bytes_per_call": size, "times_s": [t * jitter() for _ in range(5)],
-                                   "server_cpu_s": [b * k * (0.8 * per_call + size / 0.08e9)] * 5,
-                                   "client_cpu_s": [b * k * 0.3 * per_call] * 5, "answered": [b * k] * 5})
+                                   "experts": experts, "bytes_per_call": size,
+                                   "times_s": [t * jitter() for _ in range(5)],
+                                   "server_cpu_s": [experts * 2e-3 + b * k * (0.8 * per_call + size / 0.08e9)] * 5,
+                                   "client_cpu_s": [4e-3 + b * k * 0.3 * per_call] * 5, "answered": [b * k] * 5})
     return beam, rounds
 
 
@@ -175,11 +194,17 @@ def test_fit_dmoe_recovers_the_costs_it_was_given():
     assert fit.backward_per_call_s == pytest.approx(1.2e-3, rel=1e-3)
     assert fit.forward_gb_per_s == pytest.approx(0.06, rel=1e-3)
     assert fit.server_forward_cpu_s == pytest.approx(8e-4, rel=1e-3)
+    assert fit.server_forward_batch_cpu_s == pytest.approx(2e-3, rel=1e-3)
     assert fit.server_cpu_gb_per_s == pytest.approx(0.08, rel=1e-3)
     assert fit.client_backward_cpu_s == pytest.approx(3.6e-4, rel=1e-3) and fit.client_cpu_gb_per_s is None
+    assert fit.client_forward_round_cpu_s == pytest.approx(4e-3, rel=1e-3)
     assert fit.max_abs_residual < 1e-3 and len(residuals["forward"]) == 12 and len(residuals["beam"]) == 18
+    assert fit.colocated_cpu_ratio == 1.0  # no shared rounds
     noisy, _ = fit_dmoe(*_raw(random.Random(1), noise=0.2))
     assert noisy.max_abs_residual > fit.max_abs_residual  # residuals report the noise
+    shared = {"ratio": 1.0837, "rounds": 25, "batch": 16, "k": 2}
+    with_shared, _ = fit_dmoe(*_raw(random.Random(0)), shared)
+    assert with_shared.colocated_cpu_ratio == pytest.approx(1.084) and "second client" in with_shared.reference
 
 
 def test_fit_methods_follow_the_formulas():
@@ -188,6 +213,8 @@ def test_fit_methods_follow_the_formulas():
     assert fit.round_s("forward", 10, 512) == pytest.approx(0.01 + 10 * (1e-3 + 512 / 0.08e9))
     assert fit.beam_search_s(32, 3) == pytest.approx(1e-3 + 32 * 2 * 3e-4)
     assert fit.cpu_s("client", "backward", 10, 768) == pytest.approx(10 * 4e-4)  # no client payload term
+    assert fit.cpu_s("client", "backward", 10, 768, 1) == pytest.approx(4e-3 + 10 * 4e-4)  # one round
+    assert fit.cpu_s("server", "forward", 10, 512, 3) == pytest.approx(3 * 1.5e-3 + 10 * (8e-4 + 512 / 0.08e9))
     with pytest.raises(ValueError, match="allowed: forward, backward"):
         fit.round_s("sideways", 1, 1)
 
@@ -279,13 +306,97 @@ def test_without_a_fit_remote_calls_are_costed_from_the_link_with_a_note():
 
 def test_trainers_and_servers_sharing_the_cores_stretch_the_step():
     profile, fit = make_profile(expert_s_per_sample=5e-4), make_fit()
-    few = predict(profile, make_cluster(fit, devices=16), setting(workers=8))
+    alone = predict(profile, make_cluster(fit, devices=16), setting(workers=1))
+    assert alone.inputs["core_stretch"] == 1.0  # one trainer, its servers on cores of their own: its path
+    assert alone.inputs["contended_step_s"] == pytest.approx(alone.step_s)
     crowded = predict(profile, make_cluster(fit, devices=2), setting(workers=8))
-    assert few.inputs["core_stretch"] == 1.0 and crowded.inputs["core_stretch"] > 1.0
-    assert any("stretched" in n for n in crowded.notes)
-    assert crowded.step_s == pytest.approx(crowded.inputs["cpu_s_per_step"] / crowded.inputs["cores"])
+    i = crowded.inputs
+    assert i["core_stretch"] > 1.0 and any("stretched" in n for n in crowded.notes)
+    assert crowded.step_s == pytest.approx(max(i["busiest_core_s"], i["contended_step_s"]))
+    assert i["cpu_s_per_step"] == pytest.approx(8 * i["trainer_cpu_s"] + sum(i["server_cpu_s"]))
+    assert i["busiest_core_s"] >= i["cpu_s_per_step"] / i["cores"] - 1e-12  # the busiest core, not the average
     gpu = predict(profile, make_cluster(fit, devices=2, kind="a100-40gb"), setting(workers=8))
     assert gpu.inputs["core_stretch"] == 1.0  # other devices: no shared cores
+
+
+def test_one_server_on_a_trainers_core_makes_that_core_the_bottleneck():
+    profile, fit = make_profile(expert_s_per_sample=5e-4), make_fit()
+    cluster = make_cluster(fit, devices=2)
+    one = predict(profile, cluster, setting(workers=2, servers=1))
+    two = predict(profile, cluster, setting(workers=2, servers=2))
+    placement = core_placement(cluster, 1, 2, DMoEConfig(servers=1))
+    loads = placement.loads(one.inputs["trainer_cpu_s"], one.inputs["server_cpu_s"])
+    assert placement.server_cores == ((0,),) and loads[0] > loads[1]
+    assert one.inputs["busiest_core_s"] == pytest.approx(loads[0])
+    assert one.step_s > two.step_s  # the pooled CPU is alike; one core carries all the servers' share
+
+
+@pytest.mark.parametrize("devices, threads, trainers, servers, vcpus", [
+    (2, 1, 2, 2, 1), (2, 1, 2, 1, 1), (4, 1, 2, 2, 1), (4, 1, 2, 3, 1), (4, 2, 2, 2, 2), (8, 1, 3, 4, 2)])
+def test_core_placement_mirrors_the_launcher(devices, threads, trainers, servers, vcpus):
+    from ddlscope.launch.local import service_core_sets
+
+    cluster = make_cluster(make_fit(), devices=devices)
+    grid = [2, 2] if servers <= 4 else [2, 4]
+    placement = core_placement(cluster, threads, trainers, DMoEConfig(servers=servers, vcpus_per_server=vcpus,
+                                                                      grid_size=grid))
+    workers = [list(range(i * threads, (i + 1) * threads)) for i in range(trainers)]
+    cores = list(range(devices * threads))
+    assert [list(c) for c in placement.trainer_cores] == workers
+    assert [list(c) for c in placement.server_cores] == service_core_sets([vcpus] * servers, workers, cores)
+    assert placement.shared == any(c in {x for w in workers for x in w} for s in placement.server_cores for c in s)
+
+
+def test_contended_step_follows_mean_value_analysis():
+    placement = CorePlacement(cores=2, trainer_cores=((0,), (1,)), server_cores=((0,), (1,)), shared=True)
+    critical, trainer, servers = 0.09, 0.034, [0.074, 0.074]
+    mine = [trainer + 0.037, 0.037]  # its own work, and half of each server's (2 trainers)
+    load = placement.loads(trainer, servers)
+    assert load == pytest.approx([0.108, 0.108])
+    a = sum(w * (x - w) for w, x in zip(mine, load)) / sum(mine)
+    assert placement.contended_step_s(critical, trainer, servers, 2) == pytest.approx(
+        (critical + math.sqrt(critical ** 2 + 4 * critical * a)) / 2)
+    lone = CorePlacement(cores=2, trainer_cores=((0,),), server_cores=((1,),), shared=False)
+    assert lone.contended_step_s(critical, trainer, [0.037], 1) == pytest.approx(critical)  # nobody else
+    # a second trainer on another node shares no core: the harmonic mean of the two
+    here = lone.contended_step_s(critical, trainer, [0.074], 2)
+    two = CorePlacement(cores=1, trainer_cores=((0,),), server_cores=((0,),), shared=True)
+    r = two.contended_step_s(critical, trainer, [0.074], 2)
+    assert here > critical and r > critical
+    mine0 = trainer + 0.037
+    r0 = (critical + math.sqrt(critical ** 2 + 4 * critical * mine0 * (trainer + 0.074 - mine0) / mine0)) / 2
+    assert r == pytest.approx(2 / (1 / r0 + 1 / critical))
+
+
+def test_colocation_ratio_applies_where_servers_share_a_trainers_core():
+    profile = make_profile()
+    ratio = 1.5
+    shared = predict(profile, make_cluster(make_fit(colocated=ratio), devices=2), setting(workers=2))
+    plain = predict(profile, make_cluster(make_fit(), devices=2), setting(workers=2))
+    assert shared.inputs["colocated"] and shared.inputs["colocated_cpu_ratio"] == ratio
+    assert shared.inputs["server_cpu_s"][0] > plain.inputs["server_cpu_s"][0]
+    assert shared.inputs["trainer_cpu_s"] > plain.inputs["trainer_cpu_s"]
+    apart = predict(profile, make_cluster(make_fit(colocated=ratio), devices=4), setting(workers=2))
+    assert not apart.inputs["colocated"] and apart.inputs["colocated_cpu_ratio"] == 1.0
+
+
+def test_measurements_leave_out_the_start_up_calls():
+    model = distribution.get("dmoe")
+    assert model.startup_steps_of(16, 2, {}) == math.ceil(STARTUP_CALLS / 32)
+    assert model.startup_steps_of(16, 2, {"k_best": 1}) == math.ceil(STARTUP_CALLS / 16)
+    assert model.startup_steps_of(16, 2, {"placement": "local"}) == 0
+    assert model.measured_steps and model.measured_steps >= 20
+
+
+def test_process_tree_cpu_uses_the_schedulers_nanosecond_counters():
+    import psutil
+
+    me = psutil.Process()
+    before = _tree_cpu_s(me)
+    total = 0
+    for i in range(20_000):  # a millisecond or so of CPU: below one clock tick of cpu_times
+        total += i * i
+    assert _tree_cpu_s(me) > before and total > 0
 
 
 @pytest.mark.parametrize("options, profile_kw, words", [
@@ -369,6 +480,11 @@ def test_real_calibration_fits_positive_costs_and_leaves_nothing_running():
     fit = cal.fit
     assert fit.forward_per_call_s > 0 and fit.backward_per_call_s > 0 and fit.beam_search_lookup_s > 0
     assert all(a == r["calls"] for r in cal.rounds for a in r["answered"])  # every call answered
+    assert all(1 <= r["experts"] <= 2 for r in cal.rounds)
+    assert fit.server_forward_cpu_s > 0 and fit.client_backward_cpu_s > 0
     assert len(cal.forward_residuals) == len(cal.backward_residuals) == 12
     assert any("beam search" in line for line in lines)
+    if cal.server_core != cal.client_core:  # the second client ran on the server's core
+        assert cal.shared is not None and cal.shared["together_cpu_s"]["second"] > 0
+        assert fit.colocated_cpu_ratio == pytest.approx(cal.shared["ratio"], rel=1e-3)
     assert ours() <= before  # every process group of the calibration is gone

@@ -28,7 +28,9 @@ zoo's network, :func:`zoo_config`, plus beam search and remote calls from the cl
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -355,6 +357,91 @@ def _link(cluster: "ClusterSpec", workers: int) -> "LinkSpec":
     return cluster.inter_node if cluster.nodes > 1 and cluster.inter_node is not None else cluster.intra_node
 
 
+@dataclass(frozen=True)
+class CorePlacement:
+    """Where a remote setting's trainers and expert servers run on the first node of a cluster of
+    kind ``local`` (this machine's cores), as the launcher places them: trainer ``i`` on device
+    ``i`` of the node-major order (``threads`` cores each, ``ddlscope.config.RunConfig.core_sets``),
+    every server on this node, taking ``vcpus_per_server`` cores first from the cores no trainer
+    uses, then round-robin over all of them (``ddlscope.launch.local.service_core_sets``).
+
+    Attributes:
+        cores: cores of the node (``devices_per_node x threads``).
+        trainer_cores: per trainer on this node, its cores.
+        server_cores: per server, its cores.
+        shared: True when some server shares a core with a trainer.
+    """
+
+    cores: int
+    trainer_cores: tuple[tuple[int, ...], ...]
+    server_cores: tuple[tuple[int, ...], ...]
+    shared: bool
+
+    def loads(self, trainer_cpu_s: float, server_cpu_s: list[float]) -> list[float]:
+        """CPU seconds each core runs while every trainer takes one step: a trainer's
+        ``trainer_cpu_s`` and each server's ``server_cpu_s[s]`` spread evenly over their cores."""
+        load = [0.0] * self.cores
+        for cores in self.trainer_cores:
+            for core in cores:
+                load[core] += trainer_cpu_s / len(cores)
+        for cores, cpu in zip(self.server_cores, server_cpu_s):
+            for core in cores:
+                load[core] += cpu / len(cores)
+        return load
+
+    def contended_step_s(self, critical_s: float, trainer_cpu_s: float, server_cpu_s: list[float],
+                         trainers: int) -> float:
+        """A trainer's step when its critical path ``L = critical_s`` (alone) meets the other
+        processes' CPU on the cores it runs on (mean value analysis, Reiser & Lavenberg 1980: a
+        job's time at a processor-sharing station is its demand times one plus the others found
+        there, Lazowska et al. 1984 ch. 6, with the others' presence taken as their utilization).
+
+        The trainer's own CPU per step on core ``c``, ``w_c`` (its own work on its cores, and
+        ``1 / T`` of each server's on the server's), tells where its path runs: a share
+        ``w_c / sum(w)`` of ``L``, stretched there by the others' utilization
+        ``u_c = (load_c - w_c) / R``: ``R = L (1 + sum_c w_c u_c / sum(w))``, so
+        ``R = (L + sqrt(L^2 + 4 L A)) / 2`` with ``A = sum_c w_c (load_c - w_c) / sum(w)``.
+        Trainers on this node are taken alike (trainer 0's cores); the result is the harmonic
+        mean over all ``trainers`` (those on other nodes take ``L``: they share no core with a
+        server), as independent trainers' samples per second add up.
+        """
+        if critical_s <= 0 or not self.trainer_cores:
+            return critical_s
+        load = self.loads(trainer_cpu_s, server_cpu_s)
+        mine = [0.0] * self.cores
+        for core in self.trainer_cores[0]:
+            mine[core] += trainer_cpu_s / len(self.trainer_cores[0])
+        for cores, cpu in zip(self.server_cores, server_cpu_s):
+            for core in cores:
+                mine[core] += cpu / len(cores) / trainers
+        total = sum(mine)
+        if total <= 0:
+            return critical_s
+        a = sum(w * max(0.0, load_c - w) for w, load_c in zip(mine, load)) / total
+        here = (critical_s + math.sqrt(critical_s ** 2 + 4 * critical_s * a)) / 2
+        on_node = len(self.trainer_cores)
+        return trainers / (on_node / here + (trainers - on_node) / critical_s)
+
+
+def core_placement(cluster: "ClusterSpec", threads: int, trainers: int, d: DMoEConfig) -> CorePlacement:
+    """The :class:`CorePlacement` of ``trainers`` trainers of ``threads`` cores each and ``d.servers``
+    servers on the first node of ``cluster`` (trainers beyond the cluster's devices wrap around,
+    as if each device ran several)."""
+    devices = cluster.nodes * cluster.devices_per_node
+    cores = cluster.devices_per_node * threads
+    trainer_cores = tuple(tuple(range((i % devices) * threads, (i % devices + 1) * threads))
+                          for i in range(trainers) if i % devices < cluster.devices_per_node)
+    used = {core for cs in trainer_cores for core in cs}
+    order = [core for core in range(cores) if core not in used] + [core for core in range(cores) if core in used]
+    server_cores, at = [], 0
+    for _ in range(d.servers):
+        take = [order[(at + j) % len(order)] for j in range(min(d.vcpus_per_server, len(order)))]
+        at += len(take)
+        server_cores.append(tuple(sorted(set(take))))
+    shared = any(core in used for cs in server_cores for core in cs)
+    return CorePlacement(cores=cores, trainer_cores=trainer_cores, server_cores=tuple(server_cores), shared=shared)
+
+
 def predict_dmoe(profile: "WorkloadProfile", cluster: "ClusterSpec", setting: "Setting",
                  scale: float = 1.0) -> "Prediction":
     """Seconds per step of one dmoe trainer (Ryabinin & Gusev 2020; hivemind 1.1.12 ``hivemind.moe``).
@@ -384,8 +471,10 @@ def predict_dmoe(profile: "WorkloadProfile", cluster: "ClusterSpec", setting: "S
       sample); the trainer waits ``max(client, server)`` where ``client = fit.round_s("forward", C,
       2h)`` (measured on these machines) and ``server`` is the busiest server's work per step: the
       ``T`` trainers send it ``n = T b k x E_s / E`` samples (``E_s`` of the grid's ``E`` experts on
-      it, the gate spreading samples evenly), which take ``n e_f`` of compute plus
-      ``fit.cpu_s("server", "forward", n, 2h)`` of hivemind's own CPU;
+      it, the gate spreading samples evenly), which take ``n e_f`` of compute plus hivemind's own
+      CPU, ``fit.cpu_s("server", "forward", n, 2h, B)``: a cost per call and one per batch, ``B =
+      T E_s x (1 - (1 - k / E)^b)`` batches (each expert's task pool batches what one trainer's
+      round sends it: an expert gets a sample of a round with probability ``1 - (1 - k/E)^b``);
     * remote backward: the same with ``3 h`` bytes (input and output gradient out, input gradient
       back), ``e_f + e_b`` per sample on the server (``ModuleBackend.backward`` re-runs the forward)
       plus one optimizer step of each of its ``E_s`` experts per trainer (``on_backward`` after
@@ -397,21 +486,42 @@ def predict_dmoe(profile: "WorkloadProfile", cluster: "ClusterSpec", setting: "S
     Parts: ``forward_s``, ``backward_s``, ``optimizer_s`` (trunk compute, times the compute scale
     and the contention of the busy devices, :func:`~ddlscope.modeling.collectives.contention`),
     ``data_load_s``, and ``comm_wait_s`` = beam search + remote forward + remote backward (what
-    the strategy stores there). On a cluster whose device is another kind than ``local`` the
-    calls also cross its link: ``2 x latency + C x bytes / bandwidth`` per round. Without a fit
-    (:attr:`~ddlscope.modeling.cluster.ClusterSpec.dmoe`, ``calibrate --dmoe``) the client side is
-    that link term alone and a beam search ``rounds x 2 x latency``, with a note.
+    the strategy stores there). Their sum is the trainer's critical path ``L``. On a cluster whose
+    device is another kind than ``local`` the calls also cross its link: ``2 x latency + C x bytes
+    / bandwidth`` per round. Without a fit (:attr:`~ddlscope.modeling.cluster.ClusterSpec.dmoe`,
+    ``calibrate --dmoe``) the client side is that link term alone and a beam search ``rounds x 2 x
+    latency``, with a note.
 
     Trainers and servers share this machine's cores when the device is the profiled CPU (cluster
-    kind ``local``, :func:`~ddlscope.modeling.collectives.serial_comm`): then the step is at least
-    the CPU seconds every process needs per step over the cores (``devices x threads``): ``T x``
-    the trainer's (its compute, its beam search, its share of the calls' client CPU) plus the
-    servers' (compute and hivemind's CPU for all ``T b k`` calls); when that is longer than the
-    critical path above, every part is stretched by the same factor (a note says so).
+    kind ``local``, :func:`~ddlscope.modeling.collectives.serial_comm`). Every process's CPU per
+    step of every trainer is placed on the cores as the launcher places the processes
+    (:class:`CorePlacement`, :func:`core_placement`): a trainer's own, ``threads x`` its compute
+    parts plus its beam search plus ``fit.cpu_s("client", ...)`` for its two rounds (one round
+    each: a cost per round and per call), on its cores; each server's, its experts' compute plus
+    hivemind's CPU for its share ``T b k x E_s / E`` of the calls in its batches, on its cores.
+    Where a server shares a core with a trainer, hivemind's CPU (server and client) is multiplied
+    by ``fit.colocated_cpu_ratio`` (measured with a second client on the server's core). The step
+    is then the longest of
 
-    Not modelled: timeouts and failed calls (a dead server's calls wait ``forward_timeout_s``;
-    a note says so when the setting has server events), batches capped at ``max_batch_size``
-    (one batch per expert per burst is assumed), and the first steps' cold DHT look-ups.
+    * ``L``;
+    * the busiest core's CPU seconds (every trainer takes a step in that time at best);
+    * ``L`` stretched by the other processes' CPU on the cores the trainer's path runs on
+      (:meth:`CorePlacement.contended_step_s`, mean value analysis with the others present as
+      much as they are busy: ``R = (L + sqrt(L^2 + 4 L A)) / 2``);
+
+    and when it is longer than ``L`` every part is stretched by the same factor (a note says so).
+    On this 2-core machine (2 trainers and 2 servers of ``moe_cnn``, batch 16, ``k_best`` 2) the
+    critical path, the busiest core and the stretched path were 89, 108 and 124 ms against 124 ms
+    measured in steady state.
+
+    Not modelled: the gate's routing (samples are taken as spread evenly over the experts; a
+    trained gate may send most of them to the experts of one server, e.g. 70 % to one of two
+    servers, which makes that server's core the bottleneck), timeouts and failed calls (a dead
+    server's calls wait ``forward_timeout_s``; a note says so when the setting has server events),
+    batches capped at ``max_batch_size`` (one batch per expert per round is assumed), several
+    servers on one core paying more per call than the calibration's one (their processes take
+    turns), and the first steps' cold DHT look-ups and garbage collections (a measurement leaves
+    out :data:`STARTUP_CALLS`).
 
     Raises:
         UserError: bad ``[dmoe]`` options or a profile without the zoo's mixture layer (:func:`check_setting`).
@@ -461,22 +571,35 @@ def predict_dmoe(profile: "WorkloadProfile", cluster: "ClusterSpec", setting: "S
     fit = cluster.dmoe
     link = _link(cluster, t)
     rounds = beam_search_rounds(dims)
+    threads = profile.device.threads
+    placement = core_placement(cluster, threads, t, d) if on_cpu else None
+    colocated = placement is not None and placement.shared
+    ratio = fit.colocated_cpu_ratio if fit is not None and colocated else 1.0
     wire_f = wire_b = 0.0
     if fit is None or cluster.device.kind != "local":  # the calls cross the cluster's link (loopback is in the fit)
         wire_f = 2 * link.latency_s + calls * fwd_bytes / (link.bandwidth_gb_per_s * 1e9)
         wire_b = 2 * link.latency_s + calls * bwd_bytes / (link.bandwidth_gb_per_s * 1e9)
+
+    def server_hm_cpu(n_calls: float, n_batches: float) -> tuple[float, float]:
+        """hivemind's own CPU seconds (forward, backward) on a server for ``n_calls`` calls in ``n_batches`` batches."""
+        if fit is None:
+            return 0.0, 0.0
+        return (ratio * fit.cpu_s("server", "forward", n_calls, fwd_bytes, n_batches),
+                ratio * fit.cpu_s("server", "backward", n_calls, bwd_bytes, n_batches))
+
+    reached = 1 - (1 - k / d.num_experts) ** b  # chance that one trainer's round sends a given expert a sample
     if fit is not None:
         beam = fit.beam_search_s(b, dims) + (rounds * 2 * link.latency_s if cluster.device.kind != "local" else 0.0)
         client_f = fit.round_s("forward", calls, fwd_bytes) + wire_f
         client_b = fit.round_s("backward", calls, bwd_bytes) + wire_b
-        hm_server_f = fit.cpu_s("server", "forward", n_busiest, fwd_bytes)
-        hm_server_b = fit.cpu_s("server", "backward", n_busiest, bwd_bytes)
-        client_cpu = fit.cpu_s("client", "forward", calls, fwd_bytes) + fit.cpu_s("client", "backward", calls, bwd_bytes)
+        client_cpu = ratio * (fit.cpu_s("client", "forward", calls, fwd_bytes, 1)
+                              + fit.cpu_s("client", "backward", calls, bwd_bytes, 1))
     else:
         beam = rounds * 2 * link.latency_s
         client_f, client_b = wire_f, wire_b
-        hm_server_f = hm_server_b = client_cpu = 0.0
+        client_cpu = 0.0
         notes.append(WITHOUT_FIT_NOTE)
+    hm_server_f, hm_server_b = server_hm_cpu(n_busiest, t * hosted * reached)
     server_f = n_busiest * ex["expert_forward_s_per_sample"] * c + hm_server_f
     server_b = (n_busiest * (ex["expert_forward_s_per_sample"] + ex["expert_backward_s_per_sample"])
                 + t * hosted * opt_expert) * c + hm_server_b
@@ -487,24 +610,31 @@ def predict_dmoe(profile: "WorkloadProfile", cluster: "ClusterSpec", setting: "S
     parts["data_load_s"] = exposed_loading_s(profile, b, setting.loader_workers,
                                              parts["forward_s"] + parts["backward_s"] + parts["optimizer_s"])
     critical = sum(parts.values())
-    stretch, cores, cpu_per_step = 1.0, 0, 0.0
-    if on_cpu:  # trainers and servers take turns on this machine's cores
-        threads = profile.device.threads
-        cores = cluster.nodes * cluster.devices_per_node * threads
+    stretch, busiest_core_s, waited_s, trainer_cpu = 1.0, 0.0, 0.0, 0.0
+    server_cpu: list[float] = []
+    if placement is not None:  # trainers and servers take turns on this machine's cores
         trainer_cpu = (parts["forward_s"] + parts["backward_s"] + parts["optimizer_s"] + parts["data_load_s"]) \
             * threads + beam + client_cpu
-        all_samples = t * calls
-        servers_cpu = (all_samples * (2 * ex["expert_forward_s_per_sample"] + ex["expert_backward_s_per_sample"])
-                       + t * d.num_experts * opt_expert) * c * threads
-        if fit is not None:
-            servers_cpu += fit.cpu_s("server", "forward", all_samples, fwd_bytes) \
-                + fit.cpu_s("server", "backward", all_samples, bwd_bytes)
-        cpu_per_step = t * trainer_cpu + servers_cpu
-        if critical > 0 and cpu_per_step / cores > critical:
-            stretch = cpu_per_step / cores / critical
+        for s_index in range(servers):
+            s_share = len(d.server_uids(s_index)) / d.num_experts
+            s_calls = t * calls * s_share
+            f_cpu, b_cpu = server_hm_cpu(s_calls, t * len(d.server_uids(s_index)) * reached)
+            server_cpu.append(f_cpu + b_cpu + (s_calls * (2 * ex["expert_forward_s_per_sample"]
+                                                          + ex["expert_backward_s_per_sample"])
+                                               + t * len(d.server_uids(s_index)) * opt_expert) * c * threads)
+        loads = placement.loads(trainer_cpu, server_cpu)
+        busiest_core_s = max(loads)
+        waited_s = placement.contended_step_s(critical, trainer_cpu, server_cpu, t)
+        bound = max(busiest_core_s, waited_s)
+        if critical > 0 and bound > critical:
+            stretch = bound / critical
             parts = {p: v * stretch for p, v in parts.items()}
-            notes.append(f"dmoe: {t} trainer(s) and {servers} server(s) need {cpu_per_step:.3g} CPU-s per step on "
-                         f"{cores} core(s), more than the step's critical path: every part stretched x{stretch:.2f}")
+            why = (f"the busiest core runs {busiest_core_s * 1e3:.3g} ms of CPU per step of every trainer"
+                   if busiest_core_s >= waited_s else
+                   f"a trainer's critical path shares its cores with the other processes' CPU "
+                   f"({waited_s * 1e3:.3g} ms)")
+            notes.append(f"dmoe: {t} trainer(s) and {servers} server(s) on {placement.cores} core(s): {why}; every "
+                         f"part stretched x{stretch:.2f}")
     if d.server_events:
         notes.append("dmoe: server events (late starts, kills) are not modelled: calls to a missing server wait up to "
                      "forward_timeout_s / backward_timeout_s, and its experts' samples go to fewer servers")
@@ -525,7 +655,10 @@ def predict_dmoe(profile: "WorkloadProfile", cluster: "ClusterSpec", setting: "S
                 "expert_backward_s_per_sample": ex["expert_backward_s_per_sample"],
                 "expert_optimizer_s": opt_expert, "trainer_param_bytes": trainer_params,
                 "expert_param_bytes": ex["expert_param_bytes"], "server_memory_bytes": memory,
-                "dmoe_fit": fit is not None, "cpu_s_per_step": cpu_per_step, "cores": cores,
+                "dmoe_fit": fit is not None, "trainer_cpu_s": trainer_cpu, "server_cpu_s": server_cpu,
+                "cpu_s_per_step": t * trainer_cpu + sum(server_cpu), "busiest_core_s": busiest_core_s,
+                "contended_step_s": waited_s,
+                "cores": placement.cores if placement else 0, "colocated": colocated, "colocated_cpu_ratio": ratio,
                 "core_stretch": stretch, "contention": slow, "compute_scale": scale})
 
 
@@ -595,6 +728,29 @@ def memory_dmoe(profile: "WorkloadProfile", setting: "Setting") -> list["MemoryE
             for w in range(setting.workers)]
 
 
+STARTUP_CALLS = 1500
+"""Remote calls per trainer a measurement of a remote run excludes besides its warm-up: Python's
+first full (generation 2) garbage collections in the servers' and trainers' processes, whose
+heaps hold torch's and hivemind's import-time objects, take 100-530 ms each (measured with
+``gc.callbacks`` in 2-trainer, 2-server runs of ``moe_cnn`` on this 2-core machine) and fall into
+about the first 1,000-1,500 calls of each trainer, with the cores partly idle meanwhile: those
+steps took 20-60 % longer than the later ones on average, single steps 0.3-0.45 s. A long run
+pays them once (an epoch of MNIST at 2 x 16 samples per step is 1,875 steps)."""
+
+MEASURED_STEPS = 40
+"""Steps per trainer a measurement of a remote run needs: its steps vary by +-20 % from second to
+second (the gate's routing, which server a round waits for)."""
+
+
+def _startup_steps(batch_size: int, workers: int, options: Mapping[str, Any]) -> int:
+    """Steps of :data:`STARTUP_CALLS` remote calls (``batch_size x k_best`` per step); 0 unless
+    ``placement = "remote"`` (no hivemind processes otherwise)."""
+    fields = DMoEConfig.model_fields
+    if options.get("placement", fields["placement"].default) != "remote":
+        return 0
+    return math.ceil(STARTUP_CALLS / (batch_size * int(options.get("k_best", fields["k_best"].default))))
+
+
 MODEL = register(DistributionModel(
     name="dmoe",
     summary="a mixture-of-experts layer whose experts live on expert servers found through a DHT (Ryabinin 2020)",
@@ -602,7 +758,8 @@ MODEL = register(DistributionModel(
     launcher="swarm",
     measures="beam-search look-ups, remote expert calls (latency, bytes, server, failures), server batches and queues",
     predicts="trunk compute + beam search + remote expert calls (hivemind's measured per-call cost, calibrate --dmoe) "
-             "or the busiest server's compute, whichever is longer (Ryabinin & Gusev 2020)",
+             "or the busiest server's compute, whichever is longer (Ryabinin & Gusev 2020); on shared cores at "
+             "least the busiest core's CPU and the path stretched by the other processes' CPU",
     order=70,
     min_workers=1,
     config_table="dmoe",
@@ -610,6 +767,8 @@ MODEL = register(DistributionModel(
     check_config=check_dmoe,
     check_setting=check_setting,
     lockstep=False,  # trainers step on their own; they share only the experts
+    startup_steps=_startup_steps,
+    measured_steps=MEASURED_STEPS,
     cost_model=predict_dmoe,
     memory_model=memory_dmoe,
     services=expert_servers,

@@ -142,9 +142,19 @@ class DMoEFit(BaseModel):
       backward: input + output gradient + input gradient);
     * the CPU seconds the server's processes (its own, its task pools', its connection handler,
       its DHT and ``p2pd``) and the client's processes (its own, its DHT and ``p2pd``) spent in
-      the rounds, for the load on the servers' and trainers' cores: per side a non-negative
-      least-squares fit ``cpu = C x (cpu_per_call_s[direction] + bytes_per_call / (cpu_gb_per_s
-      x 1e9))`` over both directions' rounds.
+      the rounds (the scheduler's nanosecond counters of every thread), for the load on the
+      servers' and trainers' cores: per side a non-negative least-squares fit on relative
+      residuals ``cpu = units x unit_cpu_s[direction] + C x (cpu_per_call_s[direction] +
+      bytes_per_call / (cpu_gb_per_s x 1e9))`` over both directions' rounds: a cost per batch on
+      the server (``units`` = the experts the round reaches, each expert's task pool makes one
+      batch of them: the pools, the Runtime and the wake-ups of hivemind's processes), per round on
+      the client (autograd around the round, ``_RemoteCallMany``'s bookkeeping), and one per call;
+    * ``colocated_cpu_ratio``: the CPU seconds per call of all the processes (server and
+      clients) when a second client, pinned to the server's core, calls at the same time as the
+      first (25 rounds of 16 samples x ``k_best`` 2, 64-byte samples, each), over the same
+      rounds of the first client alone. This is what a run on shared cores pays: there a trainer
+      shares each server's core and several trainers call it at once, so that hivemind's
+      processes (``p2pd``, connection handler, task pools) are switched in and out more often.
 
     Units: seconds, GB/s (1e9 bytes/s). A ``gb_per_s`` of None: the payload size made no
     measurable difference (the per-call time alone fits).
@@ -154,10 +164,17 @@ class DMoEFit(BaseModel):
         forward_fixed_s / forward_per_call_s / forward_gb_per_s: a forward round (see above).
         backward_fixed_s / backward_per_call_s / backward_gb_per_s: a backward round (the server
             re-runs the expert's forward, computes the gradients and steps its optimizer).
+        server_forward_batch_cpu_s / server_backward_batch_cpu_s: the server's CPU seconds per
+            batch (per expert a round reaches), beyond its calls (0: not measured, a cluster file
+            from before).
         server_forward_cpu_s / server_backward_cpu_s / server_cpu_gb_per_s: the server's CPU
             seconds per call (the reference experts' compute is negligible) and the payload bytes
             per CPU second beyond them (None: no measurable payload term).
-        client_forward_cpu_s / client_backward_cpu_s / client_cpu_gb_per_s: the same for the client.
+        client_forward_round_cpu_s / client_backward_round_cpu_s, client_forward_cpu_s /
+            client_backward_cpu_s / client_cpu_gb_per_s: the same for the client, per round
+            instead of per batch.
+        colocated_cpu_ratio: see above (1: not measured, e.g. a calibration on one core, or a
+            cluster file from before it was measured).
         max_abs_residual: the largest relative residual ``(fitted - measured) / measured`` of
             the round fits (for the record).
         reference: what was measured (experts, payloads, batches).
@@ -173,12 +190,17 @@ class DMoEFit(BaseModel):
     backward_fixed_s: float = Field(ge=0)
     backward_per_call_s: float = Field(ge=0)
     backward_gb_per_s: float | None = Field(None, gt=0)
+    server_forward_batch_cpu_s: float = Field(0.0, ge=0)
+    server_backward_batch_cpu_s: float = Field(0.0, ge=0)
     server_forward_cpu_s: float = Field(0.0, ge=0)
     server_backward_cpu_s: float = Field(0.0, ge=0)
     server_cpu_gb_per_s: float | None = Field(None, gt=0)
+    client_forward_round_cpu_s: float = Field(0.0, ge=0)
+    client_backward_round_cpu_s: float = Field(0.0, ge=0)
     client_forward_cpu_s: float = Field(0.0, ge=0)
     client_backward_cpu_s: float = Field(0.0, ge=0)
     client_cpu_gb_per_s: float | None = Field(None, gt=0)
+    colocated_cpu_ratio: float = Field(1.0, gt=0)
     max_abs_residual: float = Field(0.0, ge=0)
     reference: str = ""
 
@@ -197,9 +219,11 @@ class DMoEFit(BaseModel):
         wire = bytes_per_call / (rate * 1e9) if rate else 0.0
         return fixed + calls * (per_call + wire)
 
-    def cpu_s(self, side: str, direction: str, calls: float, bytes_per_call: float) -> float:
-        """CPU seconds ``side`` (``"server"`` or ``"client"``) spends on ``calls`` calls of ``direction``
-        moving ``bytes_per_call`` bytes each, by the fit.
+    def cpu_s(self, side: str, direction: str, calls: float, bytes_per_call: float, units: float = 0.0) -> float:
+        """CPU seconds ``side`` (``"server"`` or ``"client"``) spends on ``calls`` calls of
+        ``direction`` moving ``bytes_per_call`` bytes each, in ``units`` batches (server) or rounds
+        (client), by the fit: ``units x unit_cpu_s + calls x (cpu_s + bytes_per_call /
+        (cpu_gb_per_s x 1e9))``, ``unit_cpu_s`` the side's ``batch_cpu_s`` or ``round_cpu_s``.
 
         Raises:
             ValueError: an unknown side or direction.
@@ -208,7 +232,8 @@ class DMoEFit(BaseModel):
             raise ValueError(f"side {side!r}, direction {direction!r}; allowed: server or client, forward or backward")
         rate = getattr(self, f"{side}_cpu_gb_per_s")
         per_call = getattr(self, f"{side}_{direction}_cpu_s") + (bytes_per_call / (rate * 1e9) if rate else 0.0)
-        return max(0.0, calls) * per_call
+        unit = getattr(self, f"{side}_{direction}_{'batch' if side == 'server' else 'round'}_cpu_s")
+        return max(0.0, units) * unit + max(0.0, calls) * per_call
 
     def beam_search_s(self, batch: float, grid_dims: int) -> float:
         """Seconds of one ``batch_find_best_experts`` for ``batch`` samples over a grid of

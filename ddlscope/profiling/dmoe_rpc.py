@@ -31,15 +31,26 @@ profile:
   mode and times, after one untimed warm-up call of each configuration, :data:`REPEATS` calls of
   the beam search (each grid, :data:`BEAM_BATCHES`, ``k_best`` 1 and 2) and of forward and
   backward rounds (each payload, :data:`ROUND_BATCHES`, ``k_best`` in :data:`ROUND_K`), reading
-  the CPU seconds of both process trees (their DHT and ``p2pd`` included) around every round.
+  the CPU seconds of both process trees (their DHT, task pools, connection handler and ``p2pd``
+  included) around every round from the scheduler's nanosecond counters of every thread
+  (``/proc/<pid>/task/<tid>/schedstat``: the clock-tick figures of ``cpu_times`` are 10 ms
+  coarse, as long as a small round);
+* a **second client** (``--second``), pinned to the server's core, joins too and waits idle; at
+  the end the first client runs :data:`SHARED_ROUNDS` rounds of 16 samples x ``k_best`` 2 alone,
+  then as many while the second client runs as many at once (what a run on shared cores does: a
+  trainer on each server's core, several trainers calling one server), reading the CPU of all
+  three process trees around each block.
 
 :func:`fit_dmoe` reduces the client's times (a 20 %-trimmed mean per configuration) to a
 :class:`~ddlscope.modeling.cluster.DMoEFit`: the beam search as ``fixed + B x rounds x lookup``
-(:func:`fit_beam_search`) and each direction's rounds as ``fixed + C x (per_call + bytes / rate)``
+(:func:`fit_beam_search`), each direction's rounds as ``fixed + C x (per_call + bytes / rate)``
 (:func:`fit_rounds`), both by least squares on relative residuals (every configuration counts
-alike, however long it takes). The whole measurement takes about 20-30 s on two cores; both
-children die with their parent and are terminated, then killed (whole process groups: hivemind's
-task pools, DHT and ``p2pd``), however it ends.
+alike, however long it takes), each side's CPU per round as ``units x unit + C x (per_call +
+bytes / rate)`` (:func:`fit_cpu`: units are the server's batches, one per expert a round
+reaches, or the client's one round), and the shared blocks' CPU per call together over alone
+as ``colocated_cpu_ratio``. The whole measurement takes about 35 s on two cores; the children
+die with their parent and are terminated, then killed (whole process groups: hivemind's task
+pools, DHT and ``p2pd``), however it ends.
 """
 
 from __future__ import annotations
@@ -86,6 +97,11 @@ DEFAULT_TIMEOUT_S = 120.0
 STOP_GRACE_S = 3.0
 UPDATE_PERIOD_S = 300.0
 """The server re-declares its experts this rarely, so that no re-declaration falls inside the measurement."""
+SHARED_HIDDEN, SHARED_BATCH, SHARED_K = 16, 16, 2
+"""The shared rounds: 64-byte samples, 16 samples x ``k_best`` 2 = 32 calls a round (a trainer's
+mixture layer at batch 16)."""
+SHARED_ROUNDS = 25
+"""Rounds (forward and backward) of each block of the shared measurement."""
 
 
 class DMoECalibration(BaseModel):
@@ -98,9 +114,12 @@ class DMoECalibration(BaseModel):
             "times_s", "server_cpu_s", "client_cpu_s", "answered"}`` (per repeat).
         beam_residuals / forward_residuals / backward_residuals: ``(fitted - measured) / measured``
             per configuration, in the order of ``beam`` / the rounds of that direction.
-        server_core / client_core: the cores the two children were pinned to (the same core when
-            this process may use only one).
-        startup_s: seconds until the server answered and the client had joined.
+        shared: the shared rounds (:func:`_shared_rounds`): CPU seconds of the server, the client
+            and the second client alone and together, per call, and their ``ratio``; None when
+            this process may use only one core (no second client).
+        server_core / client_core: the cores the server (and the second client) and the client
+            were pinned to (the same core when this process may use only one).
+        startup_s: seconds until the server answered and the clients had joined.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -111,6 +130,7 @@ class DMoECalibration(BaseModel):
     beam_residuals: list[float]
     forward_residuals: list[float]
     backward_residuals: list[float]
+    shared: dict[str, Any] | None = None
     server_core: int
     client_core: int
     startup_s: float = Field(ge=0)
@@ -222,45 +242,73 @@ def fit_rounds(calls: Sequence[float], bytes_per_call: Sequence[float], times_s:
                     residuals=[(f - t) / t for f, t in zip(fitted, times)])
 
 
+class CpuFit(BaseModel):
+    """``cpu = units x unit_s[direction] + C x (per_call_s[direction] + bytes_per_call / (gb_per_s x 1e9))``
+    per round of ``C`` calls, for one side (server: ``units`` = the batches of the round, one per
+    expert it reaches; client: ``units`` = 1 round), and its relative residuals."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    forward_unit_s: float
+    backward_unit_s: float
+    forward_per_call_s: float
+    backward_per_call_s: float
+    gb_per_s: float | None
+    residuals: list[float]
+
+
 def fit_cpu(directions: Sequence[str], calls: Sequence[float], bytes_per_call: Sequence[float],
-            cpu_s: Sequence[float]) -> tuple[float, float, float | None]:
-    """Fit ``cpu = C x (per_call_s[direction] + bytes_per_call / (gb_per_s x 1e9))`` to the CPU seconds
-    one side spent in rounds of ``calls[i]`` calls of ``directions[i]`` (``"forward"``/``"backward"``).
+            cpu_s: Sequence[float], units: Sequence[float] | None = None) -> CpuFit:
+    """Fit ``cpu = units x unit_s[d] + C x (per_call_s[d] + bytes_per_call / (gb_per_s x 1e9))`` to the
+    CPU seconds one side spent per round of ``calls[i]`` calls of direction ``d = directions[i]``
+    (``"forward"``/``"backward"``): a cost per unit (``units[i]``, default 1 per round; for a
+    server the batches of the round, one per expert it reaches: hivemind's task pools, Runtime and
+    the wake-ups of its processes) and one per call.
 
-    Non-negative least squares on the absolute CPU seconds (``scipy.optimize.nnls``): a round's
-    CPU figure is a difference of clock-tick counts (10 ms each per process), so short rounds read
-    0 or one tick and relative residuals would be meaningless; the sums over many rounds are not.
-
-    Returns:
-        ``(forward per call s, backward per call s, gb_per_s or None)`` (None: no payload term).
+    Non-negative least squares (``scipy.optimize.nnls``) on relative residuals, each row divided
+    by its measured CPU seconds, so that every configuration counts alike however many calls and
+    bytes it moves (the figures are the scheduler's nanosecond counters, :func:`_tree_cpu_s`;
+    rows with no CPU measured are left out).
 
     Raises:
-        ValueError: lengths that differ, an unknown direction, or no rounds.
+        ValueError: lengths that differ, an unknown direction, no row with CPU > 0, or no per-call
+            cost in either direction (the CPU does not grow with the calls).
     """
     import numpy as np
     from scipy.optimize import nnls
 
-    if not len(directions) == len(calls) == len(bytes_per_call) == len(cpu_s) or not calls:
-        raise ValueError("cpu fit: need equally many directions, calls, sizes and CPU figures, at least one")
+    units = [1.0] * len(calls) if units is None else list(units)
+    if not len(directions) == len(calls) == len(bytes_per_call) == len(cpu_s) == len(units) or not calls:
+        raise ValueError("cpu fit: need equally many directions, calls, sizes, units and CPU figures, at least one")
     bad = sorted(set(directions) - {"forward", "backward"})
     if bad:
         raise ValueError(f"cpu fit: direction(s) {bad}; allowed: forward, backward")
-    a = np.array([[c if d == "forward" else 0.0, c if d == "backward" else 0.0, c * b]
-                  for d, c, b in zip(directions, calls, bytes_per_call)], dtype=float)
-    coef, _ = nnls(a, np.asarray(cpu_s, dtype=float))
-    return float(coef[0]), float(coef[1]), (1 / coef[2] / 1e9 if coef[2] > 0 else None)
+    rows = [(d, c, b, u, t) for d, c, b, u, t in zip(directions, calls, bytes_per_call, units, cpu_s) if t > 0]
+    if not rows:
+        raise ValueError("cpu fit: no round with CPU seconds > 0")
+    a = np.array([[u * (d == "forward"), u * (d == "backward"), c * (d == "forward"), c * (d == "backward"), c * b]
+                  for d, c, b, u, _ in rows], dtype=float)
+    measured = np.array([t for *_, t in rows], dtype=float)
+    coef, _ = nnls(a / measured[:, None], np.ones_like(measured))
+    if coef[2] <= 0 and coef[3] <= 0:
+        raise ValueError("cpu fit: the CPU seconds do not grow with the calls; the measurements are noise")
+    fitted = a @ coef
+    return CpuFit(forward_unit_s=float(coef[0]), backward_unit_s=float(coef[1]), forward_per_call_s=float(coef[2]),
+                  backward_per_call_s=float(coef[3]), gb_per_s=1 / coef[4] / 1e9 if coef[4] > 0 else None,
+                  residuals=[float((f - m) / m) for f, m in zip(fitted, measured)])
 
 
 def _sig(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else (float(f"{value:.{digits - 1}e}") if value else 0.0)
 
 
-def fit_dmoe(beam: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> tuple[DMoEFit, dict[str, list[float]]]:
-    """Reduce the client's measurements (:data:`DMoECalibration.beam`, ``.rounds``) to a
-    :class:`~ddlscope.modeling.cluster.DMoEFit` (see the module docstring).
+def fit_dmoe(beam: list[dict[str, Any]], rounds: list[dict[str, Any]],
+             shared: dict[str, Any] | None = None) -> tuple[DMoEFit, dict[str, list[float]]]:
+    """Reduce the client's measurements (:data:`DMoECalibration.beam`, ``.rounds``, ``.shared``)
+    to a :class:`~ddlscope.modeling.cluster.DMoEFit` (see the module docstring).
 
-    Each configuration's repeats become their 20 %-trimmed mean; the CPU figures are fitted on
-    every round's CPU seconds summed over its repeats (:func:`fit_cpu`).
+    Each configuration's repeats become their 20 %-trimmed mean, its CPU seconds too
+    (:func:`fit_cpu`); ``colocated_cpu_ratio`` is ``shared["ratio"]`` (1 without shared rounds).
 
     Returns:
         the fit (4 significant digits) and the residuals ``{"beam": [...], "forward": [...],
@@ -280,24 +328,30 @@ def fit_dmoe(beam: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> tuple[
         fits[direction] = fit_rounds([r["calls"] for r in mine], [r["bytes_per_call"] for r in mine],
                                      [trimmed_mean(r["times_s"], TRIM) for r in mine], direction)
     f, b = fits["forward"], fits["backward"]
-    cpu = {side: fit_cpu([r["direction"] for r in rounds], [r["calls"] * len(r[f"{side}_cpu_s"]) for r in rounds],
-                         [r["bytes_per_call"] for r in rounds], [sum(r[f"{side}_cpu_s"]) for r in rounds])
+    cpu = {side: fit_cpu([r["direction"] for r in rounds], [r["calls"] for r in rounds],
+                         [r["bytes_per_call"] for r in rounds],
+                         [trimmed_mean(r[f"{side}_cpu_s"], TRIM) for r in rounds],
+                         [r.get("experts", ROUND_EXPERTS) if side == "server" else 1 for r in rounds])
            for side in ("server", "client")}
     hidden = sorted({r["hidden"] for r in rounds})
     fit = DMoEFit(
         beam_search_fixed_s=_sig(b_fixed), beam_search_lookup_s=_sig(b_lookup),
         forward_fixed_s=_sig(f.fixed_s), forward_per_call_s=_sig(f.per_call_s), forward_gb_per_s=_sig(f.gb_per_s),
         backward_fixed_s=_sig(b.fixed_s), backward_per_call_s=_sig(b.per_call_s), backward_gb_per_s=_sig(b.gb_per_s),
-        server_forward_cpu_s=_sig(cpu["server"][0]), server_backward_cpu_s=_sig(cpu["server"][1]),
-        server_cpu_gb_per_s=_sig(cpu["server"][2]),
-        client_forward_cpu_s=_sig(cpu["client"][0]), client_backward_cpu_s=_sig(cpu["client"][1]),
-        client_cpu_gb_per_s=_sig(cpu["client"][2]),
+        **{f"{side}_{d}_{what}": _sig(getattr(cpu[side], f"{d}_{part}"))
+           for side in ("server", "client") for d in ("forward", "backward")
+           for what, part in ((f"{'batch' if side == 'server' else 'round'}_cpu_s", "unit_s"),
+                              ("cpu_s", "per_call_s"))},
+        server_cpu_gb_per_s=_sig(cpu["server"].gb_per_s), client_cpu_gb_per_s=_sig(cpu["client"].gb_per_s),
         max_abs_residual=_sig(max(abs(x) for x in f.residuals + b.residuals)),
+        colocated_cpu_ratio=_sig(shared["ratio"]) if shared else 1.0,
         reference=(f"hivemind Server, 1 core, 1 connection handler, loopback; {ROUND_EXPERTS} experts y = w x per "
                    f"payload of {'/'.join(str(4 * h) for h in hidden)} B per sample; rounds of batch "
                    f"{'/'.join(map(str, sorted({r['batch'] for r in rounds})))} x k_best "
                    f"{'/'.join(map(str, sorted({r['k'] for r in rounds})))}; beam search over {BEAM_SIDE}-wide grids of "
-                   f"{'/'.join(map(str, sorted({r['dims'] for r in beam})))} dimensions"))
+                   f"{'/'.join(map(str, sorted({r['dims'] for r in beam})))} dimensions"
+                   + (f"; shared: a second client on the server's core, {shared['rounds']} rounds of "
+                      f"{shared['batch']} x k_best {shared['k']} each at once" if shared else "")))
     return fit, {"beam": b_res, "forward": f.residuals, "backward": b.residuals}
 
 
@@ -378,12 +432,36 @@ def _serve(folder: str, core: int, parent_pid: int) -> int:
     return 0
 
 
+def _task_cpu_s(pid: int) -> float | None:
+    """CPU seconds every live thread of process ``pid`` has run, from the scheduler's nanosecond
+    counters (``/proc/<pid>/task/<tid>/schedstat``, first field); None where they cannot be read."""
+    total, read = 0, False
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+            read = True
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e9 if read else None
+
+
 def _tree_cpu_s(proc) -> float:
-    """User + system CPU seconds of a psutil process and all its descendants (the living ones)."""
+    """CPU seconds of a psutil process and all its live descendants (their DHT, task pools,
+    connection handlers and ``p2pd``), each from the scheduler's nanosecond counters
+    (:func:`_task_cpu_s`), else from ``cpu_times`` (user + system, in clock ticks of 10 ms)."""
     import psutil
 
     total = 0.0
     for p in [proc, *proc.children(recursive=True)]:
+        ns = _task_cpu_s(p.pid)
+        if ns is not None:
+            total += ns
+            continue
         try:
             t = p.cpu_times()
             total += t.user + t.system
@@ -392,8 +470,61 @@ def _tree_cpu_s(proc) -> float:
     return total
 
 
+def _round_call(hidden: int, batch: int, k: int, dht):
+    """A function running one forward and one backward round of ``batch`` samples of width
+    ``hidden`` x ``k_best`` calls to the reference experts (what a trainer's mixture layer sends),
+    returning ``(forward s, backward s, cpu marks)``; and the calls per round and the experts
+    they reach (the server's batches per round)."""
+    import hivemind
+    import torch
+    from hivemind.moe.client.expert import DUMMY
+    from hivemind.moe.client.moe import _RemoteCallMany
+
+    moe = hivemind.moe.RemoteMixtureOfExperts(in_features=hidden, grid_size=(ROUND_EXPERTS,), dht=dht,
+                                              uid_prefix=f"rpc{hidden}.", k_best=k)
+    x = torch.randn(batch, hidden, requires_grad=True)
+    with torch.no_grad():
+        scores = [s.numpy() for s in moe.proj(x).split_with_sizes(moe.beam_search.grid_size, dim=-1)]
+    experts = moe.beam_search.batch_find_best_experts(scores, k)
+    calls = sum(len(row) for row in experts)
+    if calls != batch * k:
+        raise RuntimeError(f"beam search found {calls} experts for {batch} samples x k_best {k}")
+    reached = len({e.uid for row in experts for e in row})
+    info = moe.info
+
+    def one(mark: Callable[[], Any] = lambda: None) -> tuple[float, float, list[Any]]:
+        x.grad = None
+        marks = [mark()]
+        t0 = time.perf_counter()
+        mask, *outputs = _RemoteCallMany.apply(DUMMY, experts, 1, 1, CALL_TIMEOUT_S, CALL_TIMEOUT_S, CALL_TIMEOUT_S,
+                                               False, False, info, x)
+        t1 = time.perf_counter()
+        marks.append(mark())
+        loss = outputs[0].sum()
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        marks.append(mark())
+        answered = int(mask.sum())
+        if answered != calls or x.grad is None:
+            raise RuntimeError(f"a forward round of {calls} calls got {answered} answers (payload "
+                               f"{4 * hidden} B, batch {batch}, k_best {k})")
+        return t1 - t0, t3 - t2, marks
+
+    return one, calls, reached
+
+
+def _wait_file(path: str, parent_pid: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if os.getppid() != parent_pid or time.monotonic() > deadline:
+            raise RuntimeError(f"gave up waiting for {os.path.basename(path)}")
+        time.sleep(0.005)
+
+
 def _client(folder: str, core: int, parent_pid: int) -> int:
-    """The client child: times beam searches and rounds against the server; writes ``result.json``."""
+    """The client child: times beam searches and rounds against the server, then (when the
+    second client runs) the shared rounds; writes ``result.json``."""
     _child_setup(core, parent_pid)
     started = time.monotonic()
     import hivemind
@@ -401,14 +532,17 @@ def _client(folder: str, core: int, parent_pid: int) -> int:
     import psutil
     import torch
     from hivemind.moe.client.beam_search import MoEBeamSearcher
-    from hivemind.moe.client.expert import DUMMY
-    from hivemind.moe.client.moe import _RemoteCallMany
 
     with open(os.path.join(folder, "server.json")) as f:
         server = json.load(f)
     progress = open(os.path.join(folder, "progress.log"), "a", buffering=1)
     me, server_proc = psutil.Process(), psutil.Process(server["pid"])
     dht = hivemind.DHT(initial_peers=server["maddrs"], client_mode=True, start=True)
+    second = None
+    if os.path.exists(os.path.join(folder, "second.expected")):  # let the second client join before timing
+        _wait_file(os.path.join(folder, "second.json"), parent_pid)
+        with open(os.path.join(folder, "second.json")) as f:
+            second = psutil.Process(json.load(f)["pid"])
     startup_s = time.monotonic() - started
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
@@ -432,50 +566,91 @@ def _client(folder: str, core: int, parent_pid: int) -> int:
                 beam.append({"dims": dims, "batch": batch, "k": k, "times_s": times})
         progress.write(f"dmoe: beam search over {dims}-dimensional grids timed\n")
 
+    def cpu_marks() -> tuple[float, float]:
+        return _tree_cpu_s(server_proc), _tree_cpu_s(me)
+
     rounds = []
     for hidden in PAYLOAD_HIDDEN:
-        moe = hivemind.moe.RemoteMixtureOfExperts(in_features=hidden, grid_size=(ROUND_EXPERTS,), dht=dht,
-                                                  uid_prefix=f"rpc{hidden}.", k_best=max(ROUND_K))
-        info = moe.info
         for batch in ROUND_BATCHES:
             for k in ROUND_K:
-                x = torch.randn(batch, hidden, requires_grad=True)
-                with torch.no_grad():
-                    scores = [s.numpy() for s in moe.proj(x).split_with_sizes(moe.beam_search.grid_size, dim=-1)]
-                experts = moe.beam_search.batch_find_best_experts(scores, k)
-                calls = sum(len(row) for row in experts)
-                if calls != batch * k:
-                    raise RuntimeError(f"beam search found {calls} experts for {batch} samples x k_best {k}")
+                one, calls, reached = _round_call(hidden, batch, k, dht)
                 rows = {d: {"direction": d, "hidden": hidden, "batch": batch, "k": k, "calls": calls,
+                            "experts": reached,
                             "bytes_per_call": (2 if d == "forward" else 3) * 4 * hidden, "times_s": [],
                             "server_cpu_s": [], "client_cpu_s": [], "answered": []}
                         for d in ("forward", "backward")}
                 for rep in range(REPEATS + 1):
-                    x.grad = None
-                    cpu0 = (_tree_cpu_s(server_proc), _tree_cpu_s(me))
-                    t0 = time.perf_counter()
-                    mask, *outputs = _RemoteCallMany.apply(DUMMY, experts, 1, 1, CALL_TIMEOUT_S, CALL_TIMEOUT_S,
-                                                           CALL_TIMEOUT_S, False, False, info, x)
-                    t1 = time.perf_counter()
-                    cpu1 = (_tree_cpu_s(server_proc), _tree_cpu_s(me))
-                    loss = outputs[0].sum()
-                    t2 = time.perf_counter()
-                    loss.backward()
-                    t3 = time.perf_counter()
-                    cpu2 = (_tree_cpu_s(server_proc), _tree_cpu_s(me))
-                    answered = int(mask.sum())
-                    if answered != calls or x.grad is None:
-                        raise RuntimeError(f"a forward round of {calls} calls got {answered} answers (payload "
-                                           f"{4 * hidden} B, batch {batch}, k_best {k})")
+                    fwd_s, bwd_s, (c0, c1, c2) = one(cpu_marks)
                     if rep:
-                        for d, t, c0, c1 in (("forward", t1 - t0, cpu0, cpu1), ("backward", t3 - t2, cpu1, cpu2)):
+                        for d, t, a, b in (("forward", fwd_s, c0, c1), ("backward", bwd_s, c1, c2)):
                             rows[d]["times_s"].append(t)
-                            rows[d]["server_cpu_s"].append(c1[0] - c0[0])
-                            rows[d]["client_cpu_s"].append(c1[1] - c0[1])
-                            rows[d]["answered"].append(answered)
+                            rows[d]["server_cpu_s"].append(b[0] - a[0])
+                            rows[d]["client_cpu_s"].append(b[1] - a[1])
+                            rows[d]["answered"].append(calls)
                 rounds += rows.values()
         progress.write(f"dmoe: forward and backward rounds of {4 * hidden}-byte samples timed\n")
-    _write_json(os.path.join(folder, "result.json"), {"beam": beam, "rounds": rounds, "startup_s": startup_s})
+
+    shared = None
+    if second is not None:
+        shared = _shared_rounds(folder, parent_pid, dht, server_proc, me, second)
+        progress.write(f"dmoe: {SHARED_ROUNDS} rounds alone, then with a second client on the server's core: "
+                       f"CPU per call x{shared['ratio']:.2f}\n")
+    _write_json(os.path.join(folder, "result.json"), {"beam": beam, "rounds": rounds, "startup_s": startup_s,
+                                                       "shared": shared})
+    return 0
+
+
+def _shared_rounds(folder: str, parent_pid: int, dht, server_proc, me, second) -> dict[str, Any]:
+    """:data:`SHARED_ROUNDS` rounds (forward and backward) alone, then as many while the second
+    client, on the server's core, runs as many at once; the CPU seconds per call of all the
+    processes (server, this client, the second client) in each block, and their ratio."""
+    one, calls, _ = _round_call(SHARED_HIDDEN, SHARED_BATCH, SHARED_K, dht)
+    one()  # warm-up
+    procs = [server_proc, me, second]
+
+    def cpu() -> list[float]:
+        return [_tree_cpu_s(p) for p in procs]
+
+    c0, t0 = cpu(), time.perf_counter()
+    for _ in range(SHARED_ROUNDS):
+        one()
+    c1, t1 = cpu(), time.perf_counter()
+    _write_json(os.path.join(folder, "go.json"), {})
+    for _ in range(SHARED_ROUNDS):
+        one()
+    _wait_file(os.path.join(folder, "second_done.json"), parent_pid)
+    c2, t2 = cpu(), time.perf_counter()
+    alone = [b - a for a, b in zip(c0, c1)]
+    together = [b - a for a, b in zip(c1, c2)]
+    alone_per_call = sum(alone) / (2 * calls * SHARED_ROUNDS)
+    together_per_call = sum(together) / (4 * calls * SHARED_ROUNDS)
+    return {"hidden": SHARED_HIDDEN, "batch": SHARED_BATCH, "k": SHARED_K, "rounds": SHARED_ROUNDS,
+            "calls_per_round": calls, "alone_cpu_s": dict(zip(("server", "client", "second"), alone)),
+            "together_cpu_s": dict(zip(("server", "client", "second"), together)),
+            "alone_s": t1 - t0, "together_s": t2 - t1, "alone_cpu_per_call_s": alone_per_call,
+            "together_cpu_per_call_s": together_per_call, "ratio": together_per_call / alone_per_call}
+
+
+def _second_client(folder: str, core: int, parent_pid: int) -> int:
+    """The second client child, on the server's core: joins, waits idle for ``go.json``, runs
+    :data:`SHARED_ROUNDS` rounds at once with the first client, writes ``second_done.json``."""
+    _child_setup(core, parent_pid)
+    import hivemind
+    import torch
+
+    with open(os.path.join(folder, "server.json")) as f:
+        server = json.load(f)
+    dht = hivemind.DHT(initial_peers=server["maddrs"], client_mode=True, start=True)
+    torch.manual_seed(1)
+    one, _, _ = _round_call(SHARED_HIDDEN, SHARED_BATCH, SHARED_K, dht)
+    one()  # warm-up, before the first client times anything
+    _write_json(os.path.join(folder, "second.json"), {"pid": os.getpid()})
+    _wait_file(os.path.join(folder, "go.json"), parent_pid)
+    for _ in range(SHARED_ROUNDS):
+        one()
+    _write_json(os.path.join(folder, "second_done.json"), {})
+    while os.getppid() == parent_pid and not os.path.exists(os.path.join(folder, "result.json")):
+        time.sleep(0.1)  # stay up (an idle DHT peer) until the first client is done
     return 0
 
 
@@ -488,13 +663,15 @@ def _children_cores() -> tuple[int, int]:
 
 
 def measure(progress: Callable[[str], None] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """Start the server and the client children, relay the client's progress, return its raw
-    measurements (``beam``, ``rounds``, ``startup_s``) plus ``server_core`` and ``client_core``.
+    """Start the server, the client and (when the two may use different cores) the second
+    client on the server's core; relay the client's progress, return its raw measurements
+    (``beam``, ``rounds``, ``startup_s``, ``shared``: None without a second client) plus
+    ``server_core`` and ``client_core``.
 
     Raises:
         ddlscope.profiling.calibrate.CalibrationError: a child failed or died, or the whole
-            measurement took longer than ``timeout_s``. Both children (their whole process
-            groups) are stopped before this returns or raises.
+            measurement took longer than ``timeout_s``. Every child (its whole process group)
+            is stopped before this returns or raises.
     """
     from ddlscope.launch.processes import log_tail, start_process, stop_processes
     from ddlscope.profiling.calibrate import CalibrationError, _sigterm_as_interrupt
@@ -504,12 +681,13 @@ def measure(progress: Callable[[str], None] | None = None, timeout_s: float = DE
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {"PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)}
     deadline = time.monotonic() + timeout_s
-    procs = []
+    procs, roles = [], []
     with tempfile.TemporaryDirectory(prefix="ddlscope-dmoe-rpc-") as tmp:
         def start(role: str, core: int):
             cmd = [sys.executable, "-m", "ddlscope.profiling.dmoe_rpc", f"--{role}", "--dir", tmp, "--core", str(core),
                    "--parent-pid", str(os.getpid())]
             procs.append(start_process(cmd, os.path.join(tmp, f"{role}.log"), 1, env_extra=env))
+            roles.append(role)
             return procs[-1]
 
         seen = [0]
@@ -526,10 +704,11 @@ def measure(progress: Callable[[str], None] | None = None, timeout_s: float = DE
         def wait_for(path: str, what: str) -> None:
             while not os.path.exists(path):
                 relay()
-                for role, p in zip(("serve", "client"), procs):
+                for role, p in zip(roles, procs):
                     if p.poll() is not None and not os.path.exists(path):
                         tail = log_tail(os.path.join(tmp, f"{role}.log"))
-                        raise CalibrationError(f"dmoe calibration: the {'server' if role == 'serve' else 'client'} "
+                        who = {"serve": "server", "client": "client", "second": "second client"}[role]
+                        raise CalibrationError(f"dmoe calibration: the {who} "
                                                f"exited with code {p.returncode} before {what}"
                                                + (f": {tail}" if tail else ""))
                 if time.monotonic() > deadline:
@@ -541,6 +720,9 @@ def measure(progress: Callable[[str], None] | None = None, timeout_s: float = DE
             say(f"dmoe: expert server on core {server_core}, client on core {client_core} (hivemind over loopback)")
             start("serve", server_core)
             wait_for(os.path.join(tmp, "server.json"), "it served its experts")
+            if server_core != client_core:  # the shared rounds need the server's core to differ from the client's
+                _write_json(os.path.join(tmp, "second.expected"), {})
+                start("second", server_core)
             start("client", client_core)
             wait_for(os.path.join(tmp, "result.json"), "its measurements were written")
             relay()
@@ -565,7 +747,7 @@ def calibrate_dmoe(progress: Callable[[str], None] | None = None, timeout_s: flo
     started = time.monotonic()
     raw = measure(progress, timeout_s)
     try:
-        fit, residuals = fit_dmoe(raw["beam"], raw["rounds"])
+        fit, residuals = fit_dmoe(raw["beam"], raw["rounds"], raw.get("shared"))
     except ValueError as e:
         raise CalibrationError(f"dmoe calibration: cannot fit the measurements: {e}") from None
     notes = []
@@ -574,7 +756,8 @@ def calibrate_dmoe(progress: Callable[[str], None] | None = None, timeout_s: flo
                      f"core): the per-call figures include their competition for it")
     return DMoECalibration(fit=fit, beam=raw["beam"], rounds=raw["rounds"], beam_residuals=residuals["beam"],
                            forward_residuals=residuals["forward"], backward_residuals=residuals["backward"],
-                           server_core=raw["server_core"], client_core=raw["client_core"], startup_s=raw["startup_s"],
+                           shared=raw.get("shared"), server_core=raw["server_core"], client_core=raw["client_core"],
+                           startup_s=raw["startup_s"],
                            elapsed_s=time.monotonic() - started, notes=notes)
 
 
@@ -587,10 +770,13 @@ def describe(fit: DMoEFit) -> str:
             f"per look-up round; forward {fit.forward_fixed_s * 1e3:.2f} ms + {fit.forward_per_call_s * 1e3:.3f} ms per "
             f"call{rate(fit.forward_gb_per_s)}; backward {fit.backward_fixed_s * 1e3:.2f} ms + "
             f"{fit.backward_per_call_s * 1e3:.3f} ms per call{rate(fit.backward_gb_per_s)}; server CPU "
-            f"{fit.server_forward_cpu_s * 1e3:.3f} / {fit.server_backward_cpu_s * 1e3:.3f} ms per forward / backward "
-            f"call{rate(fit.server_cpu_gb_per_s)}, client CPU {fit.client_forward_cpu_s * 1e3:.3f} / "
-            f"{fit.client_backward_cpu_s * 1e3:.3f} ms{rate(fit.client_cpu_gb_per_s)}; max |residual| "
-            f"{fit.max_abs_residual:.0%}")
+            f"{fit.server_forward_batch_cpu_s * 1e3:.2f} / {fit.server_backward_batch_cpu_s * 1e3:.2f} ms per "
+            f"forward / "
+            f"backward batch + {fit.server_forward_cpu_s * 1e3:.3f} / {fit.server_backward_cpu_s * 1e3:.3f} ms per call"
+            f"{rate(fit.server_cpu_gb_per_s)}, client CPU {fit.client_forward_round_cpu_s * 1e3:.2f} / "
+            f"{fit.client_backward_round_cpu_s * 1e3:.2f} ms per round + {fit.client_forward_cpu_s * 1e3:.3f} / "
+            f"{fit.client_backward_cpu_s * 1e3:.3f} ms{rate(fit.client_cpu_gb_per_s)}; with a client on the "
+            f"server's core x{fit.colocated_cpu_ratio:.2f} CPU per call; max |residual| {fit.max_abs_residual:.0%}")
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -600,17 +786,20 @@ def _main(argv: list[str] | None = None) -> int:
     role = p.add_mutually_exclusive_group(required=True)
     role.add_argument("--serve", action="store_true")
     role.add_argument("--client", action="store_true")
+    role.add_argument("--second", action="store_true")
     p.add_argument("--dir", required=True)
     p.add_argument("--core", type=int, required=True)
     p.add_argument("--parent-pid", type=int, required=True)
     args = p.parse_args(argv)
     try:
-        return (_serve if args.serve else _client)(args.dir, args.core, args.parent_pid)
+        role = _serve if args.serve else _client if args.client else _second_client
+        return role(args.dir, args.core, args.parent_pid)
     except Exception as e:  # the parent reads the log's last lines
         import traceback
 
         traceback.print_exc()
-        print(f"dmoe calibration {'server' if args.serve else 'client'} failed: {type(e).__name__}: {e}",
+        who = "server" if args.serve else "client" if args.client else "second client"
+        print(f"dmoe calibration {who} failed: {type(e).__name__}: {e}",
               file=sys.stderr, flush=True)
         return 1
 
