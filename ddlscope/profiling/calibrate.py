@@ -756,7 +756,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         matchmaking_time_s: the swarm's hivemind matchmaking time (seconds, > 0; default
             :data:`ddlscope.profiling.swarm.MATCHMAKING_S`); use the one the predictions will use.
         dmoe: also time hivemind's beam searches and remote expert calls between an expert
-            server and a client on two cores (about 30 s; :mod:`ddlscope.profiling.dmoe_rpc`) and
+            server and its clients on two cores (about 35 s; :mod:`ddlscope.profiling.dmoe_rpc`) and
             fit what they cost (``cluster.dmoe``); a measurement that fails or cannot be fitted
             leaves it unset, with a note.
 
