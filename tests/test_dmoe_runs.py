@@ -49,6 +49,8 @@ def test_two_trainers_survive_a_killed_server_and_use_its_restart(tmp_path):
         assert kinds.count("service_started") == 3 and kinds.count("service_killed") == 1
         pids = [s["pid"] for s in store.services(run_id)] + [w["pid"] for w in store.workers(run_id)]
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    # nor anything they forked (hivemind's task pools, connection handlers, DHT processes carry the command line)
+    assert not [p.pid for p in psutil.process_iter(["cmdline"]) if str(db) in " ".join(p.info["cmdline"] or [])]
 
 
 @pytest.mark.parametrize("placement", ["local", "dense"])

@@ -142,3 +142,16 @@ def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def end_children() -> None:
+    """SIGKILL every descendant of this process (e.g. the processes hivemind forked: task pools,
+    connection handlers, the DHT process and its p2pd), which would outlive it when it ends by a
+    signal or without their shutdown. Call it last, on the way out."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            continue

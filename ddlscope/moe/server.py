@@ -212,6 +212,7 @@ def serve(db: str, run_id: str, index: int, generation: int, cores: list[int], i
     from hivemind.moe.server import Server
 
     from ddlscope.config import RunConfig
+    from ddlscope.launch.processes import end_children
     from ddlscope.store.db import ResultsStore
 
     os.sched_setaffinity(0, cores)
@@ -258,20 +259,7 @@ def serve(db: str, run_id: str, index: int, generation: int, cores: list[int], i
         closer = threading.Thread(target=_shutdown, args=(server, dht), daemon=True)
         closer.start()
         closer.join(STOP_GRACE_S)
-        _end_children()
-
-
-def _end_children() -> None:
-    """SIGKILL what hivemind's shutdown left of this server's processes (task pools, connection
-    handlers, the DHT process and its p2pd): they are its children, forked, and would outlive it
-    when it ends by a signal (e.g. its launcher died) or a shutdown that timed out."""
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        try:
-            child.kill()
-        except psutil.Error:
-            continue
+        end_children()  # what hivemind's shutdown left (or all of it, when it timed out)
 
 
 def _shutdown(server, dht) -> None:

@@ -364,8 +364,9 @@ def _write_json(path: str, data: Any) -> None:
 
 
 def _child_setup(core: int, parent_pid: int) -> threading.Event:
-    """Die with the parent, pin to ``core`` with one thread, turn SIGTERM/SIGINT into a stop event."""
-    from ddlscope.launch.processes import die_with_parent
+    """Die with the parent, pin to ``core`` with one thread; SIGTERM/SIGINT (also sent when the
+    parent dies) end this child and every process hivemind forked for it at once."""
+    from ddlscope.launch.processes import die_with_parent, end_children
 
     die_with_parent(signal.SIGTERM)
     if os.getppid() != parent_pid:  # the parent died before PR_SET_PDEATHSIG took effect
@@ -375,8 +376,14 @@ def _child_setup(core: int, parent_pid: int) -> threading.Event:
 
     torch.set_num_threads(1)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def die(*_) -> None:  # the parent stops us (or died): no measurement is left to save
+        stop.set()
+        end_children()
+        os._exit(143)
+
+    signal.signal(signal.SIGTERM, die)
+    signal.signal(signal.SIGINT, die)
     return stop
 
 
@@ -808,4 +815,7 @@ if __name__ == "__main__":
     code = _main()
     sys.stdout.flush()
     sys.stderr.flush()
+    from ddlscope.launch.processes import end_children
+
+    end_children()
     os._exit(code)  # no interpreter teardown: hivemind's background threads and processes can hang it
