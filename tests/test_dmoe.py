@@ -104,3 +104,23 @@ def test_a_user_expert_with_the_wrong_shape_is_refused_before_anything_starts(tm
     assert isinstance(result.exception, UserError), result.output
     assert "dmoe.expert = 'bad_expert:make'" in str(result.exception)
     assert not (tmp_path / "r.db").exists()
+
+
+def test_a_first_service_that_hangs_is_started_once_more(tmp_path):
+    from ddlscope.distribution import Service
+    from ddlscope.launch.processes import stop_processes
+    from ddlscope.launch.services import ServiceSupervisor
+    from ddlscope.store.db import ResultsStore
+
+    db = tmp_path / "r.db"
+    with ResultsStore(db) as store:
+        run_id = store.create_run("svc", "dmoe", {})
+        sup = ServiceSupervisor([Service(kind="fake", index=0, module="tests.fake_service")], db, run_id, tmp_path,
+                                [[0]], join_timeout_s=4.0)
+        try:
+            assert sup.start(store) == ["/ip4/127.0.0.1/tcp/4001"]
+            rows = {r["generation"]: r for r in store.services(run_id)}
+            assert rows[0]["status"] == "failed" and "started again" in rows[0]["reason"]
+            assert rows[1]["status"] == "serving"
+        finally:
+            stop_processes(sup.popens(), 2.0)

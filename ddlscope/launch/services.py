@@ -26,6 +26,10 @@ from ddlscope.launch.processes import log_tail, signal_group, start_process, wai
 from ddlscope.store.db import ResultsStore
 
 
+class _Silent(RuntimeError):
+    """A service did not record its multiaddrs in time (it may hang rather than fail)."""
+
+
 @dataclass
 class _Process:
     service: Service
@@ -73,7 +77,7 @@ class ServiceSupervisor:
             return self.initial_peers
         proc = self._spawn(store, first, 0)
         if not self.initial_peers:
-            self.initial_peers = self._wait_for_maddrs(store, proc)
+            self.initial_peers = self._first_maddrs(store, first, proc)
         for i, s in enumerate(self.services):
             if i != first and s.start_at_s == 0:
                 self._spawn(store, i, 0)
@@ -95,8 +99,24 @@ class ServiceSupervisor:
                         at_s=round(time.monotonic() - self.t0, 3), pid=proc.popen.pid)
         return proc
 
-    def _wait_for_maddrs(self, store: ResultsStore, proc: _Process) -> list[str]:
-        deadline = time.monotonic() + self.join_timeout_s
+    def _first_maddrs(self, store: ResultsStore, position: int, proc: _Process) -> list[str]:
+        """The first service's multiaddrs. hivemind's server start can hang (rarely; seen on a busy
+        machine: the server logged its start and never became ready), so a first service silent for
+        half of ``join_timeout_s`` is killed and started once more, as a new generation."""
+        try:
+            return self._wait_for_maddrs(store, proc, self.join_timeout_s / 2)
+        except _Silent:
+            s = proc.service
+            signal_group(proc.popen.pid, signal.SIGKILL)
+            proc.popen.wait()
+            proc.ended = True
+            store.upsert_service(self.run_id, s.kind, s.index, proc.generation, status="failed", ended_at=time.time(),
+                                 reason=f"did not start listening within {self.join_timeout_s / 2:g} s; started again")
+            return self._wait_for_maddrs(store, self._spawn(store, position, proc.generation + 1),
+                                         self.join_timeout_s / 2)
+
+    def _wait_for_maddrs(self, store: ResultsStore, proc: _Process, timeout_s: float) -> list[str]:
+        deadline = time.monotonic() + timeout_s
         s = proc.service
         while time.monotonic() < deadline:
             row = next((r for r in store.services(self.run_id) if r["kind"] == s.kind and r["service_index"] == s.index
@@ -109,8 +129,8 @@ class ServiceSupervisor:
                 raise RuntimeError(f"{s.kind} {s.index} exited (code {proc.popen.returncode}) before listening: "
                                    f"{log_tail(proc.log_path) or '(empty log)'} (log: {proc.log_path})")
             time.sleep(0.1)
-        raise RuntimeError(f"{s.kind} {s.index} did not start listening within join_timeout_s = "
-                           f"{self.join_timeout_s:g} s; see {proc.log_path}")
+        raise _Silent(f"{s.kind} {s.index} did not start listening within {timeout_s:g} s (twice, of "
+                      f"join_timeout_s = {self.join_timeout_s:g} s); see {proc.log_path}")
 
     # ------------------------------------------------------------------ schedule
     def tick(self, store: ResultsStore) -> None:
@@ -122,7 +142,7 @@ class ServiceSupervisor:
             if s.kill_at_s is not None and now >= s.kill_at_s and self._once(position, "kill"):
                 self._kill(store, position, now)
             if s.restart_at_s is not None and now >= s.restart_at_s and self._once(position, "restart"):
-                self._spawn(store, position, 1)
+                self._spawn(store, position, 1 + max(p.generation for p in self.processes if p.service is s))
         for proc in self.processes:
             if not proc.ended and proc.popen.poll() is not None:
                 proc.ended = True
