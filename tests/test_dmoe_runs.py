@@ -24,11 +24,31 @@ def _cfg(**over):
 
 def test_two_trainers_survive_a_killed_server_and_use_its_restart(tmp_path):
     db = tmp_path / "r.db"
-    # trainers train from about 6-9 s to 35 s after the launch on 2 busy cores
-    cfg = _cfg(sample_budget=2400, dmoe={"server_events": [{"server": 1, "kill_at_s": 13.0, "restart_at_s": 19.0}],
-                                         "update_period_s": 2.0})
-    run_id = run_local(cfg, db, progress=False)
+    # trainers train from about 6-9 s to 35 s after the launch on 2 busy cores. Run as a user runs it, in a
+    # process of its own: started from this test process after the rest of the suite, hivemind's server
+    # start hung at its connection handler (twice in CI; cause not found, see docs/validation.md)
+    import subprocess
+    import sys
+
+    config = tmp_path / "run.toml"
+    config.write_text("""[run]
+strategy = "dmoe"
+model = "moe_cnn"
+dataset = "digits"
+peers = 2
+batch_size = 16
+sample_budget = 2400
+eval_every_steps = 10
+loader_workers = 0
+[dmoe]
+update_period_s = 2.0
+server_events = [{ server = 1, kill_at_s = 13.0, restart_at_s = 19.0 }]
+""")
+    done = subprocess.run([sys.executable, "-m", "ddlscope.cli", "run", str(config), "--db", str(db), "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
     with ResultsStore(db) as store:
+        run_id = store.runs()[0]["run_id"]
         run = store.run(run_id)
         assert run["status"] == "completed", run["reason"]
         assert store.step_counts(run_id) == {0: 75, 1: 75}

@@ -751,6 +751,12 @@ def _startup_steps(batch_size: int, workers: int, options: Mapping[str, Any]) ->
     return math.ceil(STARTUP_CALLS / (batch_size * int(options.get("k_best", fields["k_best"].default))))
 
 
+ESTIMATE_FACTOR = 0.1719 / (0.83 / 2)
+"""A remote trainer step over ResNet-18's at the same batch, for rough run-time estimates
+(:mod:`ddlscope.experiments.estimate`): 171.9 ms per step of 16 samples with 2 trainers and 2
+servers on the 2-core development machine (``examples/dmoe-server-killed.toml``) against 415 ms.
+Cells with in-process experts (``placement = "local"`` / ``"dense"``, about 9 ms) are over-estimated."""
+
 MODEL = register(DistributionModel(
     name="dmoe",
     summary="a mixture-of-experts layer whose experts live on expert servers found through a DHT (Ryabinin 2020)",
@@ -767,6 +773,7 @@ MODEL = register(DistributionModel(
     check_config=check_dmoe,
     check_setting=check_setting,
     lockstep=False,  # trainers step on their own; they share only the experts
+    estimate_factor=ESTIMATE_FACTOR,
     startup_steps=_startup_steps,
     measured_steps=MEASURED_STEPS,
     cost_model=predict_dmoe,
