@@ -53,8 +53,14 @@ server_events = [{ server = 1, kill_at_s = 13.0, restart_at_s = 19.0 }]
         assert run["status"] == "completed", run["reason"]
         assert store.step_counts(run_id) == {0: 75, 1: 75}
         services = {(s["service_index"], s["generation"]): s for s in store.services(run_id)}
-        assert services[(1, 0)]["status"] == "killed" and "SIGKILL" in services[(1, 0)]["reason"]
-        assert services[(1, 1)]["status"] == "stopped" and services[(0, 0)]["status"] == "stopped"
+        status = {k: (s["status"], s["reason"]) for k, s in services.items()}
+        assert services[(1, 0)]["status"] == "killed" and "SIGKILL" in services[(1, 0)]["reason"], status
+        # server 0 bootstraps the swarm; the launcher starts it once more if its first start hangs silent
+        restarts_0 = [g for (i, g) in services if i == 0 and g > 0]
+        assert len(restarts_0) <= 1, status
+        assert all(services[(0, g)]["status"] == "failed" and "started again" in services[(0, g)]["reason"]
+                   for g in range(len(restarts_0))), status
+        assert services[(1, 1)]["status"] == "stopped" and services[(0, len(restarts_0))]["status"] == "stopped", status
         calls = store.rows("moe_calls", run_id)
         killed_peer, restarted_peer = services[(1, 0)]["peer_id"], services[(1, 1)]["peer_id"]
         assert killed_peer != restarted_peer
@@ -66,7 +72,7 @@ server_events = [{ server = 1, kill_at_s = 13.0, restart_at_s = 19.0 }]
         assert len(moe_steps) == 150 and all(m["forward_calls"] > 0 for m in moe_steps)
         assert store.rows("moe_server_batches", run_id) and store.rows("moe_server_samples", run_id)
         kinds = [e["kind"] for e in store.rows("events", run_id)]
-        assert kinds.count("service_started") == 3 and kinds.count("service_killed") == 1
+        assert kinds.count("service_started") == 3 + len(restarts_0) and kinds.count("service_killed") == 1
         pids = [s["pid"] for s in store.services(run_id)] + [w["pid"] for w in store.workers(run_id)]
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     # nor anything they forked (hivemind's task pools, connection handlers, DHT processes carry the command line)

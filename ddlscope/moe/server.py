@@ -245,7 +245,9 @@ def serve(db: str, run_id: str, index: int, generation: int, cores: list[int], i
                                                                  cfg.host_sample_interval_s, log, stop), daemon=True)
         sampler.start()
         while not stop.wait(0.5):
-            if not server.is_alive():
+            # the launcher's SIGTERM reaches hivemind's forked children too; the server thread can end
+            # from that before this thread has run the handler: only a thread ended with no stop is a failure
+            if not server.is_alive() and not stop.wait(STOP_GRACE_S):
                 raise RuntimeError("hivemind's server thread ended on its own (see the log)")
         sampler.join(2 * FLUSH_EVERY_S)
         store.upsert_service(run_id, KIND, index, generation, status="stopped", ended_at=time.time())
