@@ -1,0 +1,346 @@
+"""Emulated networks: each peer of a run in a Linux network namespace of its own, links rate-limited.
+
+One run gets one emulated network (:class:`EmulatedNetwork`): a bridge, and per peer ``i`` a
+network namespace ``ddl-<tag>-<i>`` joined to the bridge by a veth pair, with address
+``10.201.0.<i+2>/24``. Each peer's upload is limited by a token-bucket filter (tc ``tbf``) on the
+namespace's end of its veth, its download by one on the bridge's end, so a peer's link is what a
+host with that uplink and downlink would see. The namespaces have no route out and the bridge no
+address: traffic stays between the run's peers (the results store is a file; namespaces separate
+the network only). ``<tag>`` is the owner process's pid in hex, so concurrent runs never share
+names, and a network whose owner died is recognised and removed (:func:`remove_stale`).
+
+Latency needs tc ``netem``; kernels without it (this project's CI machine) get a clear error,
+never a silently unlimited link (:func:`check_can_emulate`).
+
+Nothing is left behind: :meth:`EmulatedNetwork.remove` kills what still runs in the namespaces
+and deletes them (deleting a namespace deletes its veth ends and qdiscs) and the bridge; a reaper
+process (:mod:`ddlscope.network.reaper`, in a session of its own) does the same when the owner is
+killed before it could (SIGKILL, OOM).
+
+Needs root (``CAP_NET_ADMIN``) and iproute2's ``ip`` and ``tc``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ddlscope.errors import UserError
+
+SUBNET = "10.201.0"
+"""The /24 every emulated network uses (namespaces of different runs never see each other)."""
+PREFIX = "ddl"
+"""Names of ddlscope's namespaces (``ddl-<tag>-<i>``), bridges (``ddl<tag>-br``) and veths (``ddl<tag>-h<i>``)."""
+QUEUE_LATENCY_MS = 100
+"""tbf's queue: packets that would wait longer than this at the configured rate are dropped (as
+on a real bottleneck link's buffer)."""
+_NAMESPACE = re.compile(rf"^{PREFIX}-([0-9a-f]+)-(\d+)$")
+
+
+class LinkConfig(BaseModel):
+    """One peer's link, overriding the network's default (``[[network.links]]``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    peer: int = Field(ge=0, description="worker/peer index")
+    bandwidth_mbit_per_s: float | None = Field(None, gt=0, le=400_000, description="upload and download, Mbit/s")
+    upload_mbit_per_s: float | None = Field(None, gt=0, le=400_000, description="this peer's upload, Mbit/s")
+    download_mbit_per_s: float | None = Field(None, gt=0, le=400_000, description="this peer's download, Mbit/s")
+
+
+class NetworkConfig(BaseModel):
+    """A run's network (``[network]``): loopback (default) or an emulated one with rate-limited links.
+
+    ``bandwidth_mbit_per_s`` is every peer's upload and download unless a ``links`` entry says
+    otherwise for that peer; None leaves a direction unlimited (veth speed, several Gbit/s).
+    ``latency_ms`` is one-way delay per link and needs tc netem.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    emulate: bool = Field(False, description="each peer in a network namespace of its own (root only)")
+    bandwidth_mbit_per_s: float | None = Field(None, gt=0, le=400_000, description="every peer's upload and download, Mbit/s")
+    latency_ms: float | None = Field(None, ge=0, le=10_000, description="one-way delay per link, ms (needs tc netem)")
+    links: list[LinkConfig] = Field(default_factory=list, description="per-peer overrides")
+
+    @model_validator(mode="after")
+    def _one_entry_per_peer(self) -> "NetworkConfig":
+        seen = [link.peer for link in self.links]
+        if len(seen) != len(set(seen)):
+            raise ValueError(f"network.links names a peer twice ({seen}); allowed: one entry per peer")
+        if not self.emulate and (self.links or self.bandwidth_mbit_per_s or self.latency_ms):
+            raise ValueError("bandwidth_mbit_per_s, latency_ms and links need network.emulate = true")
+        return self
+
+    def rates(self, peers: int) -> list[tuple[float | None, float | None]]:
+        """Each peer's (upload, download) in Mbit/s (None: unlimited).
+
+        Raises:
+            UserError: a ``links`` entry names a peer >= ``peers``.
+        """
+        out = [(self.bandwidth_mbit_per_s, self.bandwidth_mbit_per_s) for _ in range(peers)]
+        for link in self.links:
+            if link.peer >= peers:
+                raise UserError(f"network.links: peer {link.peer} does not exist; allowed: 0..{peers - 1} ({peers} peers)")
+            up, down = out[link.peer]
+            both = link.bandwidth_mbit_per_s
+            out[link.peer] = (link.upload_mbit_per_s or both or up, link.download_mbit_per_s or both or down)
+        return out
+
+
+def check_can_emulate(latency: bool = False) -> None:
+    """Raise :class:`UserError` unless this process can build emulated networks.
+
+    Args:
+        latency: also require tc netem (for ``latency_ms``).
+    """
+    if not sys.platform.startswith("linux"):
+        raise UserError("network.emulate needs Linux network namespaces; this is " + sys.platform)
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise UserError(f"network.emulate needs iproute2 ({' and '.join(missing)} not found on PATH)")
+    if os.geteuid() != 0:
+        raise UserError("network.emulate needs root (CAP_NET_ADMIN) to create namespaces and links; "
+                        "run as root or leave network.emulate = false")
+    if latency and not netem_available():
+        raise UserError("network.latency_ms needs the kernel's tc netem qdisc (sch_netem), which this kernel "
+                        "does not have; leave latency_ms unset (bandwidth limits work without it)")
+
+
+def netem_available() -> bool:
+    """True when tc can create a netem qdisc (tried on a throw-away namespace's loopback)."""
+    ns = f"{PREFIX}-probe{os.getpid():x}"
+    try:
+        _ip("netns", "add", ns)
+        done = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "netem",
+                               "delay", "1ms"], capture_output=True)
+        return done.returncode == 0
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@dataclass
+class EmulatedNetwork:
+    """The namespaces, veths and rate limits of one run.
+
+    Args:
+        rates_mbit_per_s: per peer (upload, download) in Mbit/s; None is unlimited.
+        owner_pid: the process that owns it (its death removes it); default this process.
+
+    Use :meth:`create`, start peer ``i`` with :meth:`wrap` (``ip netns exec``), let it listen on
+    :meth:`address`, read :meth:`counters` before :meth:`remove`. Also a context manager.
+    """
+
+    rates_mbit_per_s: list[tuple[float | None, float | None]]
+    owner_pid: int = field(default_factory=os.getpid)
+    created: bool = False
+    reaper: subprocess.Popen | None = None
+
+    @property
+    def tag(self) -> str:
+        """Hex pid of the owner: unique among live networks on this machine."""
+        return f"{self.owner_pid:x}"
+
+    @property
+    def bridge(self) -> str:
+        return f"{PREFIX}{self.tag}-br"
+
+    def namespace(self, peer: int) -> str:
+        """Network namespace of ``peer``."""
+        return f"{PREFIX}-{self.tag}-{peer}"
+
+    def host_veth(self, peer: int) -> str:
+        """The bridge's end of ``peer``'s veth (its egress is the peer's download)."""
+        return f"{PREFIX}{self.tag}-h{peer}"
+
+    def address(self, peer: int) -> str:
+        """``peer``'s IPv4 address (``10.201.0.<peer+2>``)."""
+        return f"{SUBNET}.{peer + 2}"
+
+    def wrap(self, peer: int, cmd: list[str]) -> list[str]:
+        """``cmd`` run inside ``peer``'s namespace (``ip netns exec`` execs it: same pid, same session)."""
+        return ["ip", "netns", "exec", self.namespace(peer), *cmd]
+
+    # ------------------------------------------------------------------ build
+    def create(self) -> "EmulatedNetwork":
+        """Build the bridge, namespaces, veths and rate limits; start the reaper.
+
+        Raises:
+            UserError: not root, no iproute2, or more than 250 peers.
+            RuntimeError: an ``ip``/``tc`` command failed (what was built is removed first).
+        """
+        check_can_emulate()
+        if len(self.rates_mbit_per_s) > 250:
+            raise UserError(f"network.emulate: {len(self.rates_mbit_per_s)} peers; allowed: at most 250 (one /24)")
+        self.created = True
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("link", "set", self.bridge, "up")
+            for peer, (up, down) in enumerate(self.rates_mbit_per_s):
+                self._add_peer(peer, up, down)
+        except BaseException:
+            self.remove()
+            raise
+        self.reaper = subprocess.Popen([sys.executable, "-m", "ddlscope.network.reaper", "--owner-pid",
+                                        str(self.owner_pid), "--peers", str(len(self.rates_mbit_per_s))],
+                                       start_new_session=True, stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return self
+
+    def _add_peer(self, peer: int, up: float | None, down: float | None) -> None:
+        ns, host_end, ns_end = self.namespace(peer), self.host_veth(peer), f"{PREFIX}{self.tag}-n{peer}"
+        _ip("netns", "add", ns)
+        _ip("link", "add", host_end, "type", "veth", "peer", "name", ns_end)
+        _ip("link", "set", ns_end, "netns", ns)
+        _ip("link", "set", host_end, "master", self.bridge)
+        _ip("link", "set", host_end, "up")
+        _ip("-n", ns, "link", "set", ns_end, "name", "eth0")
+        _ip("-n", ns, "addr", "add", f"{self.address(peer)}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        if up is not None:
+            _tc(["ip", "netns", "exec", ns, "tc"], "eth0", up)
+        if down is not None:
+            _tc(["tc"], host_end, down)
+
+    # ------------------------------------------------------------------ read
+    def counters(self) -> list[dict[str, float | int | str | None]]:
+        """Per peer: namespace, address, the configured rates and what its links carried so far.
+
+        Returns one dict per peer with ``peer``, ``namespace``, ``address``, ``upload_mbit_per_s``,
+        ``download_mbit_per_s`` (None: unlimited), ``bytes_sent`` / ``bytes_received`` (bytes the
+        peer's interface sent / the bridge delivered to it, from the kernel's link counters),
+        ``drops_upload`` / ``drops_download`` (packets the rate limit dropped; None without one).
+        """
+        rows = []
+        for peer, (up, down) in enumerate(self.rates_mbit_per_s):
+            ns = self.namespace(peer)
+            link = _link_stats(["ip", "-n", ns], "eth0")
+            rows.append({"peer": peer, "namespace": ns, "address": self.address(peer), "upload_mbit_per_s": up,
+                         "download_mbit_per_s": down, "bytes_sent": link.get("tx_bytes"),
+                         "bytes_received": link.get("rx_bytes"),
+                         "drops_upload": _tbf_drops(["ip", "netns", "exec", ns, "tc"], "eth0") if up else None,
+                         "drops_download": _tbf_drops(["tc"], self.host_veth(peer)) if down else None})
+        return rows
+
+    # ------------------------------------------------------------------ remove
+    def remove(self) -> None:
+        """Kill what still runs in the namespaces, delete them (their veths and qdiscs go with them)
+        and the bridge; end the reaper. Safe to call twice and on a half-built network."""
+        if not self.created:
+            return
+        remove_network(self.tag, len(self.rates_mbit_per_s))
+        if self.reaper is not None and self.reaper.poll() is None:
+            self.reaper.kill()
+            self.reaper.wait()
+        self.created = False
+
+    def __enter__(self) -> "EmulatedNetwork":
+        return self.create()
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def remove_network(tag: str, peers: int | None = None) -> None:
+    """Remove the emulated network ``tag``: SIGKILL every process in its namespaces, delete them
+    and its bridge. ``peers`` None removes every namespace with that tag that exists."""
+    names = [f"{PREFIX}-{tag}-{i}" for i in range(peers)] if peers is not None else \
+        [n for n in namespaces() if _NAMESPACE.match(n) and _NAMESPACE.match(n).group(1) == tag]
+    for ns in names:
+        for pid in _netns_pids(ns):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    # a namespace's veth goes with it, but asynchronously: delete the bridge's ends (and the bridge) now
+    for dev in _links(f"{PREFIX}{tag}-"):
+        subprocess.run(["ip", "link", "del", dev], capture_output=True)
+
+
+def _links(prefix: str) -> list[str]:
+    done = subprocess.run(["ip", "-j", "link", "show"], capture_output=True, text=True)
+    return [d["ifname"] for d in json.loads(done.stdout or "[]") if d["ifname"].startswith(prefix)]
+
+
+def namespaces() -> list[str]:
+    """Names of the network namespaces ``ip netns`` knows (all of them, not only ddlscope's)."""
+    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+
+
+def remove_stale() -> list[str]:
+    """Remove every ddlscope network whose owner process is gone; return their tags."""
+    tags = {m.group(1) for n in namespaces() if (m := _NAMESPACE.match(n))}
+    stale = [t for t in sorted(tags) if not _pid_alive(int(t, 16))]
+    for tag in stale:
+        remove_network(tag)
+    return stale
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _netns_pids(ns: str) -> list[int]:
+    done = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+    return [int(p) for p in done.stdout.split() if p.isdigit()]
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip() or f'exit code {done.returncode}'}")
+
+
+def _tc(tc: list[str], dev: str, rate_mbit_per_s: float) -> None:
+    """A tbf rate limit on ``dev``'s egress. The bucket holds 10 ms at the rate (at least 16 KiB,
+    so that a whole 1500-byte packet and a kernel tick's worth always fit)."""
+    rate_bytes_per_s = rate_mbit_per_s * 1e6 / 8
+    burst_bytes = max(16 * 1024, int(rate_bytes_per_s / 100))
+    cmd = [*tc, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit_per_s * 1000:.0f}kbit",
+           "burst", str(burst_bytes), "latency", f"{QUEUE_LATENCY_MS}ms"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
+
+
+def _link_stats(ip: list[str], dev: str) -> dict[str, int]:
+    done = subprocess.run([*ip, "-s", "-j", "link", "show", "dev", dev], capture_output=True, text=True)
+    if done.returncode != 0 or not done.stdout.strip():
+        return {}
+    stats = json.loads(done.stdout)[0].get("stats64", {})
+    return {"tx_bytes": stats.get("tx", {}).get("bytes"), "rx_bytes": stats.get("rx", {}).get("bytes")}
+
+
+def _tbf_drops(tc: list[str], dev: str) -> int | None:
+    done = subprocess.run([*tc, "-s", "-j", "qdisc", "show", "dev", dev], capture_output=True, text=True)
+    if done.returncode != 0 or not done.stdout.strip():
+        return None
+    return next((q.get("drops") for q in json.loads(done.stdout) if q.get("kind") == "tbf"), None)
+
+
+def wait_removed(tag: str, timeout_s: float = 10.0) -> bool:
+    """Wait up to ``timeout_s`` for every namespace of network ``tag`` to be gone; True if they are."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not [n for n in namespaces() if n.startswith(f"{PREFIX}-{tag}-")]:
+            return True
+        time.sleep(0.1)
+    return False

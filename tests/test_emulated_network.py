@@ -1,0 +1,141 @@
+"""Emulated networks: config, namespaces and rate limits built and removed, nothing left after the owner dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from ddlscope.errors import UserError
+from ddlscope.network.emulated import EmulatedNetwork, NetworkConfig, namespaces, netem_available, remove_stale
+
+can_emulate = sys.platform.startswith("linux") and os.geteuid() == 0 and subprocess.run(
+    ["ip", "netns", "list"], capture_output=True).returncode == 0
+needs_root = pytest.mark.skipif(not can_emulate, reason="needs root and iproute2 (network namespaces)")
+
+
+def test_rates_default_and_per_peer_overrides():
+    cfg = NetworkConfig(emulate=True, bandwidth_mbit_per_s=100, links=[
+        {"peer": 1, "bandwidth_mbit_per_s": 10}, {"peer": 2, "upload_mbit_per_s": 5}])
+    assert cfg.rates(4) == [(100, 100), (10, 10), (5, 100), (100, 100)]
+    assert NetworkConfig(emulate=True).rates(2) == [(None, None), (None, None)]
+
+
+@pytest.mark.parametrize("values, words", [
+    ({"emulate": True, "bandwidth_mbit_per_s": 0}, "greater than 0"),
+    ({"emulate": True, "bandwidth_mbit_per_s": -3}, "greater than 0"),
+    ({"bandwidth_mbit_per_s": 10}, "need network.emulate = true"),
+    ({"emulate": True, "links": [{"peer": 0, "upload_mbit_per_s": 1}, {"peer": 0, "download_mbit_per_s": 1}]},
+     "names a peer twice"),
+    ({"emulate": True, "links": [{"peer": 0, "speed": 1}]}, "speed"),
+])
+def test_bad_network_config_names_the_problem(values, words):
+    with pytest.raises(ValidationError, match=words):
+        NetworkConfig(**values)
+
+
+def test_a_link_for_a_peer_that_does_not_exist_is_refused():
+    with pytest.raises(UserError, match=r"peer 3 does not exist; allowed: 0\.\.1"):
+        NetworkConfig(emulate=True, links=[{"peer": 3, "bandwidth_mbit_per_s": 1}]).rates(2)
+
+
+def _ours(tag: str) -> tuple[list[str], list[str]]:
+    links = subprocess.run(["ip", "-j", "link", "show"], capture_output=True, text=True).stdout
+    return ([n for n in namespaces() if n.startswith(f"ddl-{tag}-")],
+            [d["ifname"] for d in json.loads(links) if d["ifname"].startswith(f"ddl{tag}-")])
+
+
+@needs_root
+def test_peers_talk_only_through_their_rate_limited_links_and_everything_is_removed():
+    net = EmulatedNetwork([(20.0, None), (None, 50.0)]).create()
+    try:
+        ns0, ns1 = net.namespace(0), net.namespace(1)
+        # the limits sit where the text says: peer 0's upload on its eth0, peer 1's download on the bridge's end
+        up0 = json.loads(subprocess.run(["ip", "netns", "exec", ns0, "tc", "-j", "qdisc", "show", "dev", "eth0"],
+                                        capture_output=True, text=True).stdout)
+        down1 = json.loads(subprocess.run(["tc", "-j", "qdisc", "show", "dev", net.host_veth(1)],
+                                          capture_output=True, text=True).stdout)
+        assert [q["options"]["rate"] for q in up0 if q["kind"] == "tbf"] == [20_000_000 // 8]
+        assert [q["options"]["rate"] for q in down1 if q["kind"] == "tbf"] == [50_000_000 // 8]
+        # 2 MiB from peer 0 to peer 1 over the namespaces' addresses
+        server = subprocess.Popen(net.wrap(1, [sys.executable, "-c", (
+            "import socket; s = socket.socket(); s.bind(('10.201.0.3', 5555)); s.listen(); c, _ = s.accept(); n = 0\n"
+            "while (d := c.recv(65536)): n += len(d)\nprint(n)")]), stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        subprocess.run(net.wrap(0, [sys.executable, "-c", (
+            "import socket; s = socket.create_connection(('10.201.0.3', 5555)); s.sendall(b'x' * (2 << 20)); s.close()")]),
+            check=True, timeout=30)
+        assert int(server.communicate(timeout=30)[0]) == 2 << 20
+        c0, c1 = net.counters()
+        assert c0["bytes_sent"] >= 2 << 20 and c1["bytes_received"] >= 2 << 20
+        assert c0["drops_upload"] is not None and c0["drops_download"] is None
+        # loopback of the machine is not reachable from a namespace: no route out
+        out = subprocess.run(net.wrap(0, [sys.executable, "-c", (
+            "import socket\ntry:\n socket.create_connection(('10.0.0.1', 9), timeout=1)\nexcept OSError as e: print(e.errno)")]),
+            capture_output=True, text=True)
+        assert out.stdout.strip() == "101"  # ENETUNREACH
+    finally:
+        net.remove()
+    assert _ours(net.tag) == ([], [])
+    assert net.reaper.poll() is not None
+
+
+@needs_root
+def test_a_killed_owner_leaves_no_namespace_link_or_process_behind():
+    owner = subprocess.Popen([sys.executable, "-c", (
+        "import time\nfrom ddlscope.network.emulated import EmulatedNetwork\n"
+        "net = EmulatedNetwork([(10.0, 10.0)] * 3).create()\n"
+        "import subprocess, sys\n"
+        "subprocess.Popen(net.wrap(1, [sys.executable, '-c', 'import time; time.sleep(60)']))\n"
+        "print('ready', flush=True)\ntime.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    tag = f"{owner.pid:x}"
+    try:
+        assert owner.stdout.readline().strip() == "ready"
+        assert len(_ours(tag)[0]) == 3
+        sleeper = [int(p) for p in subprocess.run(["ip", "netns", "pids", f"ddl-{tag}-1"], capture_output=True,
+                                                  text=True).stdout.split()]
+        assert len(sleeper) == 1
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while _ours(tag) != ([], []) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _ours(tag) == ([], [])
+        time.sleep(0.2)
+        assert not os.path.exists(f"/proc/{sleeper[0]}") or open(f"/proc/{sleeper[0]}/stat").read().split()[2] == "Z"
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+@needs_root
+def test_remove_stale_removes_networks_whose_owner_is_gone_and_nothing_else():
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stale = EmulatedNetwork([(5.0, None)], owner_pid=owner.pid).create()
+    stale.reaper.kill()  # an owner killed together with its reaper (e.g. kill -9 of both) leaves its network
+    stale.reaper.wait()
+    owner.kill()
+    owner.wait()
+    live = EmulatedNetwork([(None, None)]).create()
+    try:
+        assert _ours(stale.tag)[0] == [stale.namespace(0)]
+        assert stale.tag in remove_stale()
+        assert _ours(stale.tag) == ([], []) and _ours(live.tag)[0] == [live.namespace(0)]
+    finally:
+        live.remove()
+        stale.remove()
+
+
+@needs_root
+@pytest.mark.skipif(can_emulate and netem_available(), reason="this kernel has netem")
+def test_latency_without_netem_is_one_clear_error():
+    from ddlscope.network.emulated import check_can_emulate
+
+    with pytest.raises(UserError, match="needs the kernel's tc netem"):
+        check_can_emulate(latency=True)
