@@ -1,0 +1,132 @@
+"""How faithful are ddlscope's emulated links? Configured rate vs. the goodput TCP gets through them.
+
+Every figure measured on an emulated network (``[network] emulate = true``) is only as good as
+the links: this benchmark builds :class:`ddlscope.network.emulated.EmulatedNetwork` s and sends
+bulk TCP data between namespaces, timed at the receiver (first byte to last byte), the way a
+user would check a shaped link with iperf:
+
+* ``upload``: peer 0's upload limited, one stream 0 -> 1;
+* ``download``: peer 2's download limited, two peers send to it at once (the limit is on the
+  bridge's end of its veth, shared by both streams);
+* ``unlimited``: no limit (the veth's own speed on this machine, for reference).
+
+Each case sends ``--seconds`` worth of data at the configured rate (at least 1 MiB), ``--repeats``
+times; the table gives the median goodput and its ratio to the configured rate (TCP/IP headers
+take about 3-5 % of a 1500-byte packet, so about 0.95 is a faithful link).
+
+    python benchmarks/emulated_links.py [--rates 5 20 100 500] [--seconds 2] [--repeats 3]
+
+Needs root and iproute2. Prints a table, writes ``benchmarks/results/emulated_links.json`` and
+rewrites the ``emulated-links`` block of ``docs/emulated-networks.md`` (``--no-docs`` to leave it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _docs import check_docs_block, markdown_table, provenance, update_docs_block
+
+from ddlscope.network.emulated import EmulatedNetwork, check_can_emulate
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs" / "emulated-networks.md"
+PORT = 5601
+
+RECEIVER = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(); print("ready", flush=True)
+conns = [s.accept()[0] for _ in range(int(sys.argv[3]))]
+n, first = 0, None
+import selectors
+sel = selectors.DefaultSelector()
+for c in conns: sel.register(c, selectors.EVENT_READ)
+open_conns = len(conns)
+while open_conns:
+    for key, _ in sel.select():
+        d = key.fileobj.recv(1 << 16)
+        if first is None: first = time.monotonic()
+        if not d:
+            sel.unregister(key.fileobj); open_conns -= 1
+        n += len(d)
+print(n, time.monotonic() - first)
+"""
+SENDER = """
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2]))); c.sendall(b"x" * int(sys.argv[3])); c.close()
+"""
+
+
+def goodput_mbit_per_s(net: EmulatedNetwork, senders: list[int], receiver: int, nbytes: int) -> float:
+    """Receiver-timed goodput in Mbit/s of ``nbytes`` from each of ``senders`` to ``receiver`` at once."""
+    rx = subprocess.Popen(net.wrap(receiver, [sys.executable, "-c", RECEIVER, net.address(receiver), str(PORT),
+                                              str(len(senders))]), stdout=subprocess.PIPE, text=True)
+    assert rx.stdout.readline().strip() == "ready"
+    txs = [subprocess.Popen(net.wrap(s, [sys.executable, "-c", SENDER, net.address(receiver), str(PORT), str(nbytes)]))
+           for s in senders]
+    for tx in txs:
+        tx.wait(timeout=600)
+    received, seconds = rx.communicate(timeout=600)[0].split()
+    return int(received) * 8 / float(seconds) / 1e6
+
+
+def measure(rates: list[float], seconds: float, repeats: int) -> list[dict]:
+    rows = []
+    cases = [("unlimited", None)] + [(kind, r) for r in rates for kind in ("upload", "download")]
+    for kind, rate in cases:
+        if kind == "download":
+            links, senders, receiver = [(None, None), (None, None), (None, rate)], [0, 1], 2
+        else:
+            links, senders, receiver = [(rate, None), (None, None)], [0], 1
+        nbytes = max(1 << 20, int((rate or 2000) * 1e6 / 8 * seconds / len(senders)))
+        with EmulatedNetwork(links) as net:
+            got = [goodput_mbit_per_s(net, senders, receiver, nbytes) for _ in range(repeats)]
+            drops = net.counters()[senders[0] if kind == "upload" else receiver]
+        median = statistics.median(got)
+        rows.append({"case": kind, "configured_mbit_per_s": rate, "streams": len(senders),
+                     "bytes_per_stream": nbytes, "goodput_mbit_per_s": got, "median_mbit_per_s": median,
+                     "ratio": median / rate if rate else None,
+                     "drops": drops["drops_upload"] if kind == "upload" else drops["drops_download"]})
+        print(f"{kind:10s} {rate or '-':>6} Mbit/s: median {median:8.1f} Mbit/s "
+              f"({', '.join(f'{g:.1f}' for g in got)})", flush=True)
+    return rows
+
+
+def to_markdown(result: dict) -> str:
+    header = ["link", "configured", "streams", "goodput (median)", "ratio", "packets dropped by the limit"]
+    rows = [[r["case"], f"{r['configured_mbit_per_s']:g} Mbit/s" if r["configured_mbit_per_s"] else "none",
+             str(r["streams"]), f"{r['median_mbit_per_s']:.1f} Mbit/s",
+             f"{r['ratio']:.3f}" if r["ratio"] else "–", "–" if r["drops"] is None else str(r["drops"])]
+            for r in result["rows"]]
+    return "\n\n".join([provenance("benchmarks/emulated_links.py", result["measured_at"]),
+                        markdown_table(header, rows)])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", type=float, nargs="+", default=[5, 20, 100, 500], help="Mbit/s")
+    p.add_argument("--seconds", type=float, default=2.0, help="data per case, in seconds at the configured rate")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "emulated_links.json")
+    p.add_argument("--no-docs", action="store_true")
+    args = p.parse_args()
+    check_can_emulate()
+    if not args.no_docs:
+        check_docs_block(DOCS, "emulated-links")
+    result = {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "seconds": args.seconds, "repeats": args.repeats,
+              "rows": measure(args.rates, args.seconds, args.repeats)}
+    print(to_markdown(result))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    if not args.no_docs:
+        update_docs_block(DOCS, "emulated-links", to_markdown(result))
+
+
+if __name__ == "__main__":
+    main()
