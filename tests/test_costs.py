@@ -240,9 +240,16 @@ def test_butterfly_allreduce_matches_ring_for_equal_peers_and_favours_fast_peers
     n, g = 4, 1e9
     equal = butterfly_allreduce_s(g, [1.0] * n, [0.0] * n)
     assert equal == pytest.approx(2 * g * (n - 1) / n / 1e9, rel=1e-6)
-    # one slow peer: the LP gives it a small share, so the round is far faster than 'everyone at the slowest speed'
+    # one slow peer: the LP gives it nothing to reduce, so it only sends its vector and receives the average,
+    # one after the other (hivemind delays a zero-fraction peer's results until it has sent everything)
     mixed = butterfly_allreduce_s(g, [1.0, 1.0, 1.0, 0.1], [0.0] * n)
-    assert equal < mixed < 2 * g * (n - 1) / n / 0.1e9
+    assert mixed == pytest.approx(2 * g / 0.1e9, rel=1e-6)
+    # equal parts (no bandwidth declared): the slow peer reduces a quarter, sending and receiving at once
+    assert butterfly_allreduce_s(g, [1.0, 1.0, 1.0, 0.1], [0.0] * n, balanced=False) == pytest.approx(
+        g * (1 + (n - 2) / n) / 0.1e9, rel=1e-6)
+    # peers that are only a little uneven all reduce a share: the LP beats equal parts
+    near = [1.0, 1.0, 0.8, 0.7]
+    assert butterfly_allreduce_s(g, near, [0.0] * n) < butterfly_allreduce_s(g, near, [0.0] * n, balanced=False)
     assert butterfly_allreduce_s(g, [1.0], [0.0]) == 0.0
 
 

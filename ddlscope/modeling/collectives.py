@@ -42,22 +42,40 @@ def ring_allgather_s(nbytes: float, workers: int, link: LinkSpec, fixed_s: float
 
 
 def butterfly_allreduce_s(nbytes: float, bandwidths_gb_per_s: list[float], latencies_s: list[float],
-                          fixed_s: float = 0.0) -> float:
+                          fixed_s: float = 0.0, balanced: bool = True) -> float:
     """Seconds of hivemind's butterfly all-reduce of ``nbytes`` among peers with these links.
 
     Peer i reduces a fraction ``x_i`` of the vector: it sends the other ``1 - x_i`` of its own
     vector and returns its averaged part to the N-1 others, ``nbytes * (1 + (N-2) x_i)`` bytes
-    out (and as many in). hivemind chooses the fractions by a linear program that minimises the
-    slowest peer's time (``hivemind.averaging.load_balancing``); the same LP is solved here
-    (scipy ``linprog``). One peer: 0.
+    out (and as many in), which take ``nbytes * (1 + (N-2) x_i) / bw_i`` when sending and
+    receiving overlap (DeDLOC, Diskin et al. 2021, section 3.2). With ``balanced`` (peers declare
+    their bandwidth to the averager, ``DecentralizedAverager(bandwidth=...)``) hivemind chooses the
+    fractions by a linear program that minimises the slowest peer's time
+    (``hivemind.averaging.load_balancing``); the same LP is solved here (scipy ``linprog``).
+    Without (no peer declared one, as ddlscope's collaborative peers: hivemind.Optimizer's
+    default) every peer gets ``1/N``.
+
+    A peer the LP gives nothing (``x_i = 0``: with 3 or more peers, one much slower than the
+    others) is only a client, and hivemind 1.1.12 sends such a peer its averaged parts only after
+    it has sent all of its own (``AllReduceRunner.should_delay_results``): its upload and download
+    do not overlap, ``2 * nbytes / bw_i``. Measured on emulated links (benchmarks/averaging_links.py:
+    200/100/20 Mbit/s, 16 MiB: 13.7 s measured, 13.4 s so, 6.7 s with overlap).
+
+    Args:
+        nbytes: bytes averaged (the vector's size).
+        bandwidths_gb_per_s: each peer's link, 1e9 bytes/s (the smaller of its upload and download).
+        latencies_s: each peer's one-way latency; the round pays the largest twice.
+        fixed_s: per-round fixed cost.
+        balanced: fractions from hivemind's LP (True) or equal (False).
+
+    Returns 0 for one peer or nothing to average.
     """
     n = len(bandwidths_gb_per_s)
     if n < 2 or nbytes <= 0:
         return 0.0
     bw = [b * 1e9 for b in bandwidths_gb_per_s]
-    if n == 2:
-        wire = nbytes / min(bw)
-    else:
+    fractions = [1.0 / n] * n
+    if n > 2 and balanced:
         from scipy.optimize import linprog
 
         # variables x_1..x_n, T: minimise T s.t. nbytes (1 + (n-2) x_i) / bw_i <= T, sum x = 1, x >= 0
@@ -66,7 +84,9 @@ def butterfly_allreduce_s(nbytes: float, bandwidths_gb_per_s: list[float], laten
         b_ub = [-nbytes / bw[i] for i in range(n)]
         res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=[[1.0] * n + [0.0]], b_eq=[1.0],
                       bounds=[(0, 1)] * n + [(0, None)], method="highs")
-        wire = float(res.x[-1]) if res.success else 2 * nbytes * (n - 1) / n / min(bw)
+        if res.success:
+            fractions = [float(x) for x in res.x[:n]]
+    wire = max(2 * nbytes / b if x < 1e-9 else nbytes * (1 + (n - 2) * x) / b for x, b in zip(fractions, bw))
     return fixed_s + 2 * max(latencies_s) + wire
 
 
