@@ -1,7 +1,7 @@
 """The ``ddlscope`` command line.
 
 Commands: ``quickstart`` (the main job), ``models``, ``run``, ``suite``, ``sweep``, ``sweep-report``,
-``matchmaking``, ``datapipe``, ``peer``, ``serve-experts``, ``bootstrap``, ``report``, ``runs``, ``rm``, ``data``, and the
+``matchmaking``, ``datapipe``, ``peer``, ``serve-experts``, ``bootstrap``, ``report``, ``runs``, ``rm``, ``export``, ``data``, and the
 predictor's ``profile``, ``calibrate``, ``recommend`` and ``validate`` (``predict/commands.py``). User errors
 print one line ``error: ...`` and exit with status 2.
 """
@@ -33,7 +33,13 @@ def _db(db: Optional[Path]) -> Path:
 
 
 def _parse_sets(sets: list[str]) -> dict[str, Any]:
-    """``key=value`` pairs; values parsed as TOML scalars (numbers, booleans, strings)."""
+    """``key=value`` pairs (``key`` a field or ``table.field``); values parsed as TOML values
+    (numbers, booleans, quoted strings, arrays), else taken as the bare string.
+
+    Raises:
+        UserError: no ``=``, an empty name or name part, or a name set both as a value and as a table
+            (``--set batch_size=3 --set batch_size.x=1``).
+    """
     import tomllib
 
     out: dict[str, Any] = {}
@@ -41,16 +47,64 @@ def _parse_sets(sets: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise UserError(f"--set {item!r}: expected key=value, e.g. --set batch_size=64")
         key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(p.strip() for p in parts):
+            raise UserError(f"--set {item!r}: {key.strip()!r} is not a field name; allowed: a field or "
+                            f"table.field, e.g. --set batch_size=64 or --set distributed.backend='\"gloo\"'")
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
             value = raw
         target = out
-        *parents, leaf = key.strip().split(".")
-        for p in parents:
+        *parents, leaf = (p.strip() for p in parts)
+        for i, p in enumerate(parents):
             target = target.setdefault(p, {})
+            if not isinstance(target, dict):
+                raise UserError(f"--set {item!r}: {'.'.join(parts[:i + 1])} is set to a value by another --set, "
+                                f"so it cannot be a table too; give one of them")
+        if isinstance(target.get(leaf), dict):
+            raise UserError(f"--set {item!r}: {'.'.join(parts)} is a table set by another --set "
+                            f"({'.'.join(parts)}.<field>=...), so it cannot be a value too; give one of them")
         target[leaf] = value
     return out
+
+
+def _writable_db(db: Optional[Path]) -> Path:
+    """The results database a command that stores runs writes to, checked before anything starts.
+
+    A missing file is fine (it is created, with its folders, when the run starts); nothing is
+    created here.
+
+    Raises:
+        UserError: the path is a folder; an existing file that is not SQLite or cannot be written;
+            a file where a folder of the path should be; a folder that cannot be written.
+    """
+    import sqlite3
+
+    path = _db(db)
+    hint = "allowed: a new file or an existing ddlscope results database (default ./ddlscope-results/ddlscope.db)"
+    if path.is_dir():
+        raise UserError(f"--db {path} is a folder; {hint}")
+    if path.exists():
+        if not os.access(path, os.R_OK | os.W_OK) or not os.access(path.parent, os.W_OK | os.X_OK):
+            raise UserError(f"--db {path} cannot be written (it or its folder is read-only); {hint}")
+        try:
+            con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+            try:
+                con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            finally:
+                con.close()
+        except sqlite3.DatabaseError as err:
+            raise UserError(f"--db {path} is not a ddlscope results database (SQLite): {err}; {hint}") from None
+        return path
+    folder = path.absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(f"--db {path}: {folder} is a file, not a folder; {hint}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"--db {path}: the folder {folder} cannot be written; {hint}")
+    return path
 
 
 @contextmanager
@@ -108,7 +162,7 @@ def quickstart(
     share of the cores each, on the same sample budget and real data (the bundled handwritten
     digits), and writes a report comparing runtime, throughput, accuracy and where the time went.
     """
-    from ddlscope.config import available_cores, validate_config
+    from ddlscope.config import available_cores, check_runnable, validate_config
     from ddlscope.launch.local import run_local
 
     cores = available_cores()
@@ -123,7 +177,8 @@ def quickstart(
                                   vcpus_per_peer=len(cores) // peers,
                                   collaborative=dict(target_batch_size=target_batch_size,
                                                      matchmaking_time_s=matchmaking_time_s, averaging_timeout_s=60)))
-    db_path = _db(db)
+    db_path = _writable_db(db)
+    check_runnable(baseline)  # the peers train the same model on the same data
     typer.echo(f"baseline: {model} on {dataset}, {len(cores)} cores, budget {sample_budget} samples")
     with _interruptible():
         run_ids = [run_local(baseline, db_path, group, progress)]
@@ -151,18 +206,44 @@ def run(
     On a cluster, run the same command on every node with --nnodes, --rdzv-endpoint and --run-id;
     each node starts peers / nnodes workers (torchrun) and stores them in its own database.
     """
-    from ddlscope.config import load_config, validate_config
+    from ddlscope.config import check_runnable, load_config, validate_config
     from ddlscope.launch.local import run_local
 
     if nnodes > 1 and not (rdzv_endpoint and run_id):
         raise UserError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (the first node) and --run-id NAME, "
                         f"the same on every node")
+    if config is None and not set_:
+        raise UserError("give a run config file or --set fields, e.g. ddlscope run --set model='\"tiny_cnn\"' "
+                        "--set dataset='\"digits\"' (every field: docs/config.md; the main job: ddlscope quickstart)")
     overrides = _parse_sets(set_)
     cfg = load_config(config, overrides, nnodes) if config else validate_config(overrides, nnodes)
+    _check_local_peers(cfg, local_peers, nnodes)
+    db_path = _writable_db(db)
+    check_runnable(cfg, local_peers or cfg.peers // nnodes)
     with _interruptible():
-        run_id = run_local(cfg, _db(db), group, progress, local_peers, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
+        run_id = run_local(cfg, db_path, group, progress, local_peers, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
                            run_id=run_id)
-    _echo_outcome(_db(db), run_id)
+    _echo_outcome(db_path, run_id)
+
+
+def _check_local_peers(cfg, local_peers: Optional[int], nnodes: int) -> None:
+    """``--local-peers``: only for swarm models (the others start every worker themselves), 1..peers.
+
+    Raises:
+        UserError: naming the option, the value and what is allowed.
+    """
+    from ddlscope import distribution
+
+    if local_peers is None:
+        return
+    swarm = distribution.with_launcher("swarm")
+    if cfg.distribution_model.launcher != "swarm":
+        raise UserError(f"--local-peers {local_peers}: {cfg.strategy} starts all its workers itself; allowed with "
+                        f"{', '.join(swarm)} (the other peers join with 'ddlscope peer')")
+    if nnodes > 1:
+        raise UserError(f"--local-peers with --nnodes {nnodes}: --nnodes is for models launched by torchrun")
+    if not 1 <= local_peers <= cfg.peers:
+        raise UserError(f"--local-peers {local_peers}: allowed: 1..{cfg.peers} (peers = {cfg.peers})")
 
 
 @app.command()
@@ -190,7 +271,7 @@ def suite(
             typer.echo(f"{c.label}: batch {c.values['batch_size']} per worker{mb}")
         typer.echo(f"{len(cells)} cells")
         return
-    db_path = _existing_db(db) if report_only else _db(db)
+    db_path = _existing_db(db) if report_only else _writable_db(db)
     if not report_only:
         with _interruptible():
             run_suite(spec, db_path, progress=progress, rerun=rerun)
@@ -210,7 +291,7 @@ def sweep(
     list_presets: bool = typer.Option(False, "--list-presets", help="list the built-in grids and exit"),
     name: Optional[str] = typer.Option(None, help="sweep name = the runs' group (default: the grid's name)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="list the cells with their estimated time; run nothing"),
-    max_cells: int = typer.Option(200, min=1, help="refuse grids that expand to more cells than this"),
+    max_cells: int = typer.Option(200, min=1, max=100_000, help="refuse grids that expand to more cells than this"),
     retry_failed: bool = typer.Option(True, "--retry-failed/--skip-failed",
                                       help="run cells whose last run failed again (default) or skip them"),
     db: Optional[Path] = DbOption,
@@ -236,6 +317,7 @@ def sweep(
         return
     from ddlscope.sweep.runner import run_sweep
 
+    _writable_db(db)
     with _interruptible():
         outcomes = run_sweep(plan, _db(db), progress, retry_failed)
     counts = {s: sum(o.status == s for o in outcomes) for s in ("completed", "failed", "skipped")}
@@ -293,7 +375,7 @@ def peer(
     db: Optional[Path] = DbOption,
 ):
     """Join a swarm run (a model whose launcher is ``swarm``) by hand, e.g. from another host; results go to this host's --db."""
-    from ddlscope.config import available_cores, load_config, validate_config
+    from ddlscope.config import check_runnable, load_config, validate_config
     from ddlscope.store.db import ResultsStore
     from ddlscope.train.worker import serve_worker
 
@@ -301,13 +383,32 @@ def peer(
     cfg = load_config(config, overrides) if config else validate_config(overrides)
     if not 0 <= index < peers:
         raise UserError(f"--index {index}: allowed 0..{peers - 1}")
-    core_ids = [int(c) for c in cores.split(",")] if cores else available_cores()
+    core_ids = _core_ids(cores)
+    _writable_db(db)
+    check_runnable(cfg)
     with ResultsStore(_db(db)) as store:
         store.create_run(cfg.run_label, cfg.strategy, cfg.model_dump(mode="json"), run_id=run_id)
     code = serve_worker(str(_db(db)), run_id, index, peers, core_ids, initial_peers, listen or None)
     with ResultsStore(_db(db)) as store:
         store.finish_run(run_id, {0: "completed", 130: "interrupted"}.get(code, "failed"))
     raise typer.Exit(code)
+
+
+def _core_ids(cores: Optional[str]) -> list[int]:
+    """``--cores 0,1`` -> [0, 1] (default: every core this process may use).
+
+    Raises:
+        UserError: an entry that is not a core id this process may use.
+    """
+    from ddlscope.config import available_cores
+
+    allowed = available_cores()
+    if not cores:
+        return allowed
+    parts = [c.strip() for c in cores.split(",")]
+    if not all(p.isdigit() and int(p) in allowed for p in parts):
+        raise UserError(f"--cores {cores!r}: allowed: comma-separated core ids among {allowed}")
+    return [int(p) for p in parts]
 
 
 def _swarm_model(strategy: Optional[str]) -> str:
@@ -349,7 +450,7 @@ def serve_experts(
     go to this host's --db.
     """
     from ddlscope import distribution
-    from ddlscope.config import available_cores, load_config, validate_config
+    from ddlscope.config import load_config, validate_config
     from ddlscope.moe.server import serve
     from ddlscope.store.db import ResultsStore
 
@@ -359,7 +460,8 @@ def serve_experts(
     servers = cfg.model_options()["servers"]
     if not 0 <= index < servers:
         raise UserError(f"--index {index}: allowed 0..{servers - 1} (dmoe.servers = {servers})")
-    core_ids = [int(c) for c in cores.split(",")] if cores else available_cores()
+    core_ids = _core_ids(cores)
+    _writable_db(db)
     with ResultsStore(_db(db)) as store:
         run_id = store.create_run(f"{cfg.run_label}-server{index}", cfg.strategy, cfg.model_dump(mode="json"),
                                   run_id=run_id)
@@ -376,7 +478,9 @@ def bootstrap(listen: list[str] = typer.Option(["/ip4/127.0.0.1/tcp/0"], help="m
     """Run a DHT-only bootstrap peer (the thesis's "messenger") until Ctrl-C; prints its multiaddrs."""
     import hivemind
 
-    dht = hivemind.DHT(host_maddrs=listen, start=True)
+    from ddlscope.launch.network import p2p_options
+
+    dht = hivemind.DHT(host_maddrs=listen, start=True, **p2p_options())
     for addr in dht.get_visible_maddrs():
         typer.echo(str(addr))
     from ddlscope import distribution
@@ -489,7 +593,10 @@ def _existing_db(db: Optional[Path]) -> Path:
     try:
         with ResultsStore(db_path) as store:
             for run_id in store.mark_stale_runs():
-                typer.echo(f"note: run {run_id} marked interrupted: {store.run(run_id)['reason']}", err=True)
+                row = store.run(run_id)
+                typer.echo(f"note: run {run_id} marked interrupted: {row['reason']}" if row["status"] != "running" else
+                           f"note: run {run_id}'s processes are gone, but it cannot be marked interrupted "
+                           f"(the database cannot be written)", err=True)
     except sqlite3.DatabaseError as err:
         raise UserError(f"{db_path} is not a ddlscope results database (SQLite): {err}") from None
     return db_path
@@ -637,6 +744,35 @@ def rm(
 
 
 @app.command()
+def export(
+    run_ids: list[str] = typer.Argument(None, help="ids of the runs to export (see 'ddlscope runs')"),
+    group: Optional[str] = typer.Option(None, help="export every run of this group (or sweep, suite)"),
+    to: str = typer.Option(..., "--to", help="tensorboard | wandb | mlflow | csv | parquet | trace"),
+    db: Optional[Path] = DbOption,
+    out: Optional[Path] = typer.Option(None, help="output folder (default <db folder>/exports/<target>)"),
+):
+    """Export runs: TensorBoard event files, W&B offline runs, an MLflow SQLite store, CSV/Parquet tables, or a
+    Chrome/Perfetto trace (no server, no network). Details: docs/export.md."""
+    from ddlscope.export import OPEN_HINTS, TARGETS, export_runs
+    from ddlscope.store.db import ResultsStore
+
+    if to not in TARGETS:
+        raise UserError(f"--to {to!r}: unknown export target; allowed: {', '.join(TARGETS)}")
+    if bool(run_ids) == bool(group):
+        raise UserError("give run id(s) or --group NAME (not both)")
+    db_path = _existing_db(db)
+    if group:
+        with ResultsStore(db_path) as store:
+            run_ids = [r["run_id"] for r in store.runs(group)]
+        if not run_ids:
+            raise UserError(f"no runs in group {group!r} in {db_path}; see 'ddlscope runs'")
+    out = out or db_path.parent / "exports" / to
+    for path in export_runs(db_path, run_ids, to, out):
+        typer.echo(f"wrote {path}")
+    typer.echo(f"open: {OPEN_HINTS[to].format(out=out)}")
+
+
+@app.command()
 def datapipe(
     dataset: str = typer.Argument(..., help="dataset name (digits, mnist, cifar10, imagenet, highres) or folder"),
     workers: str = typer.Option("0,1,2", help="loader worker counts to try, comma-separated, each 0..64"),
@@ -716,13 +852,34 @@ _register_predict_commands(app)
 
 
 def main() -> None:
-    """Console entry point: user errors become one ``error:`` line and exit status 2."""
+    """Console entry point: user errors — :class:`UserError` and the command line's own (an unknown
+    option, a value of the wrong type) — become one ``error:`` line and exit status 2."""
+    errors = sys.modules[typer.BadParameter.__module__]  # click's exception classes, as typer ships them
+
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
-        app()
+        code = app(standalone_mode=False)
     except UserError as e:
-        typer.echo(f"error: {e}", err=True)
+        _error_line(str(e))
         sys.exit(2)
+    except errors.NoArgsIsHelpError:  # 'ddlscope' or 'ddlscope data' alone: the help was printed
+        sys.exit(2)
+    except errors.UsageError as e:
+        command = e.ctx.command_path if e.ctx is not None else "ddlscope"
+        _error_line(f"{e.format_message()} (see '{command} --help')")
+        sys.exit(2)
+    except errors.ClickException as e:
+        _error_line(e.format_message())
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        typer.echo("Aborted!", err=True)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _error_line(message: str) -> None:
+    """``error: <message>`` on stderr as one line (line breaks inside the message become spaces)."""
+    typer.echo("error: " + " ".join(message.split()), err=True)
 
 
 if __name__ == "__main__":

@@ -10,15 +10,31 @@ models' own tables such as ``[collaborative]``), from CLI flags, or from Python.
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 import tomllib
+import types
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from ddlscope import distribution
 from ddlscope.errors import UserError
+from ddlscope.network.emulated import NetworkConfig, emulated_models
+
+
+MAX_BATCH_SIZE = 1 << 20
+"""Largest ``batch_size`` (samples per worker per step) a config may ask for."""
+MAX_SAMPLE_BUDGET = 10**12
+"""Largest ``sample_budget``: a million times ImageNet's training split."""
+MAX_TIME_LIMIT_S = 366 * 24 * 3600.0
+"""Largest ``time_limit_s``: a year."""
+MAX_PEERS = 256
+"""Most workers/peers one run may train."""
+MAX_SEED = 2**32 - 1
+"""Largest ``seed`` (NumPy's and most libraries' 32-bit seed range)."""
 
 
 def available_cores() -> list[int]:
@@ -72,23 +88,24 @@ class RunConfigBase(BaseModel):
     model: str = Field("resnet18", description="zoo network name or 'package.module:factory'")
     dataset: str = Field("digits", description="dataset name or path to a local copy")
     data_root: Path | None = Field(None, description="folder holding datasets; default $DDLSCOPE_DATA or ~/.cache/ddlscope/data")
-    batch_size: int = Field(32, ge=1, description="samples per worker per step")
-    learning_rate: float = Field(0.01, gt=0)
+    batch_size: int = Field(32, ge=1, le=MAX_BATCH_SIZE, description="samples per worker per step")
+    learning_rate: float = Field(0.01, gt=0, le=10)
     momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, le=1)
     optimizer: Literal["sgd", "adam", "adamw"] = Field("sgd", description="sgd (with momentum), adam or adamw")
     gradient_accumulation_steps: int = Field(1, ge=1, le=1024, description="micro-steps per optimizer step (GAS)")
     loader_workers: int = Field(1, ge=0, le=64, description="DataLoader worker processes per peer")
     augment: bool = True
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="model init and data shuffling (worker i shuffles with seed + i)")
     device: Literal["cpu", "cuda"] = "cpu"
 
-    peers: int = Field(1, ge=1, le=256, description="workers/peers trained at once (1 for single; stages for gpipe/1f1b)")
+    peers: int = Field(1, ge=1, le=MAX_PEERS, description="workers/peers trained at once (1 for single; stages for gpipe/1f1b)")
     vcpus_per_peer: int | None = Field(None, ge=1, description="CPU cores pinned to each peer; default all cores / peers")
 
-    sample_budget: int | None = Field(3200, ge=1, description="samples shared by all peers; each peer runs budget/(peers*batch_size) steps")
+    sample_budget: int | None = Field(3200, ge=1, le=MAX_SAMPLE_BUDGET,
+                                      description="samples shared by all peers; each peer runs budget/(peers*batch_size) steps")
     target_accuracy: float | None = Field(None, gt=0, le=1, description="stop when held-out accuracy reaches this")
-    time_limit_s: float | None = Field(None, gt=0, description="stop training after this many seconds")
+    time_limit_s: float | None = Field(None, gt=0, le=MAX_TIME_LIMIT_S, description="stop training after this many seconds")
     eval_every_steps: int | None = Field(None, ge=1, description="evaluate on the held-out split every N steps (and at the end)")
     eval_max_samples: int | None = Field(None, ge=1, description="evaluate on at most this many held-out samples")
     final_eval: bool = Field(True, description="evaluate once more after the last step (benchmarks that time steps only turn it off)")
@@ -96,6 +113,8 @@ class RunConfigBase(BaseModel):
     host_sample_interval_s: float = Field(1.0, gt=0, le=60)
 
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    network: NetworkConfig = Field(default_factory=NetworkConfig,
+                                   description="loopback, or each peer in a namespace with rate-limited links")
     # the distribution models' own tables ([collaborative], ...) are added from the registry: see RunConfig
 
     @field_validator("strategy")
@@ -131,6 +150,11 @@ class RunConfigBase(BaseModel):
             )
         if model.check_config is not None:
             model.check_config(self)
+        if self.network.emulate:
+            emulated = emulated_models()
+            if self.strategy not in emulated:
+                raise ValueError(f"network.emulate: not built yet for {self.strategy}; allowed: {', '.join(emulated)}")
+            self.network.rates(self.peers)  # a link of a peer that does not exist
         if self.target_accuracy is not None and self.eval_every_steps is None:
             self.eval_every_steps = 10
         return self
@@ -208,17 +232,33 @@ def _build_run_config() -> type[RunConfigBase]:
 
 
 RunConfig = _build_run_config()
-CONFIG_TABLES: tuple[str, ...] = ("run", "distributed", *distribution.config_tables())
+CONFIG_TABLES: tuple[str, ...] = ("run", "distributed", "network", *distribution.config_tables())
 """The tables a run-config file may have."""
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def _table_model(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model of the table that holds the field at ``loc`` (None: not a table of ``root``)."""
+    cls = root
+    for part in loc:
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        annotation = field.annotation if field is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        cls = annotation
+    return cls
+
+
+def _format_validation_error(err: ValidationError, root: type[BaseModel] | None = None) -> str:
+    """One line naming every bad field and what is allowed; an unknown field's message lists the
+    fields its table allows (``root``: the model validated, default :data:`RunConfig`)."""
+    root = root or RunConfig
     lines = []
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "config"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown field"
+            table = _table_model(root, tuple(e["loc"])[:-1])
+            msg = "unknown field" + (f"; allowed: {', '.join(table.model_fields)}" if table is not None else "")
         got = e.get("input")
         got_text = "" if e["type"] in ("extra_forbidden",) or isinstance(got, dict) else f" (got {got!r})"
         lines.append(f"{field}: {msg}{got_text}")
@@ -228,17 +268,23 @@ def _format_validation_error(err: ValidationError) -> str:
 def validate_config(values: dict[str, Any], nnodes: int = 1) -> RunConfig:
     """Build a :class:`RunConfig` and check the names and resources it refers to.
 
-    Checks, besides the field ranges: the model is a zoo network or ``module:factory``; the
+    Checks, besides the field ranges: every number is finite (no ``inf``/``nan``) and no boolean
+    stands for a number; ``listen_host`` fields are IPv4 addresses and ``initial_peers`` entries
+    look like multiaddrs; the model is a zoo network or ``module:factory``; the
     dataset is a known name or an existing path; the workers started on this host
     (``peers / nnodes``) x vCPUs fit the available cores.
 
     Raises:
         UserError: with one message naming each bad field and what is allowed.
     """
+    bad = _bad_numbers(values, RunConfig)
+    if bad:
+        raise UserError("invalid run config: " + "; ".join(bad))
     try:
         cfg = RunConfig(**values)
     except ValidationError as err:
         raise UserError(_format_validation_error(err)) from None
+    _check_addresses(cfg)
     from ddlscope.workloads.datasets import DATASETS
     from ddlscope.workloads.models import NETWORKS
 
@@ -260,16 +306,87 @@ def validate_config(values: dict[str, Any], nnodes: int = 1) -> RunConfig:
     return cfg
 
 
+def _bad_numbers(values: Any, model: type[BaseModel] | None, path: str = "") -> list[str]:
+    """Problems of the numbers in ``values`` (nested tables and lists included), one text each:
+    ``inf`` or ``nan`` anywhere, and a boolean given for a numeric field of ``model``."""
+    out: list[str] = []
+    if isinstance(values, float) and not math.isfinite(values):
+        return [f"{path or 'config'}: {values!r} is not a finite number; allowed: a finite number"]
+    if isinstance(values, list):
+        for i, v in enumerate(values):
+            out += _bad_numbers(v, None, f"{path}[{i}]")
+        return out
+    if not isinstance(values, dict):
+        return out
+    for key, value in values.items():
+        name = f"{path}.{key}" if path else str(key)
+        field = model.model_fields.get(key) if model is not None and isinstance(key, str) else None
+        annotation = field.annotation if field is not None else None
+        if isinstance(value, bool) and _numeric(annotation):
+            out.append(f"{name}: expected a number, got {str(value).lower()}")
+            continue
+        sub = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        out += _bad_numbers(value, sub, name)
+    return out
+
+
+def _numeric(annotation: Any) -> bool:
+    """True for ``int``, ``float`` and their optional forms (``int | None``)."""
+    if annotation in (int, float):
+        return True
+    if get_origin(annotation) not in (Union, types.UnionType):
+        return False
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    return bool(args) and all(a in (int, float) for a in args)
+
+
+def _check_addresses(cfg: RunConfigBase) -> None:
+    """Every ``listen_host`` of the config's tables is an IPv4 address (hivemind listens on
+    ``/ip4/<listen_host>/tcp/0``) and every ``initial_peers`` entry looks like a multiaddr
+    (``/<protocol>/<address>/<transport>/<port>...``; hivemind parses it when the peer starts).
+
+    Raises:
+        UserError: naming the field, the value and what is allowed.
+    """
+    import ipaddress
+
+    for table in type(cfg).model_fields:
+        options = getattr(cfg, table)
+        if not isinstance(options, BaseModel):
+            continue
+        host = getattr(options, "listen_host", None)
+        if isinstance(host, str):
+            try:
+                ipaddress.IPv4Address(host)
+            except ValueError:
+                raise UserError(f"{table}.listen_host = {host!r} is not an IPv4 address; allowed: e.g. \"127.0.0.1\" "
+                                f"(this machine only) or \"0.0.0.0\" (every interface)") from None
+        for addr in getattr(options, "initial_peers", None) or []:
+            if not (isinstance(addr, str) and addr.startswith("/") and len(addr.split("/")) >= 5):
+                raise UserError(f"{table}.initial_peers: {addr!r} is not a multiaddr; allowed: e.g. "
+                                f"\"/ip4/10.0.0.5/tcp/31337/p2p/Qm...\" as printed by the first peer")
+
+
 def read_toml(path: Path, what: str) -> dict[str, Any]:
     """Parse a TOML file; ``what`` names it in errors (e.g. "config file", "grid file").
 
     Raises:
-        UserError: the file is missing or not valid TOML (the message has the path).
+        UserError: the file is missing, a folder, unreadable, not UTF-8 text, or not valid TOML
+            (the message has the path).
     """
+    path = Path(path)
     try:
-        return tomllib.loads(Path(path).read_text())
+        text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise UserError(f"{what} not found: {path}") from None
+    except IsADirectoryError:
+        raise UserError(f"{what} {path} is a folder; allowed: a TOML file") from None
+    except UnicodeDecodeError as err:
+        raise UserError(f"{what} {path} is not UTF-8 text (byte {err.start}); allowed: a TOML file") from None
+    except OSError as err:
+        raise UserError(f"{what} {path} cannot be read: {err.strerror or err}") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise UserError(f"{what} {path} is not valid TOML: {err}") from None
 
@@ -278,16 +395,158 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None, nnodes: int
     """Read a TOML run config (``[run]``, optional ``[distributed]`` and model tables) and validate it.
 
     Raises:
-        UserError: missing file, TOML syntax error, or invalid values.
+        UserError: missing, unreadable or empty file, TOML syntax error, a ``run`` that is not a
+            table, or invalid values.
     """
     data = read_toml(path, "config file")
-    values = dict(data.get("run", {}))
+    if not data:
+        raise UserError(f"config file {path} sets nothing; a run config needs a [run] table with at least the "
+                        f"model and dataset, e.g. [run] model = \"resnet18\" dataset = \"digits\" (plus the "
+                        f"{', '.join(f'[{t}]' for t in CONFIG_TABLES[1:])} tables where needed)")
     unknown = set(data) - set(CONFIG_TABLES)
     if unknown:
         raise UserError(f"config file {path}: unknown table(s) {sorted(unknown)}; allowed: "
                         f"{', '.join(f'[{t}]' for t in CONFIG_TABLES)}")
+    if not isinstance(data.get("run", {}), dict):
+        raise UserError(f"config file {path}: run = {data['run']!r} is not a table; allowed: a [run] table of "
+                        f"fields, e.g. [run] model = \"resnet18\"")
+    values = dict(data.get("run", {}))
     for table in CONFIG_TABLES[1:]:
         if table in data:
             values[table] = data[table]
     values.update(overrides or {})
     return validate_config(values, nnodes)
+
+
+def check_runnable(cfg: RunConfigBase, local_workers: int | None = None) -> None:
+    """Checks of a valid config against this machine, its data and its network, run by the CLI
+    before any run row or process exists (what :func:`validate_config` cannot tell from the values).
+
+    - ``device = "cuda"``: CUDA is available, with a GPU per worker this host starts for models
+      launched by torchrun (``local_workers``, default ``peers``), else at least one;
+    - ``data_root``: when it exists, a folder;
+    - the dataset's train and test splits open (``digits`` is written there on first use) and are
+      not empty, and ``batch_size`` is at most the training split (each step takes a full batch);
+    - every label of the first batch (and, for datasets held in memory, of the split) is a class
+      the model predicts;
+    - a user factory ``module:function``, or any network on a dataset folder, is built once on
+      the CPU (the factory imported from the working folder, as a worker does, and called with
+      ``num_classes`` and ``in_channels``), and trained-mode forward and loss run on the first
+      ``min(batch_size, 2)`` training samples, preprocessed as a worker does: the output must be
+      logits ``(N, classes)`` (``(N, T, classes)`` for text) with at least the dataset's classes.
+      A zoo network on a named dataset is not built: the zoo gives every named dataset's
+      geometry its logits (tests/test_models.py).
+
+    Cost: opening the dataset; a factory or folder adds one build and one forward of two samples
+    (docs/config.md has figures).
+
+    Raises:
+        UserError / DatasetError: naming the field or file and what is allowed.
+    """
+    import torch
+
+    _check_device(cfg, local_workers)
+    train_set, spec = _open_splits(cfg)
+    if len(train_set) < cfg.batch_size:
+        raise UserError(f"batch_size = {cfg.batch_size} is larger than the training split of dataset {cfg.dataset!r} "
+                        f"({len(train_set)} samples); allowed: 1..{len(train_set)}")
+    from torch.utils.data import default_collate
+
+    from ddlscope.workloads.datasets import DATASETS
+    from ddlscope.workloads.models import NETWORKS, build_model
+    from ddlscope.workloads.preprocessing import train_transform
+    from ddlscope.workloads.step import loss_function
+
+    transform = train_transform(spec, augment=cfg.augment)
+    n = min(cfg.batch_size, 2)
+    x, y = default_collate([(transform(image), label) for image, label in (train_set[i] for i in range(n))])
+    what = f"model = {cfg.model!r}"
+    if cfg.model in NETWORKS and cfg.dataset in DATASETS:
+        _check_labels(train_set, y, spec.num_classes, spec, cfg, what, "logits (N, classes)")
+        return
+    torch.manual_seed(cfg.seed)
+    search_path = list(sys.path)
+    sys.path.insert(0, os.getcwd())  # where a worker (python -m ...) imports a factory 'module:function' from
+    try:
+        model = build_model(cfg.model, spec.family, num_classes=spec.num_classes)
+    except UserError:
+        raise
+    except Exception as err:  # a user factory's own error: the user's to fix
+        raise UserError(f"{what}: the factory failed when called with num_classes={spec.num_classes}, "
+                        f"in_channels={spec.channels}: {type(err).__name__}: {err}") from None
+    finally:
+        sys.path[:] = search_path
+    model.train()
+    try:
+        with torch.no_grad():
+            out = model(x)
+    except Exception as err:
+        raise UserError(f"{what} fails on the first batch of dataset {cfg.dataset!r} (input {tuple(x.shape)}): "
+                        f"{type(err).__name__}: {err}; allowed: a network taking {tuple(x.shape[1:])} samples") from None
+    expected = f"logits (N, {spec.num_classes})" if y.dim() == 1 else f"logits (N, T, {spec.num_classes})"
+    if not isinstance(out, torch.Tensor) or out.dim() != y.dim() + 1 or tuple(out.shape[:-1]) != tuple(y.shape):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise UserError(f"{what} returns {got} for a batch of {n} samples of dataset {cfg.dataset!r}; "
+                        f"allowed: {expected}")
+    _check_labels(train_set, y, out.shape[-1], spec, cfg, what, expected)
+    try:
+        loss_function()(out, y)
+    except Exception as err:
+        raise UserError(f"{what}: the loss fails on its output {tuple(out.shape)} for labels {tuple(y.shape)}: "
+                        f"{type(err).__name__}: {err}; allowed: {expected}") from None
+
+
+def _check_labels(train_set, y, classes: int, spec, cfg: RunConfigBase, what: str, expected: str) -> None:
+    """The model predicts ``classes`` classes: at least the dataset's, and every label of the first
+    batch ``y`` (of the whole split when it is held in memory) is one of them or ignored."""
+    import torch
+
+    from ddlscope.workloads.step import IGNORE_INDEX
+
+    labels = getattr(train_set, "labels", None)
+    labels = labels if isinstance(labels, torch.Tensor) and labels.dim() == 1 else y
+    scored = labels[labels != IGNORE_INDEX]
+    if classes < spec.num_classes or (scored.numel() and (int(scored.min()) < 0 or int(scored.max()) >= classes)):
+        span = f"{int(scored.min())}..{int(scored.max())}" if scored.numel() else "none"
+        raise UserError(f"{what} predicts {classes} classes, but dataset {cfg.dataset!r} has {spec.num_classes} "
+                        f"(labels {span}); allowed: {expected}")
+
+
+def _check_device(cfg: RunConfigBase, local_workers: int | None) -> None:
+    if cfg.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise UserError(f"device = \"cuda\" but {why}; allowed here: device = \"cpu\"")
+    needed = (local_workers or cfg.peers) if cfg.distribution_model.launcher == "torchrun" else 1
+    count = torch.cuda.device_count()
+    if count < needed:
+        raise UserError(f"device = \"cuda\" with {needed} {cfg.strategy} workers on this host needs {needed} GPUs, "
+                        f"this host has {count}; allowed: peers <= {count} here (or more nodes)")
+
+
+def _open_splits(cfg: RunConfigBase):
+    """The training split and spec of the run's dataset, after the test split opened too.
+
+    Raises:
+        UserError / DatasetError: a data_root that is not a folder, missing or unreadable files, an empty split.
+    """
+    from ddlscope.workloads.datasets import default_data_root, open_dataset
+
+    root = Path(cfg.data_root) if cfg.data_root is not None else default_data_root()
+    if cfg.data_root is not None and cfg.data_root.exists() and not cfg.data_root.is_dir():
+        raise UserError(f"data_root = {str(cfg.data_root)!r} is a file; allowed: a folder holding datasets "
+                        f"(created when missing)")
+    opened = {}
+    for split in ("train", "test"):
+        try:
+            dataset, spec = open_dataset(cfg.dataset, root, split)
+        except OSError as err:
+            where = err.filename or root
+            raise UserError(f"dataset {cfg.dataset!r}: cannot read {where}: {err.strerror or err}") from None
+        if len(dataset) == 0:
+            raise UserError(f"dataset {cfg.dataset!r} has an empty {split} split under {root}")
+        opened[split] = dataset, spec
+    return opened["train"]

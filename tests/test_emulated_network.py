@@ -12,8 +12,10 @@ import time
 import pytest
 from pydantic import ValidationError
 
+from ddlscope.config import validate_config
 from ddlscope.errors import UserError
 from ddlscope.network.emulated import EmulatedNetwork, NetworkConfig, namespaces, netem_available, remove_stale
+from tests.conftest import tiny_run
 
 can_emulate = sys.platform.startswith("linux") and os.geteuid() == 0 and subprocess.run(
     ["ip", "netns", "list"], capture_output=True).returncode == 0
@@ -139,3 +141,12 @@ def test_latency_without_netem_is_one_clear_error():
 
     with pytest.raises(UserError, match="needs the kernel's tc netem"):
         check_can_emulate(latency=True)
+
+
+def test_emulation_of_a_torchrun_model_or_a_missing_peer_is_refused_before_anything_starts(tmp_path):
+    with pytest.raises(UserError, match="not built yet for ddp; allowed: collaborative"):
+        validate_config(tiny_run(strategy="ddp", peers=2, network=dict(emulate=True)))
+    with pytest.raises(UserError, match="peer 5 does not exist"):
+        validate_config(tiny_run(strategy="collaborative", peers=2,
+                                 network=dict(emulate=True, links=[dict(peer=5, bandwidth_mbit_per_s=1)])))
+    assert not list(tmp_path.iterdir())

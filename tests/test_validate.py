@@ -90,6 +90,32 @@ def test_validation_stores_predictions_links_runs_and_resumes(tmp_path, monkeypa
     assert {o.status for o in not_run[0].outcomes} == {"not-run"}
 
 
+def test_link_rates_add_emulated_cells_for_collaborative_only_predicted_over_those_links(tmp_path, monkeypatch):
+    import ddlscope.profiling.profile
+
+    monkeypatch.setattr(ddlscope.profiling.profile, "load_or_profile", lambda *a, **k: make_profile())
+    grid = ValidationGrid(name="v", datasets=["mnist"], networks=["tiny_cnn"], strategies=["ddp", "collaborative"],
+                          workers=2, batch_size=16, warmup_batches=1, measured_batches=2, threads_per_device=1,
+                          synthetic_train_size=16, bandwidths_mbit_per_s=[10.0])
+    fake, _ = fake_run_fn(step_s=0.5)
+    configs = {}
+
+    def run(cfg, *args, **kwargs):
+        configs[cfg.run_label] = cfg
+        return fake(cfg, *args, **kwargs)
+
+    loopback, emulated = run_validation(grid, make_cluster(), tmp_path / "r.db", progress=False, run_fn=run)
+    assert [o.strategy for o in loopback.outcomes] == ["ddp", "collaborative"]
+    assert emulated.network == "tiny_cnn @ 10 Mbit/s" and [o.strategy for o in emulated.outcomes] == ["collaborative"]
+    # 10 Mbit/s makes the averaging round dearer than loopback's link
+    assert emulated.outcomes[0].predicted_parts_s["averaging_s"] > loopback.outcome("collaborative").predicted_parts_s["averaging_s"]
+    (key,) = [k for k in configs if k.endswith("-10mbit")]
+    assert configs[key].network.emulate and configs[key].network.bandwidth_mbit_per_s == 10.0
+    assert not any(c.network.emulate for k, c in configs.items() if k != key)
+    with pytest.raises(ValueError, match="rates in Mbit/s, > 0"):
+        ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], bandwidths_mbit_per_s=[0.0])
+
+
 @pytest.mark.slow
 def test_validate_tiny_stores_predictions_next_to_real_runs(tmp_path):
     db = tmp_path / "r" / "ddlscope.db"

@@ -38,6 +38,7 @@ from ddlscope import distribution  # noqa: E402
 from ddlscope.analyze.compare import RunSummary, compare, is_baseline_run, pick_baseline, summarize_run  # noqa: E402
 from ddlscope.analyze.matchmaking import (MatchmakingAnalysis, analyze_matchmaking,  # noqa: E402
                                           configured_matchmaking_s, matchmaking_applies)
+from ddlscope.analyze.plots import DPI, MAX_BARS, MAX_LINES, bar_figure_width_in, top_with_others  # noqa: E402
 from ddlscope.errors import UserError  # noqa: E402
 from ddlscope.measure.parts import PART_LABELS, STEP_PARTS  # noqa: E402
 from ddlscope.store.db import ResultsStore  # noqa: E402
@@ -187,7 +188,7 @@ def matchmaking_table(store: ResultsStore, summaries: list[RunSummary]) -> Table
 # ---------------------------------------------------------------------- plots
 def _save(fig, path: Path) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
 
 
@@ -221,31 +222,46 @@ def _plot_accuracy(rows: Table, path: Path) -> None:
 
 def _plot_optimizer_time(summaries: list[RunSummary], steps_by_run: dict[str, list[dict]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
+    curves = []
     for s in summaries:
-        steps = [r for r in steps_by_run[s.run_id] if r["worker_index"] == 0]
         total, ys = 0.0, []
-        for r in steps:
-            total += r["optimizer_s"] or 0.0
-            ys.append(total)
+        for r in steps_by_run[s.run_id]:
+            if r["worker_index"] == 0:
+                total += r["optimizer_s"] or 0.0
+                ys.append(total)
         if ys:
-            ax.plot(range(len(ys)), ys, label=s.name, linewidth=1)
+            curves.append((s, ys))
+    # many runs: the MAX_LINES with the most optimizer time are labelled, the others thin and grey
+    shown, others = top_with_others(curves, lambda c: c[1][-1], MAX_LINES)
+    for i, (s, ys) in enumerate(others):
+        ax.plot(range(len(ys)), ys, color="0.75", linewidth=0.6, label=f"{len(others)} other runs" if i == 0 else None)
+    for s, ys in shown:
+        ax.plot(range(len(ys)), ys, label=s.name, linewidth=1)
     ax.set_xlabel("step (worker 0)")
     ax.set_ylabel("cumulative optimizer-step time incl. averaging (s)")
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left")
     _save(fig, path)
 
 
 def _plot_network(rows: Table, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4))
-    ax.bar([r["run"] for r in rows], [r["net_bytes_per_peer"] / 1e6 for r in rows])
+    """Bytes per peer per run; with more runs than MAX_BARS, those sending most and one bar for the others' mean."""
+    shown, others = top_with_others(rows, lambda r: r["net_bytes_per_peer"] or 0.0, MAX_BARS - 1)
+    bars = [(r["run"], (r["net_bytes_per_peer"] or 0.0) / 1e6) for r in shown]
+    if others:
+        bars.append((f"others ({len(others)} runs)", sum((r["net_bytes_per_peer"] or 0.0) for r in others) / len(others) / 1e6))
+    fig, ax = plt.subplots(figsize=(bar_figure_width_in(len(bars)), 4))
+    ax.bar(range(len(bars)), [b[1] for b in bars])
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=7, rotation=30, ha="right")
     ax.set_ylabel("TCP bytes per peer (MB, sent + received)")
-    ax.tick_params(axis="x", labelsize=7, rotation=30)
     _save(fig, path)
 
 
 def _plot_step_time(rows: Table, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows) + 2), 4))
+    rows, others = top_with_others(rows, lambda r: r["step_s"], MAX_BARS)  # the slowest, when there are too many
+    fig, ax = plt.subplots(figsize=(bar_figure_width_in(len(rows)), 4))
+    if others:
+        ax.set_title(f"the {len(rows)} slowest of {len(rows) + len(others)} (strategy, batch size) pairs", fontsize=9)
     labels = [f"{r['strategy']}\nbs {r['batch_size']}" for r in rows]
     bottom = [0.0] * len(rows)
     for p in STEP_PARTS:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ddlscope.distribution import DistributionModel, register
 from ddlscope.modeling.cluster import ClusterSpec
@@ -44,8 +44,19 @@ class CollaborativeConfig(BaseModel):
     gradient_compression: Literal["none", "float16", "scaled-float16", "uniform8bit"] = "none"
     average_state_every: int = Field(1, ge=1, description="average parameters and optimizer state every N global epochs")
     listen_host: str = Field("127.0.0.1", description="address peers listen on; loopback unless you ask")
+    nat_traversal: bool = Field(False, description="let p2pd map ports (UPnP/NAT-PMP), run AutoNAT and relay: peers "
+                                "behind NATs on public networks; needs a non-loopback listen_host")
     join_timeout_s: float = Field(60.0, gt=0, description="a peer that cannot join the swarm in this time fails")
     initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of a running swarm or bootstrap peer to join")
+
+    @model_validator(mode="after")
+    def _nat_traversal_needs_public_host(self) -> "CollaborativeConfig":
+        from ddlscope.launch.network import is_loopback
+
+        if self.nat_traversal and is_loopback(self.listen_host):
+            raise ValueError(f"nat_traversal = true needs a listen_host other peers can reach, not "
+                             f"{self.listen_host!r}; allowed: e.g. listen_host = \"0.0.0.0\", or nat_traversal = false")
+        return self
 
 
 def check_target_batch(cfg: "RunConfig") -> None:
@@ -158,7 +169,8 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     alone = len(shares) < 2
     on_cpu = serial_comm(profile, cluster)
     fixed = cluster.collective_fixed_s
-    one_round = 0.0 if alone else butterfly_allreduce_s(float(profile.param_bytes), bws, lats, fixed)
+    # the peers declare no bandwidth to their averagers: hivemind splits the vector equally
+    one_round = 0.0 if alone else butterfly_allreduce_s(float(profile.param_bytes), bws, lats, fixed, balanced=False)
     wait = 0.0 if alone else max(0.0, s.matchmaking_time_s - max(0.0, t_acc - max(peer_steps)))
     grad_round = 0.0 if s.use_local_updates or alone else wait + one_round
     state_round = one_round / s.average_state_every
@@ -166,7 +178,7 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     averaging = grad_round + state_exposed
     overhead = 0.0
     if hm and not alone:  # measured on these devices: replaces the two rounds
-        reference = butterfly_allreduce_s(float(hm.reference_param_bytes), bws, lats, fixed)
+        reference = butterfly_allreduce_s(float(hm.reference_param_bytes), bws, lats, fixed, balanced=False)
         beyond = 2 * max(0.0, one_round - reference)
         # while a peer waits for matchmaking its cores are free for hivemind's own work: they overlap
         overhead = hm.epoch_overhead_s + hm.overhead_steps * max(peer_steps)

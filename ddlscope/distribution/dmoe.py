@@ -118,9 +118,20 @@ class DMoEConfig(BaseModel):
         5.0, gt=0, le=3600, description="servers re-announce their experts this often; an expert vanishes after 2x")
     server_events: list[ServerEvent] = Field(default_factory=list, description="servers that start late, die, come back")
     listen_host: str = Field("127.0.0.1", description="address servers and trainers listen on; loopback unless you ask")
+    nat_traversal: bool = Field(False, description="let p2pd map ports (UPnP/NAT-PMP), run AutoNAT and relay: peers "
+                                "behind NATs on public networks; needs a non-loopback listen_host")
     join_timeout_s: float = Field(60.0, gt=0, le=3600, description="servers must be up and experts found within this")
     initial_peers: list[str] = Field(default_factory=list,
                                      description="multiaddrs of running expert servers to use instead of starting them")
+
+    @model_validator(mode="after")
+    def _nat_traversal_needs_public_host(self) -> "DMoEConfig":
+        from ddlscope.launch.network import is_loopback
+
+        if self.nat_traversal and is_loopback(self.listen_host):
+            raise ValueError(f"nat_traversal = true needs a listen_host other peers can reach, not "
+                             f"{self.listen_host!r}; allowed: e.g. listen_host = \"0.0.0.0\", or nat_traversal = false")
+        return self
 
     @field_validator("grid_size")
     @classmethod

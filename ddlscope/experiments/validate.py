@@ -19,7 +19,11 @@ Grid files are TOML with one ``[validation]`` table (:class:`ValidationGrid`), o
 ``local`` (MNIST and CIFAR-10 shapes x ResNet-18, VGG-11, MobileNetV2 x every distribution model
 with a cost model, on 2 workers of one core each), ``moe`` (the zoo's ``moe_cnn`` as ``dmoe`` with
 2 trainers and 2 expert servers, next to ``single`` training it with its experts in-process) and
-``tiny`` (for tests).
+``links`` (collaborative on emulated networks of 200 and 50 Mbit/s besides loopback, where
+communication dominates: root only) and ``tiny`` (for tests). A grid's ``bandwidths_mbit_per_s``
+adds, for the models that run on emulated networks, a cell per link rate: the run's peers each in
+a network namespace with links of that rate, predicted with the cluster's links at that rate
+(:func:`over_links`).
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, field_validator
 
 from ddlscope import distribution
-from ddlscope.config import _format_validation_error, available_cores, read_toml
+from ddlscope.config import (MAX_BATCH_SIZE, MAX_PEERS, _bad_numbers, _format_validation_error, available_cores,
+                             read_toml)
 from ddlscope.errors import UserError
 from ddlscope.experiments import check_known
 from ddlscope.experiments.results import measure_run
 from ddlscope.experiments.runner import Cell, RunFn, run_cells
+from ddlscope.network.emulated import emulated_models
 from ddlscope.store.db import ResultsStore
 
 if TYPE_CHECKING:
@@ -70,8 +76,8 @@ class ValidationGrid(BaseModel):
     datasets: list[str] = Field(min_length=1)
     networks: list[str] = Field(min_length=1)
     strategies: list[str] = Field(default_factory=predicted_models, min_length=1)
-    workers: int = Field(2, ge=2)
-    batch_size: int = Field(64, ge=1, description="global batch: samples per optimizer step")
+    workers: int = Field(2, ge=2, le=MAX_PEERS)
+    batch_size: int = Field(64, ge=1, le=MAX_BATCH_SIZE, description="global batch: samples per optimizer step")
     microbatches: int = Field(4, ge=1)
     warmup_batches: int = Field(2, ge=0)
     measured_batches: int = Field(8, ge=1)
@@ -85,6 +91,17 @@ class ValidationGrid(BaseModel):
     averaging_timeout_s: float = Field(60.0, gt=0, description="collaborative: a stuck averaging round fails the "
                                        "measured run after this long")
     synthetic_train_size: int = Field(128, ge=1)
+    bandwidths_mbit_per_s: list[float] = Field(
+        default_factory=list, description="emulated link rates, Mbit/s each way: each gets cells of its own for the "
+                                          "models that run on emulated networks (collaborative), besides loopback")
+
+    @field_validator("bandwidths_mbit_per_s")
+    @classmethod
+    def _positive_rates(cls, v: list[float]) -> list[float]:
+        bad = [b for b in v if not 0 < b <= 400_000]
+        if bad:
+            raise ValueError(f"{bad}: allowed: rates in Mbit/s, > 0 and <= 400000")
+        return v
 
     @field_validator("strategies")
     @classmethod
@@ -127,6 +144,11 @@ PRESETS: dict[str, dict] = {
     "moe": dict(name="validation-moe", datasets=["mnist", "cifar10"], networks=["moe_cnn"],
                 strategies=["single", "dmoe"], workers=2, batch_size=32, warmup_batches=3, measured_batches=20,
                 synthetic_train_size=256),
+    # collaborative where communication dominates: peers in network namespaces, links limited
+    # (needs root; docs/emulated-networks.md); MobileNetV2 (14 MB of parameters) and ResNet-18 (45 MB)
+    "links": dict(name="validation-links", datasets=["mnist"], networks=["mobilenet_v2", "resnet18"],
+                  strategies=["collaborative"], workers=2, batch_size=64, target_batch_size=128,
+                  bandwidths_mbit_per_s=[200.0, 50.0], model_measured_batches={"collaborative": 16}),
     "tiny": dict(name="validation-tiny", datasets=["mnist"], networks=["tiny_cnn"],
                  strategies=["single", "ddp", "gpipe"], workers=2, batch_size=16, microbatches=2,
                  warmup_batches=1, measured_batches=3, synthetic_train_size=64),
@@ -145,18 +167,25 @@ def load_grid(path_or_preset: str) -> ValidationGrid:
     if not path.exists():
         raise UserError(f"validation grid not found: {path}; allowed: a TOML file or a preset ({', '.join(PRESETS)})")
     data = read_toml(path, "validation grid")
-    if set(data) != {"validation"}:
-        raise UserError(f"validation grid {path}: expected exactly one [validation] table, got {sorted(data) or 'none'}")
+    if set(data) != {"validation"} or not isinstance(data["validation"], dict):
+        got = sorted(data) if set(data) != {"validation"} else f"validation = {data['validation']!r}"
+        raise UserError(f"validation grid {path}: expected exactly one [validation] table, got {got or 'none'}")
+    bad = _bad_numbers(data["validation"], ValidationGrid, "validation")
+    if bad:
+        raise UserError(f"invalid grid {path}: " + "; ".join(bad))
     try:
         return ValidationGrid(**data["validation"])
     except ValidationError as err:
-        raise UserError(_format_validation_error(err).replace("invalid run config", f"invalid grid {path}")) from None
+        raise UserError(_format_validation_error(err, ValidationGrid).replace("invalid run config",
+                                                                              f"invalid grid {path}")) from None
 
 
-def cell_key(setting: Setting, network: str, dataset: str) -> str:
-    """The key and label of a cell's real run (and the key its prediction is stored under)."""
+def cell_key(setting: Setting, network: str, dataset: str, mbit_per_s: float | None = None) -> str:
+    """The key and label of a cell's real run (and the key its prediction is stored under);
+    ``mbit_per_s``: the cell runs on an emulated network with links of this rate."""
     mb = f"-mb{setting.microbatches}" if setting.microbatches else ""
-    return f"{setting.strategy}-{network}-{dataset}-{setting.workers}w-b{setting.global_batch_size}{mb}"
+    link = f"-{mbit_per_s:g}mbit" if mbit_per_s is not None else ""
+    return f"{setting.strategy}-{network}-{dataset}-{setting.workers}w-b{setting.global_batch_size}{mb}{link}"
 
 
 def _table_values(grid: ValidationGrid, model: distribution.DistributionModel, setting: Setting) -> dict[str, Any]:
@@ -174,17 +203,18 @@ def _table_values(grid: ValidationGrid, model: distribution.DistributionModel, s
 
 
 def validation_cell(grid: ValidationGrid, setting: Setting, network: str, dataset: str, data_root: Path,
-                    stage_bounds: list[int] | None = None) -> Cell:
+                    stage_bounds: list[int] | None = None, mbit_per_s: float | None = None) -> Cell:
     """The real run of a predicted setting, as an experiment cell: same batch, micro-batches, workers
     and cores per device, the model's table from the setting (see the module docstring), and for
     pipelines the predicted stage cut (``stage_bounds``), so that the run is the configuration that
     was predicted rather than a cut re-measured at start-up. Its ``config`` raises UserError when
-    the values are invalid (the runner then stores the cell as failed)."""
+    the values are invalid (the runner then stores the cell as failed). ``mbit_per_s``: the run's
+    peers each in a network namespace with links of this rate (:mod:`ddlscope.network.emulated`)."""
     model = distribution.get(setting.strategy)
     table = _table_values(grid, model, setting)
     warmup = grid.warmup_batches + model.startup_steps_of(setting.batch_size, setting.workers, table)
     measured = grid.measured_batches_of(model.name)
-    key = cell_key(setting, network, dataset)
+    key = cell_key(setting, network, dataset, mbit_per_s)
     values: dict[str, Any] = dict(
         name=key, strategy=setting.strategy, model=network, dataset=dataset, data_root=str(data_root),
         batch_size=setting.batch_size, peers=setting.workers, vcpus_per_peer=grid.threads, device="cpu",
@@ -195,6 +225,8 @@ def validation_cell(grid: ValidationGrid, setting: Setting, network: str, datase
         values["distributed"] = dict(microbatches=setting.microbatches, stage_bounds=stage_bounds)
     if model.config_table:
         values[model.config_table] = table
+    if mbit_per_s is not None:
+        values["network"] = dict(emulate=True, bandwidth_mbit_per_s=mbit_per_s)
     return Cell(key=key, label=key, values=values)
 
 
@@ -234,14 +266,19 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
                 microbatches=grid.microbatches, loader_workers=grid.loader_workers,
                 target_batch_size=grid.target_batch_size, matchmaking_time_s=grid.matchmaking_time_s,
                 use_local_updates=grid.use_local_updates)
-            rec = recommend(profile, cluster, settings)
-            predict_s = time.perf_counter() - t0
-            with ResultsStore(db_path) as store:
-                entries = [(c, _store_prediction(store, grid.name, c, c is rec.best, net, ds),
-                            validation_cell(grid, c.setting, net, ds, root,
-                                            c.prediction.inputs.get("stage_bounds") if c.prediction else None))
-                           for c in rec.candidates]
-            planned.append((ds, net, predict_s, entries))
+            for mbit in [None, *grid.bandwidths_mbit_per_s]:
+                here = settings if mbit is None else [s for s in settings if s.strategy in emulated_models()]
+                if not here:
+                    continue
+                t1 = time.perf_counter()
+                rec = recommend(profile, cluster if mbit is None else over_links(cluster, mbit), here)
+                with ResultsStore(db_path) as store:
+                    entries = [(c, _store_prediction(store, grid.name, c, c is rec.best, net, ds, mbit),
+                                validation_cell(grid, c.setting, net, ds, root,
+                                                c.prediction.inputs.get("stage_bounds") if c.prediction else None, mbit))
+                               for c in rec.candidates]
+                label = net if mbit is None else f"{net} @ {mbit:g} Mbit/s"
+                planned.append((ds, label, (t1 - t0 if mbit is None else 0.0) + time.perf_counter() - t1, entries))
     runs: dict[str, tuple[str | None, str, str | None]] = {}
     if run_real:
         cells = [cell for *_, entries in planned for _, _, cell in entries]
@@ -255,11 +292,23 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
     return out
 
 
-def _store_prediction(store: ResultsStore, group: str, cand: Candidate, recommended: bool, net: str, ds: str) -> str:
+def over_links(cluster: ClusterSpec, mbit_per_s: float) -> ClusterSpec:
+    """``cluster`` with every link between its devices at ``mbit_per_s`` (an emulated network's
+    rate; latency as calibrated), for predicting a cell run on emulated links."""
+    from ddlscope.modeling.cluster import LinkSpec
+
+    link = LinkSpec(bandwidth_gb_per_s=mbit_per_s / 8e3, latency_s=cluster.intra_node.latency_s)
+    peers = [p.model_copy(update={"bandwidth_gb_per_s": link.bandwidth_gb_per_s}) for p in cluster.peers or []]
+    return cluster.model_copy(update={"intra_node": link, "p2p_link": link, "peers": peers or cluster.peers,
+                                      "inter_node": link if cluster.inter_node is not None else None})
+
+
+def _store_prediction(store: ResultsStore, group: str, cand: Candidate, recommended: bool, net: str, ds: str,
+                      mbit_per_s: float | None = None) -> str:
     """Store one candidate's prediction under its cell's key; return the prediction id."""
     s, p = cand.setting, cand.prediction
     return store.add_prediction(
-        cell_key(s, net, ds), s.strategy, s.workers, s.batch_size, group_name=group, microbatches=s.microbatches,
+        cell_key(s, net, ds, mbit_per_s), s.strategy, s.workers, s.batch_size, group_name=group, microbatches=s.microbatches,
         predicted_step_s=p.step_s if p else None, predicted_epoch_s=p.epoch_s if p else None,
         memory_bytes=cand.memory_bytes, capacity_bytes=cand.capacity_bytes, fits=cand.fits,
         dominant_cost=p.dominant_cost if p else None,

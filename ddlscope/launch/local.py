@@ -20,16 +20,30 @@ get cores of their own when the workers leave some free, else they share the wor
 (:func:`service_core_sets`).
 
 The run ends when every worker has ended. If a worker fails, the others are stopped and the run
-is stored as ``failed`` with that worker's reason; Ctrl-C stores it as ``interrupted``. Either
-way every process group is ended (SIGTERM, then SIGKILL after a grace period), so no worker,
-peer or daemon outlives the run.
+is stored as ``failed`` with that worker's reason ("peer 1 killed by SIGKILL"); Ctrl-C, SIGTERM
+and SIGHUP to the launcher store it as ``interrupted`` naming the signal. Either way every process
+group is ended (SIGTERM, then SIGKILL after a grace period), so no worker, peer or daemon outlives
+the run. A launcher killed outright (SIGKILL) cannot record anything: its workers notice
+(``PR_SET_PDEATHSIG`` and a watch on its pid, :mod:`ddlscope.train.worker`), stop, and record the run
+as ``interrupted`` by the launcher's death; a reader marks it so otherwise
+(:meth:`~ddlscope.store.db.ResultsStore.mark_stale_runs`).
+
+Every process of a run gets the run's own temporary folder as ``TMPDIR``
+(:func:`~ddlscope.launch.processes.make_run_temp_dir`: multiprocessing's, torchelastic's and
+hivemind's files), removed when the run ends. A full disk ends the run as ``failed`` with
+"disk full writing <db>" where that can still be written, and as one ``error:`` line
+(:class:`~ddlscope.store.db.StoreFullError`) either way; a store removed during the run stops it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,13 +51,32 @@ from pathlib import Path
 from ddlscope import distribution
 from ddlscope.config import RunConfig
 from ddlscope.errors import UserError
-from ddlscope.launch.processes import log_tail, start_process, stop_processes
+from ddlscope.launch.cores import CoreLease, lease_cores
+from ddlscope.launch.processes import (describe_exit, log_tail, make_run_temp_dir, remove_run_temp_dir, start_process,
+                                       stop_processes)
 from ddlscope.launch.services import ServiceSupervisor
 from ddlscope.launch.torchrun import preflight, torchrun_command
-from ddlscope.store.db import ResultsStore
+from ddlscope.network.emulated import EmulatedNetwork
+from ddlscope.store.db import RESERVE_FILE, ResultsStore, StoreFullError, disk_full_message, is_disk_full
 
 GRACE_S = 8.0
 """Seconds a stopped worker gets to end its children and record its status before SIGKILL."""
+EXIT_INTERRUPTED = 130
+"""Exit code of a worker stopped by a signal (:mod:`ddlscope.train.worker`)."""
+EXIT_DISK_FULL = 3
+"""Exit code of a worker that stopped because the results store's disk is full."""
+RESERVE_BYTES = 256 * 1024
+"""Bytes the launcher sets aside next to the logs while a run goes, freed to record the run's end on a full disk."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Signals that stop a run like Ctrl-C: every worker stopped, the run stored as ``interrupted``."""
+
+
+class LauncherSignal(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP arrived at the launcher; handled like Ctrl-C (``args[0]``: the signal's name)."""
+
+
+class StoreLostError(UserError):
+    """The results store file was removed or replaced while a run was writing to it."""
 
 
 @dataclass
@@ -85,37 +118,169 @@ class LocalLauncher:
     worker_pids: set[int] = field(default_factory=set)
     rdzv_port: int | None = None
     services: ServiceSupervisor | None = None
+    network: EmulatedNetwork | None = None
+    leased_cores: list[int] | None = None
+    tmp_dir: Path | None = None
+    reserve_path: Path | None = None
+    _stopping: bool = False
 
     def run(self) -> str:
-        """Run to the end; return the run id. Raises KeyboardInterrupt after recording it."""
+        """Run to the end; return the run id.
+
+        Raises:
+            KeyboardInterrupt (:class:`LauncherSignal` for SIGINT/SIGTERM/SIGHUP): after every
+                process was stopped and the run recorded as ``interrupted``.
+            StoreFullError: the store's disk is full (the run recorded as failed if that could be written).
+            StoreLostError: the store file was removed during the run (every process stopped).
+        """
         cfg = self.cfg
         prepare_dataset(cfg)
-        core_sets = cfg.core_sets(local_workers=self.workers_here if self.nnodes > 1 else None)
+        # the cores no other run on this machine holds (else one error line naming the holder)
+        with lease_cores(cfg, cfg.run_label, local_workers=self.workers_here if self.nnodes > 1 else None) as lease:
+            return self._run(lease)
+
+    def _run(self, lease: CoreLease) -> str:
+        cfg = self.cfg
+        core_sets, self.leased_cores = lease.core_sets, lease.cores or None
         self.rdzv_port = preflight(cfg, check_port=self.rdzv_endpoint is None)
-        store = ResultsStore(self.db_path)
-        run_id = store.create_run(cfg.run_label, cfg.strategy, cfg.model_dump(mode="json"), self.group_name, self.run_id)
-        log_dir = self.db_path.parent / "logs" / run_id
-        log_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            status, reason = self._start_and_watch(store, run_id, core_sets, log_dir)
-        except KeyboardInterrupt:
-            self._stop_all()
-            self._mark_unfinished_workers(store, run_id, "interrupted", "run interrupted (Ctrl-C)")
-            store.finish_run(run_id, "interrupted", "interrupted by the user (Ctrl-C)")
-            raise
-        except BaseException as e:
-            self._stop_all()
-            self._mark_unfinished_workers(store, run_id, "failed", f"launcher error: {e}")
-            store.finish_run(run_id, "failed", f"launcher error: {type(e).__name__}: {e}")
-            raise
-        finally:
-            self._stop_all()
-            if self.services is not None:
-                self.services.record_stopped(store)
-        self._mark_unfinished_workers(store, run_id, "failed" if status != "completed" else "completed", reason)
-        store.finish_run(run_id, status, reason)
+        self.network = EmulatedNetwork.for_run(cfg, self.workers_here)
+        self._stopping = False
+        with self._stop_signals():
+            store, run_id, log_dir = self._create_run()
+            lease.name_run(run_id)
+            try:
+                status, reason = self._start_and_watch(store, run_id, core_sets, log_dir)
+            except KeyboardInterrupt as e:
+                self._stop_all()
+                self._record_end(store, run_id, "interrupted", _interrupt_reason(e))
+                raise
+            except StoreLostError:
+                self._stop_all()  # nothing is recorded: the file is gone (or another one is in its place)
+                self._release_reserve()
+                raise
+            except BaseException as e:
+                self._stop_all()
+                if is_disk_full(e, self.db_path):
+                    self._record_end(store, run_id, "failed", disk_full_message(self.db_path, "the launcher stopped the run"))
+                self._record_end(store, run_id, "failed", f"launcher error: {type(e).__name__}: {e}")
+                raise
+            finally:
+                self._stop_all()
+                self._end_services(store)
+                self._end_network(store, run_id)
+                remove_run_temp_dir(self.tmp_dir)
+            self._record_end(store, run_id, status, reason)
         store.close()
         return run_id
+
+    def _create_run(self) -> tuple[ResultsStore, str, Path]:
+        """The run's row, its log folder and its temporary folder.
+
+        Raises:
+            StoreFullError: the disk is full (nothing is started).
+        """
+        store = run_id = None
+        try:
+            store = ResultsStore(self.db_path)
+            run_id = store.create_run(self.cfg.run_label, self.cfg.strategy, self.cfg.model_dump(mode="json"),
+                                      self.group_name, self.run_id)
+            log_dir = self.db_path.parent / "logs" / run_id
+            log_dir.mkdir(parents=True, exist_ok=True)
+            self.reserve_path = log_dir / RESERVE_FILE
+            self.reserve_path.write_bytes(bytes(RESERVE_BYTES))
+            self.tmp_dir = make_run_temp_dir()
+            store.set_tmp_dir(run_id, self.tmp_dir)
+        except (sqlite3.OperationalError, OSError) as err:
+            if is_disk_full(err, self.db_path):
+                self._release_reserve()
+                remove_run_temp_dir(self.tmp_dir)
+                raise StoreFullError(disk_full_message(self.db_path, "no run was started")) from None
+            raise
+        except KeyboardInterrupt as e:  # a stop signal before any worker started
+            self._release_reserve()
+            remove_run_temp_dir(self.tmp_dir)
+            if run_id is not None:
+                store.finish_run(run_id, "interrupted", _interrupt_reason(e))
+            raise
+        return store, run_id, log_dir
+
+    def _release_reserve(self) -> None:
+        """Remove the reserve file (its space lets the run's end be recorded on a full disk)."""
+        if self.reserve_path is not None:
+            self.reserve_path.unlink(missing_ok=True)
+            self.reserve_path = None
+
+    def _stop_signals(self):
+        """While the run goes, SIGINT/SIGTERM/SIGHUP raise :class:`LauncherSignal` in the main thread (one
+        path for all: stop every process, record ``interrupted``); once the launcher is stopping, further
+        ones are ignored so that nothing interrupts the stop. Outside the main thread nothing changes."""
+        launcher = self
+
+        class _Handlers:
+            def __enter__(self):
+                self.previous = {}
+                if threading.current_thread() is threading.main_thread():
+                    self.previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+                    for s in STOP_SIGNALS:
+                        signal.signal(s, self.handle)
+
+            def handle(self, signum, frame):
+                if launcher._stopping:
+                    return
+                launcher._stopping = True
+                raise LauncherSignal(signal.Signals(signum).name)
+
+            def __exit__(self, *exc):
+                for s, h in self.previous.items():
+                    signal.signal(s, h)
+
+        return _Handlers()
+
+    def _record_end(self, store: ResultsStore, run_id: str, status: str, reason: str | None) -> None:
+        """Record the run's final status (and its unfinished workers').
+
+        Raises:
+            StoreFullError: the disk is full; the message says how the run ended.
+        """
+        for attempt in range(2):
+            try:
+                self._mark_unfinished_workers(store, run_id, status, reason)
+                store.finish_run(run_id, status, reason)
+                break
+            except sqlite3.OperationalError as err:
+                if not is_disk_full(err, self.db_path):
+                    raise
+                if attempt == 0 and self.reserve_path is not None:
+                    self._release_reserve()  # its space is for this
+                    continue
+                told = reason if reason and reason.startswith("disk full writing") else disk_full_message(
+                    self.db_path, f"run {run_id} ended {status}" + (f" ({reason})" if reason else ""))
+                raise StoreFullError(f"{told}; not recorded ('ddlscope runs' shows the run interrupted once its "
+                                     f"processes are gone)") from None
+        self._release_reserve()
+        if reason and reason.startswith("disk full writing"):
+            raise StoreFullError(f"{reason}; run {run_id} recorded as {status}")
+
+    def _end_services(self, store: ResultsStore) -> None:
+        if self.services is None:
+            return
+        try:
+            self.services.record_stopped(store)
+        except sqlite3.OperationalError as err:
+            if not is_disk_full(err, self.db_path):
+                raise
+
+    def _end_network(self, store: ResultsStore, run_id: str) -> None:
+        """Record what the emulated links carried (``network_links``) and remove the network."""
+        if self.network is None or not self.network.created:
+            return
+        try:
+            self.network.record(store, run_id)
+        except sqlite3.OperationalError as err:
+            if not is_disk_full(err, self.db_path):
+                raise
+        finally:
+            self.network.remove()
 
     # ------------------------------------------------------------------ start
     def _spawn(self, run_id: str, index: int, cores: list[int], initial_peers: list[str], log_dir: Path) -> WorkerProcess:
@@ -124,6 +289,8 @@ class LocalLauncher:
                "--cores", ",".join(map(str, cores)), "--die-with-parent"]
         if initial_peers:
             cmd += ["--initial-peers", *initial_peers]
+        if self.network is not None:  # inside the peer's namespace, listening on its address
+            cmd = self.network.peer_command(index, cmd)
         return self._popen(cmd, index, cores, log_dir / f"worker-{index}.log")
 
     @property
@@ -150,13 +317,20 @@ class LocalLauncher:
         return self._popen(cmd, -1, core_sets[0], log_dir / "torchrun.log")
 
     def _popen(self, cmd: list[str], index: int, cores: list[int], log_path: Path) -> WorkerProcess:
-        wp = WorkerProcess(index, cores, start_process(cmd, log_path, threads=len(cores)), log_path)
+        wp = WorkerProcess(index, cores, start_process(cmd, log_path, threads=len(cores), env_extra=self._child_env()),
+                           log_path)
         self.workers.append(wp)
         return wp
+
+    def _child_env(self) -> dict[str, str]:
+        """Environment of every process of the run: its own temporary folder."""
+        return {"TMPDIR": str(self.tmp_dir)} if self.tmp_dir is not None else {}
 
     def _start_and_watch(self, store: ResultsStore, run_id: str, core_sets: list[list[int]], log_dir: Path
                          ) -> tuple[str, str | None]:
         cfg = self.cfg
+        if self.network is not None:
+            self.network.create()
         if cfg.distribution_model.launcher == "torchrun":
             self._spawn_torchrun(run_id, core_sets, log_dir)
             return self._watch(store, run_id)
@@ -166,8 +340,8 @@ class LocalLauncher:
         if swarm and cfg.distribution_model.services is not None:  # the services bootstrap the swarm
             wanted = cfg.distribution_model.services(cfg)
             self.services = ServiceSupervisor(
-                wanted, self.db_path, run_id, log_dir, service_core_sets([s.cores for s in wanted], core_sets),
-                float(cfg.model_options()["join_timeout_s"]), initial)
+                wanted, self.db_path, run_id, log_dir, service_core_sets([s.cores for s in wanted], core_sets, self.leased_cores),
+                float(cfg.model_options()["join_timeout_s"]), initial, env_extra=self._child_env())
             initial = self.services.start(store)
             for i in range(n_local):
                 self._spawn(run_id, i, core_sets[i], initial, log_dir)
@@ -204,20 +378,29 @@ class LocalLauncher:
 
     # ------------------------------------------------------------------ watch
     def _watch(self, store: ResultsStore, run_id: str) -> tuple[str, str | None]:
+        """Wait for every worker to end; ``(status, reason)`` of the run.
+
+        Raises:
+            StoreLostError: the store file was removed or replaced.
+        """
         total = self.cfg.max_steps_per_peer()
         n_bars = self.cfg.peers if self.cfg.distribution_model.launcher == "torchrun" else len(self.workers)
         bar = _ProgressBars(n_bars, total, self.cfg.run_label) if self.progress and self.nnodes == 1 else None
+        store_id = _file_identity(self.db_path)
         try:
             while True:
                 codes = {w.index: w.popen.poll() for w in self.workers}
+                if _file_identity(self.db_path) != store_id:
+                    raise StoreLostError(f"the results store {self.db_path} was removed or replaced during run {run_id}; "
+                                         f"every process of the run was stopped, nothing more is stored")
                 self._track_worker_pids(store, run_id)
                 if self.services is not None:
                     self.services.tick(store)
                 if bar:
                     bar.update(store.step_counts(run_id))
                 failed = [i for i, c in codes.items() if c not in (None, 0)]
-                if failed:
-                    return "failed", self._failure_reason(store, run_id, failed[0])
+                if failed:  # one killed by a signal first: the others fail because of it
+                    return self._failure(store, run_id, min(failed, key=lambda i: (codes[i] >= 0, i)))
                 if all(c == 0 for c in codes.values()):
                     return "completed", None
                 time.sleep(0.5)
@@ -232,13 +415,26 @@ class LocalLauncher:
             if row["pid"]:
                 self.worker_pids.add(row["pid"])
 
-    def _failure_reason(self, store: ResultsStore, run_id: str, index: int) -> str:
+    def _failure(self, store: ResultsStore, run_id: str, index: int) -> tuple[str, str]:
+        """``(status, reason)`` of a run whose process ``index`` ended with a non-zero code: "peer 1 killed by
+        SIGKILL", "worker 0 stopped by SIGTERM" (interrupted), "disk full writing <db>", "worker 0 exited with code
+        1: <its recorded reason>"."""
         wp = next(w for w in self.workers if w.index == index)
+        code = wp.popen.returncode
         if index == -1:  # the torchrun agent: name the worker that failed first
+            if code < 0:
+                return "failed", f"torchrun agent (pid {wp.popen.pid}) {describe_exit(code)} (log: {wp.log_path})"
             return _first_failure(store.workers(run_id), self.workers_here, wp)
+        who = f"{'peer' if self.cfg.distribution_model.launcher == 'swarm' else 'worker'} {index}"
         row = next((r for r in store.workers(run_id) if r["worker_index"] == index), None)
-        detail = row["reason"] if row is not None and row["reason"] else _log_tail(wp.log_path)
-        return f"worker {index} exited with code {wp.popen.returncode}: {detail}"
+        recorded = row["reason"] if row is not None and row["reason"] else None
+        if code < 0:
+            return "failed", f"{who} {describe_exit(code)} (log: {wp.log_path})"
+        if code == EXIT_DISK_FULL:
+            return "failed", disk_full_message(self.db_path, f"{who} stopped")
+        if code == EXIT_INTERRUPTED:
+            return "interrupted", f"{who} {recorded or 'was stopped by a signal'} (not sent by the launcher)"
+        return "failed", f"{who} exited with code {code}: {recorded or _log_tail(wp.log_path)}"
 
     # ------------------------------------------------------------------ stop
     def _stop_all(self) -> None:
@@ -249,6 +445,7 @@ class LocalLauncher:
         (p2pd, loader workers, hivemind's averager, stuck leaders). Workers torchrun started lead
         sessions of their own: they are ended by the pids they recorded.
         """
+        self._stopping = True  # a stop signal from now on changes nothing
         services = self.services.popens() if self.services is not None else []
         stop_processes([w.popen for w in self.workers] + services, GRACE_S, other_groups=self.worker_pids)
 
@@ -282,19 +479,62 @@ def service_core_sets(wanted: list[int], worker_core_sets: list[list[int]], core
     return sets
 
 
-def _first_failure(rows, peers: int, agent: WorkerProcess) -> str:
-    """Why a torchrun run failed: a worker that died without a word, else the first recorded failure."""
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    """``(device, inode)`` of a file, None if it is gone: tells a removed or replaced store."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _interrupt_reason(err: KeyboardInterrupt) -> str:
+    """Why the launcher stopped a run: Ctrl-C, or the signal it received."""
+    name = err.args[0] if isinstance(err, LauncherSignal) and err.args else "SIGINT"
+    if name == "SIGINT":
+        return "interrupted by the user (Ctrl-C)"
+    why = {"SIGTERM": "e.g. kill or a scheduler", "SIGHUP": "its terminal closed"}.get(name)
+    return f"interrupted: the launcher received {name}" + (f" ({why})" if why else "")
+
+
+def _first_failure(rows, peers: int, agent: WorkerProcess) -> tuple[str, str]:
+    """``(status, reason)`` of a torchrun run whose agent exited non-zero: a worker that died without a word,
+    else a worker stopped by a signal from outside (the others fail because of it), else the first recorded
+    failure."""
     silent = [r for r in rows if r["status"] in ("starting", "training")]
+    stopped = [r for r in rows if r["status"] == "interrupted"]
     # the first to fail, by the time its training raised (a peer it took down fails later)
     failed = sorted((r for r in rows if r["status"] == "failed"), key=lambda r: r["failed_at"] or float("inf"))
+    code = agent.popen.returncode
     if len(rows) < peers:
-        return f"only {len(rows)} of {peers} workers started: {_log_tail(agent.log_path)}"
+        return "failed", f"only {len(rows)} of {peers} workers started: {_log_tail(agent.log_path)}"
     if silent:
-        return (f"worker {silent[0]['worker_index']} died without recording a reason (killed?); torchrun exited with code "
-                f"{agent.popen.returncode}: {_log_tail(agent.log_path)}")
+        index = silent[0]["worker_index"]
+        exit_code = _torchrun_exit_codes(agent.log_path).get(index)
+        how = f"{describe_exit(exit_code)}, as torchrun reports" if exit_code is not None else "killed?"
+        return "failed", (f"worker {index} died without recording a reason ({how}); torchrun exited with code "
+                          f"{code}: {_log_tail(agent.log_path)}")
+    if stopped and len(stopped) == len(rows):
+        return "interrupted", (f"torchrun agent (pid {agent.popen.pid}) was stopped (exit code {code}, not by the "
+                               f"launcher); its workers: {stopped[0]['reason']}")
+    if stopped:
+        return "interrupted", (f"worker {stopped[0]['worker_index']} {stopped[0]['reason']} (not sent by the "
+                               f"launcher); the others stopped with it")
     if failed:
-        return f"worker {failed[0]['worker_index']} failed: {failed[0]['reason']}"
-    return f"torchrun exited with code {agent.popen.returncode}: {_log_tail(agent.log_path)}"
+        return "failed", f"worker {failed[0]['worker_index']} failed: {failed[0]['reason']}"
+    return "failed", f"torchrun exited with code {code}: {_log_tail(agent.log_path)}"
+
+
+def _torchrun_exit_codes(log_path: Path) -> dict[int, int]:
+    """Exit codes by rank from torchrun's failure summary in its log (``rank : 1 ...`` then ``exitcode : -9``)."""
+    import re
+
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return {}
+    return {int(rank): int(code) for rank, code in
+            re.findall(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", text)}
 
 
 def _log_tail(path: Path) -> str:

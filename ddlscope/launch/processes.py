@@ -12,20 +12,30 @@ only once every group is gone (SIGKILL is asynchronous). The children themselves
 :func:`die_with_parent` so that they end when the supervising process dies without a chance to
 stop them (Linux ``PR_SET_PDEATHSIG``).
 
+A run's processes share a temporary folder of the run's own (:func:`make_run_temp_dir`, their
+``TMPDIR``; hivemind's sockets routed there by :func:`route_hivemind_sockets`), removed with all it
+holds when the run ends (:func:`remove_run_temp_dir`), so nothing they create is left in ``/tmp``.
+
 Used by :mod:`ddlscope.launch.local` (runs) and :mod:`ddlscope.profiling.calibrate`.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 KILL_WAIT_S = 10.0
 """Seconds :func:`stop_processes` waits for a SIGKILLed group to disappear."""
+RUN_TMP_PREFIX = "ddlscope-run-"
+"""Name prefix of a run's own temporary folder (:func:`make_run_temp_dir`)."""
+UNIX_SOCKET_PATH_MAX = 100
+"""Longest socket path used (Linux allows 107 bytes in ``sockaddr_un``)."""
 
 
 def thread_env(threads: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -118,6 +128,49 @@ def stop_processes(popens: Sequence[subprocess.Popen], grace_s: float, other_gro
             signal_group(pgid, signal.SIGKILL)
     for pgid in [p.pid for p in popens] + others:
         wait_group_gone(pgid, KILL_WAIT_S)
+
+
+def describe_exit(returncode: int) -> str:
+    """How a process ended, for a person: ``killed by SIGKILL`` for a negative return code (the
+    signal that ended it), else ``exited with code N``."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def make_run_temp_dir() -> Path:
+    """A new, empty temporary folder for one run's processes (``$TMPDIR/ddlscope-run-XXXXXXXX``).
+
+    The launcher sets it as ``TMPDIR`` of every process it starts, so what they create in the
+    temporary folder (multiprocessing's ``pymp-*``, torchelastic's ``torchelastic_*``, hivemind's
+    socket files, see :func:`route_hivemind_sockets`) lies in it and goes with it
+    (:func:`remove_run_temp_dir`). The path is short, as Unix socket paths must be.
+    """
+    return Path(tempfile.mkdtemp(prefix=RUN_TMP_PREFIX))
+
+
+def remove_run_temp_dir(path: str | Path | None) -> None:
+    """Remove a folder made by :func:`make_run_temp_dir` with all it holds; anything else (a folder
+    not named ``ddlscope-run-*``, None) is left alone, as is a folder already gone."""
+    if path and Path(path).name.startswith(RUN_TMP_PREFIX):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def route_hivemind_sockets() -> None:
+    """Make hivemind put its Unix socket files (p2pd's and each client's ``hivemind-*.sock``) in
+    ``$TMPDIR`` when that is a run's own folder (:func:`make_run_temp_dir`), instead of ``/tmp``,
+    where hivemind 1.1.12 leaves the clients' sockets behind. Call it in a worker before hivemind
+    starts a DHT; it changes nothing when ``$TMPDIR`` is not a run's folder.
+    """
+    tmp = os.environ.get("TMPDIR", "")
+    if not Path(tmp).name.startswith(RUN_TMP_PREFIX) or len(tmp) + 40 > UNIX_SOCKET_PATH_MAX:
+        return
+    from hivemind.p2p.p2p_daemon import P2P
+
+    P2P._UNIX_SOCKET_PREFIX = f"/unix{tmp}/hivemind-"  # hivemind 1.1.12 names its sockets from this prefix
 
 
 def log_tail(path: str | Path, lines: int = 3) -> str:

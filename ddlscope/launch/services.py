@@ -50,6 +50,7 @@ class ServiceSupervisor:
         core_sets: the cores of each service, by position in ``services``.
         join_timeout_s: how long the first service may take to record its multiaddrs.
         initial_peers: multiaddrs of a running swarm to join (empty: the first service bootstraps).
+        env_extra: environment variables of every service process (the run's ``TMPDIR``).
     """
 
     services: list[Service]
@@ -59,6 +60,7 @@ class ServiceSupervisor:
     core_sets: list[list[int]]
     join_timeout_s: float
     initial_peers: list[str] = field(default_factory=list)
+    env_extra: dict[str, str] = field(default_factory=dict)
     processes: list[_Process] = field(default_factory=list)
     t0: float = 0.0
     _done: set[tuple[int, str]] = field(default_factory=set)
@@ -93,7 +95,7 @@ class ServiceSupervisor:
                "--die-with-parent"]
         if self.initial_peers:
             cmd += ["--initial-peers", *self.initial_peers]
-        proc = _Process(s, generation, start_process(cmd, log_path, threads=len(cores)), log_path)
+        proc = _Process(s, generation, start_process(cmd, log_path, threads=len(cores), env_extra=self.env_extra), log_path)
         self.processes.append(proc)
         store.add_event(self.run_id, None, "service_started", service=s.kind, index=s.index, generation=generation,
                         at_s=round(time.monotonic() - self.t0, 3), pid=proc.popen.pid)

@@ -4,7 +4,8 @@ Locally the :class:`~ddlscope.launch.local.LocalLauncher` runs one torchrun agen
 ``--nproc-per-node = peers`` and a c10d rendezvous on a loopback port. On a cluster the same
 command runs on every node with ``--nnodes`` and a shared rendezvous endpoint
 (``ddlscope run CONFIG --nnodes N --rdzv-endpoint HOST:PORT --run-id ID``). torchrun ends the
-other workers when one fails (``--max-restarts 0``) and exits non-zero.
+other workers when one fails (``--max-restarts 0``) and exits non-zero. The agent is started through
+:mod:`ddlscope.launch.agent` so that it dies with the launcher and, locally, listens on loopback only.
 
 Before anything starts, :func:`preflight` checks what would otherwise fail inside the workers:
 the rendezvous port and, for pipelines, whether the network can be cut into that many stages.
@@ -13,6 +14,7 @@ the rendezvous port and, for pipelines, whether the network can be cut into that
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import sys
 
@@ -54,7 +56,12 @@ def preflight(cfg: RunConfig, check_port: bool = True) -> int | None:
 
 def torchrun_command(nproc_per_node: int, rdzv_endpoint: str, worker_args: list[str], nnodes: int = 1,
                      rdzv_id: str = "ddlscope") -> list[str]:
-    """The torchrun command line that starts ``nproc_per_node`` ddlscope workers on this node.
+    """The command line that starts torchrun's agent for ``nproc_per_node`` ddlscope workers on this node.
+
+    The agent runs under :mod:`ddlscope.launch.agent`, started by this process: it dies with it,
+    and with a loopback endpoint (every node on this machine) every store it hosts and the
+    workers' gloo pairs listen on 127.0.0.1 only; else each store listens on the address it is
+    reached at (docs/network.md).
 
     Args:
         rdzv_endpoint: ``host:port`` of the c10d rendezvous (the first node hosts it).
@@ -62,6 +69,12 @@ def torchrun_command(nproc_per_node: int, rdzv_endpoint: str, worker_args: list[
         nnodes: nodes taking part; each runs this same command.
         rdzv_id: the same on every node of one run.
     """
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+    from ddlscope.launch.network import LOOPBACK, is_loopback
+
+    local = is_loopback(rdzv_endpoint.rsplit(":", 1)[0].strip("[]"))  # then every node is on this machine
+    agent = [sys.executable, "-m", "ddlscope.launch.agent", "--parent-pid", str(os.getpid()),
+             "--bind", "loopback" if local else "reached"]
+    return [*agent, f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}", "--max-restarts=0",
+            *([f"--local-addr={LOOPBACK}"] if local else []),
             "--monitor-interval=0.2", "-m", "ddlscope.train.worker", *worker_args]

@@ -23,14 +23,20 @@ from ddlscope.errors import UserError
 
 GIB = 1024**3
 
+# sane ranges of a cluster description: beyond them a prediction means nothing (or overflows)
+MAX_NODES = 100_000
+MAX_DEVICES_PER_NODE = 4096
+MAX_LATENCY_S = 60.0
+MAX_MEMORY_GIB = 1e6
+
 
 class LinkSpec(BaseModel):
     """A link between two workers: time to send B bytes = ``latency_s + B / (bandwidth_gb_per_s * 1e9)``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # finite numbers only
 
     bandwidth_gb_per_s: float = Field(gt=0, description="1e9 bytes per second")
-    latency_s: float = Field(ge=0)
+    latency_s: float = Field(ge=0, le=MAX_LATENCY_S)
 
     def transfer_s(self, nbytes: float) -> float:
         """Seconds to send ``nbytes`` bytes over this link (Hockney's alpha-beta model)."""
@@ -41,10 +47,10 @@ class DeviceSpec(BaseModel):
     """One device (a GPU, or on CPU clusters a set of cores). ``kind`` must be a known kind
     (:data:`ddlscope.modeling.devices.DEVICE_KINDS`); ``local`` is the device the profile ran on."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # finite numbers only
 
     kind: str
-    memory_gib: float | None = Field(None, gt=0, description="capacity per device; default: the kind's")
+    memory_gib: float | None = Field(None, gt=0, le=MAX_MEMORY_GIB, description="capacity per device; default: the kind's")
 
     @field_validator("kind")
     @classmethod
@@ -69,12 +75,12 @@ class DeviceSpec(BaseModel):
 class PeerSpec(BaseModel):
     """A collaborative peer: its compute in profiled devices and its network link."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # finite numbers only
 
-    compute_share: float = Field(gt=0, description="throughput relative to the profiled device (1 = same device)")
+    compute_share: float = Field(ge=1e-6, le=1e6, description="throughput relative to the profiled device (1 = same device)")
     bandwidth_gb_per_s: float = Field(gt=0)
-    latency_s: float = Field(0.0, ge=0)
-    memory_gib: float | None = Field(None, gt=0)
+    latency_s: float = Field(0.0, ge=0, le=MAX_LATENCY_S)
+    memory_gib: float | None = Field(None, gt=0, le=MAX_MEMORY_GIB)
 
 
 class CollectiveFit(BaseModel):
@@ -85,7 +91,7 @@ class CollectiveFit(BaseModel):
     all-reduce (gloo's are far slower per byte on CPU), so they get their own fit.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # finite numbers only
 
     fixed_s: float = Field(ge=0)
     bandwidth_gb_per_s: float = Field(gt=0)
@@ -108,7 +114,7 @@ class HivemindFit(BaseModel):
             matchmaking time says so in its notes. ``None``: a file from before it was recorded.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # finite numbers only
 
     epoch_overhead_s: float = Field(ge=0)
     overhead_steps: float = Field(0.0, ge=0)
@@ -180,7 +186,7 @@ class DMoEFit(BaseModel):
         reference: what was measured (experts, payloads, batches).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # finite numbers only
 
     beam_search_fixed_s: float = Field(ge=0)
     beam_search_lookup_s: float = Field(ge=0)
@@ -281,11 +287,11 @@ class ClusterSpec(BaseModel):
             ``calibrate --dmoe``, :class:`DMoEFit`).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # finite numbers only
 
     name: str = "cluster"
-    nodes: int = Field(1, ge=1)
-    devices_per_node: int = Field(1, ge=1)
+    nodes: int = Field(1, ge=1, le=MAX_NODES)
+    devices_per_node: int = Field(1, ge=1, le=MAX_DEVICES_PER_NODE)
     device: DeviceSpec
     intra_node: LinkSpec
     inter_node: LinkSpec | None = Field(None, validate_default=True)
@@ -293,7 +299,7 @@ class ClusterSpec(BaseModel):
     p2p_fixed_s: float = Field(0.0, ge=0)
     concurrent_compute_slowdown: float = Field(1.0, ge=1)
     comm_overlap: float = Field(1.0, ge=0, le=1)
-    peers: list[PeerSpec] = Field(default_factory=list)
+    peers: list[PeerSpec] = Field(default_factory=list, max_length=MAX_NODES)
     p2p_link: LinkSpec | None = None
     all_gather: CollectiveFit | None = None
     reduce_scatter: CollectiveFit | None = None
@@ -394,8 +400,10 @@ def load_cluster(path: Path) -> ClusterSpec:
     ``[cluster.dmoe]`` (:class:`DMoEFit`).
 
     Raises:
-        UserError: missing file, invalid TOML, unknown or missing tables/fields, non-positive
-            bandwidth or memory, unknown device kind, nodes > 1 without inter_node; the message
+        UserError: missing, unreadable or non-UTF-8 file, invalid TOML, unknown or missing
+            tables/fields, a number that is not finite or outside its range (e.g. bandwidth
+            latency 0..60 s, up to 100,000 nodes of 4,096 devices), unknown device
+            kind, nodes > 1 without inter_node; the message
             names the field (e.g. ``cluster.intra_node.bandwidth_gb_per_s: field required``).
     """
     from ddlscope.config import read_toml

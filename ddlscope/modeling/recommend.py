@@ -27,6 +27,11 @@ from ddlscope.modeling.profile import WorkloadProfile
 
 T = TypeVar("T")
 
+MAX_WORKERS = 1 << 16
+"""Most workers a recommendation considers (a pipeline candidate searches its micro-batch count down from 2 x workers)."""
+MAX_GLOBAL_BATCH_SIZE = 1 << 24
+"""Largest global batch (samples per optimizer step) a recommendation considers."""
+
 
 def rank(items: Sequence[T], epoch_s: Callable[[T], float | None], fits: Callable[[T], bool | None]) -> list[T]:
     """``items`` in the recommender's order: predicted to fit first (``fits(item) is True``), then
@@ -138,13 +143,21 @@ def candidate_settings(strategies: list[str], workers: int, global_batch_size: i
     cannot run (e.g. more stages than layers) is kept; :func:`recommend` lists it with its reason.
 
     Raises:
-        UserError: an unknown distribution model, or ``global_batch_size`` < 1.
+        UserError: an unknown distribution model, ``workers`` outside 1..:data:`MAX_WORKERS`,
+            ``global_batch_size`` outside 1..:data:`MAX_GLOBAL_BATCH_SIZE`, ``microbatches`` or
+            ``target_batch_size`` outside 1..the global batch / 1..:data:`MAX_GLOBAL_BATCH_SIZE`.
     """
     from ddlscope import distribution
 
     models = [distribution.get(name) for name in strategies]
-    if global_batch_size < 1:
-        raise UserError(f"batch size {global_batch_size}; allowed: >= 1")
+    if not 1 <= global_batch_size <= MAX_GLOBAL_BATCH_SIZE:
+        raise UserError(f"batch size {global_batch_size}; allowed: 1..{MAX_GLOBAL_BATCH_SIZE}")
+    if not 1 <= workers <= MAX_WORKERS:
+        raise UserError(f"workers {workers}; allowed: 1..{MAX_WORKERS}")
+    if microbatches is not None and not 1 <= microbatches <= global_batch_size:
+        raise UserError(f"microbatches {microbatches}; allowed: 1..{global_batch_size} (the global batch)")
+    if target_batch_size is not None and not 1 <= target_batch_size <= MAX_GLOBAL_BATCH_SIZE:
+        raise UserError(f"target batch size {target_batch_size}; allowed: 1..{MAX_GLOBAL_BATCH_SIZE}")
     options = {"microbatches": microbatches, "target_batch_size": target_batch_size,
                "matchmaking_time_s": matchmaking_time_s, "use_local_updates": use_local_updates}
     out = []

@@ -212,10 +212,12 @@ def serve(db: str, run_id: str, index: int, generation: int, cores: list[int], i
     from hivemind.moe.server import Server
 
     from ddlscope.config import RunConfig
-    from ddlscope.launch.processes import end_children
+    from ddlscope.launch.network import p2p_options
+    from ddlscope.launch.processes import end_children, route_hivemind_sockets
     from ddlscope.store.db import ResultsStore
 
     os.sched_setaffinity(0, cores)
+    route_hivemind_sockets()  # its sockets in the run's own folder (TMPDIR), removed with it
     torch.set_num_threads(len(cores))
     store = ResultsStore(db)
     store.upsert_service(run_id, KIND, index, generation, pid=os.getpid(), cores=",".join(map(str, cores)),
@@ -233,7 +235,7 @@ def serve(db: str, run_id: str, index: int, generation: int, cores: list[int], i
         d = cfg.dmoe
         uids = d.server_uids(index)
         dht = hivemind.DHT(initial_peers=initial_peers or None, host_maddrs=[f"/ip4/{d.listen_host}/tcp/0"],
-                           start=True, startup_timeout=d.join_timeout_s)
+                           start=True, startup_timeout=d.join_timeout_s, **p2p_options(d.nat_traversal))
         log = _BatchLog(run_id, index, generation)
         server = Server(dht, build_backends(cfg, uids, log), num_connection_handlers=1,
                         update_period=d.update_period_s, expiration=2 * d.update_period_s, start=True)

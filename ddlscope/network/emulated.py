@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -97,6 +98,15 @@ class NetworkConfig(BaseModel):
         return out
 
 
+def emulated_models() -> list[str]:
+    """Distribution models whose runs can be placed on an emulated network: those whose workers the
+    launcher starts as swarm peers without services (collaborative). torchrun's models (one agent
+    starting every worker on one host) and dmoe's expert servers are not placed in namespaces yet."""
+    from ddlscope import distribution
+
+    return [m for m in distribution.with_launcher("swarm") if distribution.get(m).services is None]
+
+
 def check_can_emulate(latency: bool = False) -> None:
     """Raise :class:`UserError` unless this process can build emulated networks.
 
@@ -134,6 +144,7 @@ class EmulatedNetwork:
 
     Args:
         rates_mbit_per_s: per peer (upload, download) in Mbit/s; None is unlimited.
+        latency_ms: one-way delay added to each direction of every link (netem; None: none).
         owner_pid: the process that owns it (its death removes it); default this process.
 
     Use :meth:`create`, start peer ``i`` with :meth:`wrap` (``ip netns exec``), let it listen on
@@ -141,6 +152,7 @@ class EmulatedNetwork:
     """
 
     rates_mbit_per_s: list[tuple[float | None, float | None]]
+    latency_ms: float | None = None
     owner_pid: int = field(default_factory=os.getpid)
     created: bool = False
     reaper: subprocess.Popen | None = None
@@ -178,7 +190,7 @@ class EmulatedNetwork:
             UserError: not root, no iproute2, or more than 250 peers.
             RuntimeError: an ``ip``/``tc`` command failed (what was built is removed first).
         """
-        check_can_emulate()
+        check_can_emulate(latency=self.latency_ms is not None)
         if len(self.rates_mbit_per_s) > 250:
             raise UserError(f"network.emulate: {len(self.rates_mbit_per_s)} peers; allowed: at most 250 (one /24)")
         self.created = True
@@ -207,10 +219,10 @@ class EmulatedNetwork:
         _ip("-n", ns, "addr", "add", f"{self.address(peer)}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", ns, "link", "set", "lo", "up")
-        if up is not None:
-            _tc(["ip", "netns", "exec", ns, "tc"], "eth0", up)
-        if down is not None:
-            _tc(["tc"], host_end, down)
+        if up is not None or self.latency_ms is not None:
+            _shape(["ip", "netns", "exec", ns, "tc"], "eth0", up, self.latency_ms)
+        if down is not None or self.latency_ms is not None:
+            _shape(["tc"], host_end, down, self.latency_ms)
 
     # ------------------------------------------------------------------ read
     def counters(self) -> list[dict[str, float | int | str | None]]:
@@ -244,6 +256,39 @@ class EmulatedNetwork:
             self.reaper.wait()
         self.created = False
 
+    # ------------------------------------------------------------------ runs
+    @classmethod
+    def for_run(cls, cfg: Any, workers_here: int) -> "EmulatedNetwork | None":
+        """The (not yet built) network of run config ``cfg``, or None when it runs on loopback.
+
+        Checks, before anything starts, that it can be built here.
+
+        Args:
+            cfg: a :class:`ddlscope.config.RunConfig`.
+            workers_here: peers this launcher starts (all of them: an emulated network is one machine).
+
+        Raises:
+            UserError: some peers run elsewhere, not root, no iproute2, latency without netem.
+        """
+        net = cfg.network
+        if not net.emulate:
+            return None
+        if workers_here != cfg.peers:
+            raise UserError(f"network.emulate: {cfg.peers} peers, {workers_here} started here; allowed: every peer "
+                            "on this machine (an emulated network lives on one machine)")
+        check_can_emulate(latency=net.latency_ms is not None)
+        remove_stale()
+        return cls(net.rates(cfg.peers), net.latency_ms)
+
+    def peer_command(self, peer: int, cmd: list[str]) -> list[str]:
+        """A worker's command line run inside ``peer``'s namespace, listening on its address."""
+        return self.wrap(peer, [*cmd, "--listen", f"/ip4/{self.address(peer)}/tcp/0"])
+
+    def record(self, store: Any, run_id: str) -> None:
+        """Store :meth:`counters` as the run's ``network_links`` rows."""
+        rows = [{"run_id": run_id, "worker_index": c.pop("peer"), **c} for c in self.counters()]
+        store.add_rows("network_links", rows)
+
     def __enter__(self) -> "EmulatedNetwork":
         return self.create()
 
@@ -251,17 +296,25 @@ class EmulatedNetwork:
         self.remove()
 
 
-def remove_network(tag: str, peers: int | None = None) -> None:
-    """Remove the emulated network ``tag``: SIGKILL every process in its namespaces, delete them
-    and its bridge. ``peers`` None removes every namespace with that tag that exists."""
+def remove_network(tag: str, peers: int | None = None, grace_s: float = 0.0) -> None:
+    """Remove the emulated network ``tag``: end every process in its namespaces, delete them and
+    its bridge.
+
+    Args:
+        tag: the network's tag (its owner's pid in hex).
+        peers: how many namespaces it has; None removes every namespace with that tag that exists.
+        grace_s: SIGTERM first and wait up to this long for the processes to exit (so that a worker
+            whose launcher died can record why it stops), then SIGKILL what is left.
+    """
     names = [f"{PREFIX}-{tag}-{i}" for i in range(peers)] if peers is not None else \
         [n for n in namespaces() if _NAMESPACE.match(n) and _NAMESPACE.match(n).group(1) == tag]
+    if grace_s > 0:
+        _signal_all([pid for ns in names for pid in _netns_pids(ns)], signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(_netns_pids(ns) for ns in names):
+            time.sleep(0.1)
     for ns in names:
-        for pid in _netns_pids(ns):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _signal_all(_netns_pids(ns), signal.SIGKILL)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     # a namespace's veth goes with it, but asynchronously: delete the bridge's ends (and the bridge) now
     for dev in _links(f"{PREFIX}{tag}-"):
@@ -271,6 +324,14 @@ def remove_network(tag: str, peers: int | None = None) -> None:
 def _links(prefix: str) -> list[str]:
     done = subprocess.run(["ip", "-j", "link", "show"], capture_output=True, text=True)
     return [d["ifname"] for d in json.loads(done.stdout or "[]") if d["ifname"].startswith(prefix)]
+
+
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def namespaces() -> list[str]:
@@ -309,13 +370,21 @@ def _ip(*args: str) -> None:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip() or f'exit code {done.returncode}'}")
 
 
-def _tc(tc: list[str], dev: str, rate_mbit_per_s: float) -> None:
-    """A tbf rate limit on ``dev``'s egress. The bucket holds 10 ms at the rate (at least 16 KiB,
-    so that a whole 1500-byte packet and a kernel tick's worth always fit)."""
-    rate_bytes_per_s = rate_mbit_per_s * 1e6 / 8
-    burst_bytes = max(16 * 1024, int(rate_bytes_per_s / 100))
-    cmd = [*tc, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit_per_s * 1000:.0f}kbit",
-           "burst", str(burst_bytes), "latency", f"{QUEUE_LATENCY_MS}ms"]
+def _shape(tc: list[str], dev: str, rate_mbit_per_s: float | None, latency_ms: float | None) -> None:
+    """Limit ``dev``'s egress: a tbf rate limit, or with a latency netem's delay and rate together.
+
+    tbf's bucket holds 10 ms at the rate (at least 16 KiB, so that a whole 1500-byte packet and a
+    kernel tick's worth always fit); its queue :data:`QUEUE_LATENCY_MS`. netem (latency) queues up
+    to 1000 packets.
+    """
+    if latency_ms is not None:
+        rate = ["rate", f"{rate_mbit_per_s * 1000:.0f}kbit"] if rate_mbit_per_s is not None else []
+        cmd = [*tc, "qdisc", "replace", "dev", dev, "root", "netem", "delay", f"{latency_ms:g}ms", *rate, "limit", "1000"]
+    else:
+        rate_bytes_per_s = rate_mbit_per_s * 1e6 / 8
+        burst_bytes = max(16 * 1024, int(rate_bytes_per_s / 100))
+        cmd = [*tc, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit_per_s * 1000:.0f}kbit",
+               "burst", str(burst_bytes), "latency", f"{QUEUE_LATENCY_MS}ms"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
@@ -333,7 +402,7 @@ def _tbf_drops(tc: list[str], dev: str) -> int | None:
     done = subprocess.run([*tc, "-s", "-j", "qdisc", "show", "dev", dev], capture_output=True, text=True)
     if done.returncode != 0 or not done.stdout.strip():
         return None
-    return next((q.get("drops") for q in json.loads(done.stdout) if q.get("kind") == "tbf"), None)
+    return next((q.get("drops") for q in json.loads(done.stdout) if q.get("kind") in ("tbf", "netem")), None)
 
 
 def wait_removed(tag: str, timeout_s: float = 10.0) -> bool:

@@ -3,7 +3,8 @@
 :class:`ddlscope.network.emulated.EmulatedNetwork` starts one reaper per network, in a session of
 its own so that no signal meant for the run reaches it. It checks every 0.2 s whether the owner
 (the same process: pid and start time) is alive; when the owner is gone without removing the
-network (SIGKILL, OOM kill) it kills what runs in the namespaces and removes them and the bridge.
+network (SIGKILL, OOM kill) it ends what runs in the namespaces (SIGTERM, then SIGKILL after
+:data:`GRACE_S`) and removes them and the bridge.
 The owner kills the reaper when it removes the network itself.
 """
 
@@ -17,6 +18,8 @@ import psutil
 from ddlscope.network.emulated import remove_network
 
 POLL_S = 0.2
+GRACE_S = 5.0
+"""Seconds the processes in the namespaces get after SIGTERM (to record why they stop) before SIGKILL."""
 
 
 def owner_gone(pid: int, started_at: float) -> bool:
@@ -39,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         started_at = float("nan")  # the owner died before this started: remove at once
     while not owner_gone(args.owner_pid, started_at):
         time.sleep(POLL_S)
-    remove_network(f"{args.owner_pid:x}", args.peers)
+    remove_network(f"{args.owner_pid:x}", args.peers, grace_s=GRACE_S)
 
 
 if __name__ == "__main__":

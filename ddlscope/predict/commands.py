@@ -197,13 +197,13 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"the cluster {spec.name!r} has one device; describe at least 2 devices or peers, or pass --workers")
         if matchmaking_time_s is None and spec.hivemind is not None:  # predict where the overhead was measured
             matchmaking_time_s = spec.hivemind.matchmaking_time_s  # None (unrecorded): the run default
-        profile = load_or_profile(model, dataset, batch_size, threads=threads, loader_workers=(loader_workers,),
-                                  cache_dir=cache_dir, progress=not as_json, optimizer=optimizer)
-        scale = compute_scale(profile, batch_size, spec.device.kind)
         settings = candidate_settings([x.strip() for x in strategies.split(",") if x.strip()], n, batch_size,
                                       DATASETS[dataset].train_size, microbatches=microbatches,
                                       loader_workers=loader_workers, target_batch_size=target_batch_size,
                                       matchmaking_time_s=matchmaking_time_s, use_local_updates=local_updates)
+        profile = load_or_profile(model, dataset, batch_size, threads=threads, loader_workers=(loader_workers,),
+                                  cache_dir=cache_dir, progress=not as_json, optimizer=optimizer)
+        scale = compute_scale(profile, batch_size, spec.device.kind)
         rec = recommend(profile, spec, settings, scale.factor, (scale.low, scale.high))
         if spec.device.kind != "local":
             rec.notes.append(f"compute scaled from {profile.device.name} to {spec.device.kind}: x{scale.factor:.3g} "

@@ -420,7 +420,9 @@ def _serve(folder: str, core: int, parent_pid: int) -> int:
     from hivemind.utils import get_dht_time
     from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
-    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    from ddlscope.launch.network import p2p_options
+
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, **p2p_options())
     backends = {}
     for hidden in PAYLOAD_HIDDEN:
         for i in range(ROUND_EXPERTS):
@@ -540,11 +542,13 @@ def _client(folder: str, core: int, parent_pid: int) -> int:
     import torch
     from hivemind.moe.client.beam_search import MoEBeamSearcher
 
+    from ddlscope.launch.network import p2p_options
+
     with open(os.path.join(folder, "server.json")) as f:
         server = json.load(f)
     progress = open(os.path.join(folder, "progress.log"), "a", buffering=1)
     me, server_proc = psutil.Process(), psutil.Process(server["pid"])
-    dht = hivemind.DHT(initial_peers=server["maddrs"], client_mode=True, start=True)
+    dht = hivemind.DHT(initial_peers=server["maddrs"], client_mode=True, start=True, **p2p_options())
     second = None
     if os.path.exists(os.path.join(folder, "second.expected")):  # let the second client join before timing
         _wait_file(os.path.join(folder, "second.json"), parent_pid)
@@ -645,9 +649,11 @@ def _second_client(folder: str, core: int, parent_pid: int) -> int:
     import hivemind
     import torch
 
+    from ddlscope.launch.network import p2p_options
+
     with open(os.path.join(folder, "server.json")) as f:
         server = json.load(f)
-    dht = hivemind.DHT(initial_peers=server["maddrs"], client_mode=True, start=True)
+    dht = hivemind.DHT(initial_peers=server["maddrs"], client_mode=True, start=True, **p2p_options())
     torch.manual_seed(1)
     one, _, _ = _round_call(SHARED_HIDDEN, SHARED_BATCH, SHARED_K, dht)
     one()  # warm-up, before the first client times anything

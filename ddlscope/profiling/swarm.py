@@ -88,6 +88,7 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
     import torch
     import torch.distributed as dist
 
+    from ddlscope.launch.network import p2p_options
     from ddlscope.workloads.models import build_model
 
     network, family = REFERENCE
@@ -95,11 +96,11 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
     model = build_model(network, family)
     maddrs: list[Any] = [None]
     if rank == 0:
-        dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, **p2p_options())
         maddrs = [[str(a) for a in dht.get_visible_maddrs()]]
     dist.broadcast_object_list(maddrs, src=0)
     if rank != 0:
-        dht = hivemind.DHT(initial_peers=maddrs[0], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        dht = hivemind.DHT(initial_peers=maddrs[0], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, **p2p_options())
     try:
         swarms = [_one_swarm(hivemind, dht, model, batch, workers, epochs, deadline_s / len(BATCH_SIZES),
                              matchmaking_time_s, say) for batch in BATCH_SIZES]

@@ -23,16 +23,23 @@ crashes or is killed keeps everything measured up to its last step. Tables:
   queue wait of its oldest request, compute seconds.
 - ``moe_server_samples``: background samples of an expert server's CPU seconds and memory
   (proportional set size of its process tree).
+- ``network_links``: a run on an emulated network (``[network] emulate = true``): each peer's
+  namespace, address, configured upload/download limits (Mbit/s; NULL unlimited), the bytes its
+  interface sent and received and the packets its rate limits dropped, read when the run ended.
 
 A run whose processes were killed stays ``running`` in the file; :meth:`ResultsStore.mark_stale_runs`
 (called by the read-only commands) marks such runs ``interrupted`` once every process recorded for
-them on this host is gone. :meth:`ResultsStore.delete_runs` removes runs with every row linked to them.
+them on this host is gone, and removes the run's temporary folder (``runs.tmp_dir``). A write that
+fails because the disk is full raises :class:`StoreFullError` where the caller asks for it
+(:func:`is_disk_full`). :meth:`ResultsStore.delete_runs` removes runs with every row linked to them.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import socket
 import sqlite3
 import time
@@ -41,6 +48,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from ddlscope.errors import UserError
+from ddlscope.launch.processes import RUN_TMP_PREFIX, remove_run_temp_dir
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -106,6 +116,11 @@ CREATE TABLE IF NOT EXISTS moe_server_samples (
     run_id TEXT NOT NULL, service_index INTEGER NOT NULL, generation INTEGER NOT NULL, wall_time REAL NOT NULL,
     cpu_s REAL, pss_bytes INTEGER
 );
+CREATE TABLE IF NOT EXISTS network_links (
+    run_id TEXT NOT NULL, worker_index INTEGER NOT NULL, namespace TEXT, address TEXT,
+    upload_mbit_per_s REAL, download_mbit_per_s REAL, bytes_sent INTEGER, bytes_received INTEGER,
+    drops_upload INTEGER, drops_download INTEGER, PRIMARY KEY (run_id, worker_index)
+);
 CREATE INDEX IF NOT EXISTS moe_calls_by_run ON moe_calls (run_id, worker_index, step);
 CREATE INDEX IF NOT EXISTS moe_batches_by_run ON moe_server_batches (run_id, service_index);
 CREATE INDEX IF NOT EXISTS steps_by_run ON steps (run_id, worker_index);
@@ -125,17 +140,48 @@ ADDED_COLUMNS = (
     ("steps", "bubble_s", "REAL"), ("steps", "comm_bytes", "INTEGER"), ("runs", "cell_key", "TEXT"),
     ("workers", "failed_at", "REAL"), ("steps", "background_cpu_s", "REAL"),
     ("runs", "launcher_pid", "INTEGER"), ("runs", "launcher_started_at", "REAL"), ("workers", "pid_started_at", "REAL"),
-    ("moe_server_samples", "pss_bytes", "INTEGER"),
+    ("moe_server_samples", "pss_bytes", "INTEGER"), ("runs", "tmp_dir", "TEXT"),
 )
-MEASUREMENT_TABLES = ("moe_steps", "moe_calls", "moe_server_batches", "moe_server_samples")
+MEASUREMENT_TABLES = ("moe_steps", "moe_calls", "moe_server_batches", "moe_server_samples", "network_links")
 """Tables written with :meth:`ResultsStore.add_rows` (rows as dicts of their columns)."""
 UNFINISHED_WORKER_STATUSES = ("starting", "training")
+RESERVE_FILE = ".disk-reserve"
+"""File in a run's log folder (``<db folder>/logs/<run id>/``) holding space to record the run's end on a full disk."""
 PID_START_TOLERANCE_S = 1.0
 """Seconds two start times of one process may differ by (clock ticks, rounding); more means the pid was reused."""
 HOST_COLUMNS = (
     "wall_time", "cpu_percent", "rss_bytes", "net_sent_bytes", "net_recv_bytes", "disk_read_bytes",
     "disk_write_bytes", "ctx_switches",
 )
+
+
+class StoreFullError(UserError):
+    """The results store could not be written because its disk is full; the message names the file."""
+
+
+DISK_FULL_FREE_BYTES = 1 << 20
+"""Free bytes below which SQLite's ``disk I/O error`` (it cannot grow its ``-shm``/``-wal`` files) counts as a full disk."""
+
+
+def is_disk_full(err: BaseException, path: Path | str | None = None) -> bool:
+    """Whether ``err`` says that the disk is full: SQLite's ``database or disk is full`` (SQLITE_FULL), an
+    ``OSError`` with ``ENOSPC``/``EDQUOT``, or SQLite's ``disk I/O error`` while the disk of ``path`` (the
+    database) has less than :data:`DISK_FULL_FREE_BYTES` free."""
+    if isinstance(err, sqlite3.OperationalError):
+        if "disk is full" in str(err) or getattr(err, "sqlite_errorname", "") == "SQLITE_FULL":
+            return True
+        if "disk I/O error" in str(err) and path is not None:
+            try:
+                return shutil.disk_usage(Path(path).parent).free < DISK_FULL_FREE_BYTES
+            except OSError:
+                return False
+        return False
+    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full_message(path: Path | str, what: str = "") -> str:
+    """``disk full writing <path>`` and, if given, what could not be written."""
+    return f"disk full writing {path}" + (f": {what}" if what else "")
 
 
 def process_start_time(pid: int) -> float | None:
@@ -183,17 +229,26 @@ class ResultsStore:
 
     Every write commits immediately (WAL, ``synchronous=NORMAL``), so readers in other
     processes see progress and a killed writer loses at most the row it was writing.
+
+    Raises:
+        StoreFullError: the disk is full (SQLite cannot even open the file in WAL mode then).
     """
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.conn = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
-        self.conn.row_factory = sqlite3.Row
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=NORMAL")
-        self.conn.executescript(SCHEMA)
-        self._add_missing_columns()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.conn = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
+            self.conn.row_factory = sqlite3.Row
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+            self.conn.executescript(SCHEMA)
+            self._add_missing_columns()
+        except (sqlite3.OperationalError, OSError) as err:
+            if is_disk_full(err, self.path):
+                raise StoreFullError(disk_full_message(self.path, "the results store cannot be opened; free some space")
+                                     ) from None
+            raise
 
     def _add_missing_columns(self) -> None:
         """Bring a database written by an older ddlscope up to this schema (keeps all rows)."""
@@ -241,6 +296,24 @@ class ResultsStore:
         self.conn.execute("UPDATE runs SET status = ?, reason = ?, ended_at = ? WHERE run_id = ?",
                           (status, reason, time.time(), run_id))
 
+    def end_running_run(self, run_id: str, status: str, reason: str) -> bool:
+        """Set a run's final status only if it is still ``running`` (the first process to tell wins:
+        e.g. the first worker to see its launcher gone; each worker records its own row). Returns
+        whether this call ended it.
+
+        Raises:
+            ValueError: ``status`` is not a final status.
+        """
+        if status not in RUN_STATUSES[1:]:
+            raise ValueError(f"status {status!r}; allowed: {RUN_STATUSES[1:]}")
+        cur = self.conn.execute("UPDATE runs SET status = ?, reason = ?, ended_at = ? WHERE run_id = ? AND status = 'running'",
+                                (status, reason, time.time(), run_id))
+        return bool(cur.rowcount)
+
+    def set_tmp_dir(self, run_id: str, path: Path | str) -> None:
+        """Record the run's own temporary folder, removed when the run is found stale (:meth:`mark_stale_runs`)."""
+        self.conn.execute("UPDATE runs SET tmp_dir = ? WHERE run_id = ?", (str(path), run_id))
+
     def run(self, run_id: str) -> sqlite3.Row | None:
         return self.conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
 
@@ -259,10 +332,14 @@ class ResultsStore:
         of them is alive, a pid now used by a process that started at another time counting as gone.
         A run with no pid recorded (a database written before pids were) is left alone. Its workers
         still ``starting``/``training`` are marked ``interrupted`` with the same reason; ``ended_at`` is
-        the last time the run recorded anything.
+        the last time the run recorded anything. The run's temporary folder (``tmp_dir``) is removed,
+        also for runs that ended but whose folder is still there (their last process removes it, or not).
+
+        A database that cannot be written (a full disk, a read-only file) is still read: the stale runs
+        are returned, but stay ``running`` in the file.
 
         Returns:
-            The ids of the runs marked (empty when none was stale).
+            The ids of the runs found stale (empty when none was).
         """
         marked = []
         for run in self.conn.execute("SELECT * FROM runs WHERE status = 'running' ORDER BY created_at").fetchall():
@@ -271,16 +348,29 @@ class ResultsStore:
             host = run["host"]
             reason = (f"its processes are gone (killed?): no worker or launcher alive on host {host} "
                       f"at {time.strftime('%Y-%m-%d %H:%M:%S')}")
-            cur = self.conn.execute("UPDATE runs SET status = 'interrupted', reason = ?, ended_at = ? "
-                                    "WHERE run_id = ? AND status = 'running'",
-                                    (reason, self._last_activity(run), run["run_id"]))
-            if cur.rowcount:
-                self.conn.execute(
-                    f"UPDATE workers SET status = 'interrupted', reason = ? WHERE run_id = ? AND status IN "
-                    f"({', '.join('?' * len(UNFINISHED_WORKER_STATUSES))})",
-                    (reason, run["run_id"], *UNFINISHED_WORKER_STATUSES))
-                marked.append(run["run_id"])
+            marked.append(run["run_id"])
+            try:
+                cur = self.conn.execute("UPDATE runs SET status = 'interrupted', reason = ?, ended_at = ? "
+                                        "WHERE run_id = ? AND status = 'running'",
+                                        (reason, self._last_activity(run), run["run_id"]))
+                if cur.rowcount:
+                    self.conn.execute(
+                        f"UPDATE workers SET status = 'interrupted', reason = ? WHERE run_id = ? AND status IN "
+                        f"({', '.join('?' * len(UNFINISHED_WORKER_STATUSES))})",
+                        (reason, run["run_id"], *UNFINISHED_WORKER_STATUSES))
+            except sqlite3.OperationalError:  # disk full or read-only: nothing can be written, the run is still stale
+                pass
+            remove_run_temp_dir(run["tmp_dir"])
+            (self.path.parent / "logs" / run["run_id"] / RESERVE_FILE).unlink(missing_ok=True)
+        self._remove_stale_tmp_dirs()
         return marked
+
+    def _remove_stale_tmp_dirs(self) -> None:
+        """Remove the temporary folders of ended runs of this host whose processes are all gone."""
+        for run in self.conn.execute("SELECT * FROM runs WHERE tmp_dir IS NOT NULL AND status != 'running'").fetchall():
+            path = Path(run["tmp_dir"])
+            if path.name.startswith(RUN_TMP_PREFIX) and path.is_dir() and self.run_processes_alive(run) is False:
+                shutil.rmtree(path, ignore_errors=True)
 
     def run_processes_alive(self, run: sqlite3.Row | str) -> bool | None:
         """Whether a process recorded for a run (its launcher or a worker) still runs on this host.
@@ -467,7 +557,8 @@ class ResultsStore:
         if table not in ("steps", "evals", "host_samples", "events", "workers", "services", *MEASUREMENT_TABLES):
             raise ValueError(f"unknown table {table!r}")
         order = {"steps": "worker_index, step", "workers": "worker_index", "moe_steps": "worker_index, step",
-                 "moe_calls": "worker_index, step", "services": "kind, service_index, generation"}.get(table, "wall_time")
+                 "moe_calls": "worker_index, step", "services": "kind, service_index, generation",
+                 "network_links": "worker_index"}.get(table, "wall_time")
         cur = self.conn.execute(f"SELECT * FROM {table} WHERE run_id = ? ORDER BY {order}", (run_id,))
         return [dict(r) for r in cur.fetchall()]
 

@@ -18,6 +18,7 @@ this order::
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -44,6 +45,9 @@ class WorkerContext:
         local_rank: the worker's index on its host (selects ``cuda:<local_rank>``).
         store: the results store (:class:`~ddlscope.store.db.ResultsStore`) for strategies that
             record measurements of their own (dmoe's expert calls); None outside a run.
+        stop_requested: set once the worker was asked to stop (SIGTERM/SIGINT); a strategy whose
+            library may swallow the stop (hivemind catches it around averaging rounds) raises
+            :class:`StopRequested` at its next step (:meth:`Strategy.check_stop`). None outside a run.
     """
 
     run_id: str
@@ -55,6 +59,12 @@ class WorkerContext:
     listen_maddrs: list[str] | None = None
     local_rank: int = 0
     store: Any = None
+    stop_requested: "threading.Event | None" = None
+
+
+class StopRequested(BaseException):
+    """Raised at a step boundary when the worker was asked to stop but the signal's own exception was
+    swallowed on the way (the worker records ``interrupted``)."""
 
 
 @dataclass
@@ -209,6 +219,11 @@ class Strategy:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def check_stop(self) -> None:
+        """Raise :class:`StopRequested` if the worker was asked to stop (see :attr:`WorkerContext.stop_requested`)."""
+        if self.ctx.stop_requested is not None and self.ctx.stop_requested.is_set():
+            raise StopRequested("stop requested")
 
     def should_stop(self) -> bool:
         """True when the strategy cannot go on (e.g. the swarm is gone); the loop then ends."""

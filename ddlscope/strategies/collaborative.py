@@ -44,6 +44,8 @@ _ALONE = ("Skipped averaging: there are no other peers", "Skipping pre-scheduled
 _FAILED = ("Averaging gradients failed", "Averaging failed with")
 _EPOCH = re.compile(r"Transitioning to epoch (\d+)")
 SHUTDOWN_S = 5.0
+STOP_SHUTDOWN_S = 1.0
+"""Seconds hivemind's shutdown may take when the peer was asked to stop (SIGTERM/SIGINT)."""
 
 
 class _RoundLog(logging.Handler):
@@ -84,6 +86,34 @@ def parse_round(messages: list[str]) -> tuple[bool, int | None, bool | None, int
     if not happened:
         return False, None, None, None
     return True, (max(sizes) if sizes else None), not failed, epoch
+
+
+def _child_processes() -> list:
+    """This process's descendants (psutil.Process), e.g. hivemind's DHT and averager processes and p2pd."""
+    import psutil
+
+    found = psutil.Process().children(recursive=True)
+    for proc in found:
+        try:
+            proc.info = {"name": proc.name()}
+        except psutil.Error:
+            proc.info = {"name": None}
+    return found
+
+
+def _first_dead(processes: list, peer: int) -> str | None:
+    """Why peer ``peer`` cannot go on when one of ``processes`` ended (exited, killed, a zombie); None while all run."""
+    import psutil
+
+    for proc in processes:
+        try:
+            alive = proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            alive = False
+        if not alive:
+            name = "p2pd daemon" if proc.info.get("name") == "p2pd" else "hivemind process"
+            return f"peer {peer}'s {name} (pid {proc.pid}) ended during training (killed?); the peer cannot average"
+    return None
 
 
 def _compression(name: str):
@@ -136,15 +166,19 @@ class CollaborativeStrategy(Strategy):
         self._stop_watch = threading.Event()
         self.others_done = threading.Event()
         self._background_cpu_s: float | None = None
+        self._daemons: list = []  # hivemind's processes (DHT, p2pd, averagers) as psutil.Process, watched while training
+        self._daemon_lost: str | None = None
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         import hivemind
+
+        from ddlscope.launch.network import p2p_options
 
         c = self.cfg.collaborative
         listen = self.ctx.listen_maddrs or [f"/ip4/{c.listen_host}/tcp/0"]
         try:
             self.dht = hivemind.DHT(initial_peers=self.ctx.initial_peers or None, host_maddrs=listen, start=True,
-                                    startup_timeout=c.join_timeout_s)
+                                    startup_timeout=c.join_timeout_s, **p2p_options(c.nat_traversal))
         except hivemind.p2p.P2PDaemonError as e:
             raise RuntimeError(
                 f"peer {self.ctx.worker_index} could not join the swarm (initial peers "
@@ -169,6 +203,7 @@ class CollaborativeStrategy(Strategy):
         self.optimizer = self.hm_opt
         self._wait_for_swarm()
         self._background_cpu_s = background_cpu_s()
+        self._daemons = _child_processes()
         threading.Thread(target=self._watch_swarm, name="ddlscope-swarm-watch", daemon=True).start()
         return model
 
@@ -185,16 +220,30 @@ class CollaborativeStrategy(Strategy):
         self.dht.store(self._key(what), subkey=self.ctx.worker_index, value=True, expiration_time=get_dht_time() + 3600)
 
     def _watch_swarm(self) -> None:
-        """Once every other peer is done, cancel averaging rounds that would wait for them."""
+        """Once every other peer is done, cancel averaging rounds that would wait for them; note a hivemind
+        process of this peer that died (the next step fails with it)."""
         while not self._stop_watch.wait(0.5):
+            if self._daemon_lost is None:
+                self._daemon_lost = _first_dead(self._daemons, self.ctx.worker_index)
+            stopping = self.ctx.stop_requested is not None and self.ctx.stop_requested.is_set()
+            if stopping or self._daemon_lost:  # let a step waiting in a round return, to stop at its end
+                self._cancel_rounds()
+                continue
             try:
                 if self._count("done") < self.ctx.num_workers - 1:
                     continue
                 self.others_done.set()
-                for control in (self.hm_opt.scheduled_grads, self.hm_opt.scheduled_state):
-                    if control is not None and not control.done():
-                        control.cancel()
+                self._cancel_rounds()
             except Exception:  # the watcher must never break training
+                continue
+
+    def _cancel_rounds(self) -> None:
+        """Cancel the averaging rounds hivemind scheduled (the step waiting in one returns)."""
+        for control in (self.hm_opt.scheduled_grads, self.hm_opt.scheduled_state):
+            try:
+                if control is not None and not control.done():
+                    control.cancel()
+            except Exception:  # a round that ends meanwhile
                 continue
 
     def _time_local_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -239,8 +288,12 @@ class CollaborativeStrategy(Strategy):
         )
 
     def step(self, samples: int) -> StepOutcome:
+        self.check_stop()
         self._update_s = self._local_step_s = 0.0
         self.hm_opt.step(batch_size=samples)
+        self.check_stop()  # hivemind catches the stop signal's exception inside its step: stop here, not at the kill
+        if self._daemon_lost:
+            raise RuntimeError(self._daemon_lost)
         happened, group, ok, epoch = parse_round(self._log.take())
         averaging_s = max(0.0, self._update_s - self._local_step_s) if happened else 0.0
         before, self._background_cpu_s = self._background_cpu_s, background_cpu_s()
@@ -261,4 +314,6 @@ class CollaborativeStrategy(Strategy):
                 pass
         for lg in self._loggers:
             lg.removeHandler(self._log)
-        shutdown_hivemind(self.hm_opt, self.dht)
+        stopping = self.ctx.stop_requested is not None and self.ctx.stop_requested.is_set()
+        # a dead daemon cannot say goodbye, and a stopped run's peers are all stopping: do not wait for them
+        shutdown_hivemind(self.hm_opt, self.dht, 0.0 if self._daemon_lost else STOP_SHUTDOWN_S if stopping else SHUTDOWN_S)

@@ -161,11 +161,14 @@ def join_experts(d, peers: list[str], need: int, who: str):
     import hivemind
     from hivemind.moe.server.dht_handler import get_experts
 
+    from ddlscope.launch.network import p2p_options
+
     if not peers:
         raise UserError("dmoe: no expert servers to join (no initial peers); allowed: let ddlscope start "
                         "dmoe.servers, or give dmoe.initial_peers of running servers")
     try:
-        dht = hivemind.DHT(initial_peers=peers, client_mode=True, start=True, startup_timeout=d.join_timeout_s)
+        dht = hivemind.DHT(initial_peers=peers, client_mode=True, start=True, startup_timeout=d.join_timeout_s,
+                           **p2p_options(d.nat_traversal))
     except hivemind.p2p.P2PDaemonError as e:
         raise UserError(f"dmoe: {who} could not reach the expert servers at {peers} within join_timeout_s = "
                         f"{d.join_timeout_s:g} s: {e}") from None

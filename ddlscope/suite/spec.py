@@ -21,19 +21,20 @@ A suite's cells are :class:`ddlscope.experiments.runner.Cell` s (key and label
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ddlscope import distribution
-from ddlscope.config import _format_validation_error, available_cores
+from ddlscope.config import MAX_PEERS, _bad_numbers, _format_validation_error, available_cores, read_toml
 from ddlscope.errors import UserError
 from ddlscope.experiments import check_known
 from ddlscope.experiments.runner import Cell
 
 SUITE_DATASETS = ("mnist", "cifar10", "imagenet", "highres")
+MAX_WORKERS = MAX_PEERS
+"""Largest worker count of a cell (a run's ``peers``)."""
 
 # thesis 002, Table 3.3: batch size per dataset (PyTorch = Horovod = PipeDream); a model with its own
 # column (GPipe) gives it as its descriptor's table_3_3_batch
@@ -107,8 +108,9 @@ class SuiteSpec(BaseModel):
     @field_validator("workers")
     @classmethod
     def _worker_counts(cls, v: list[int]) -> list[int]:
-        if any(w < 2 for w in v):
-            raise ValueError(f"worker counts {v}; allowed: integers >= 2 (one worker is the one-device baseline)")
+        if any(w < 2 or w > MAX_WORKERS for w in v):
+            raise ValueError(f"worker counts {v}; allowed: integers >= 2 (one worker is the one-device baseline) "
+                             f"and <= {MAX_WORKERS}")
         return sorted(set(v))
 
     @field_validator("batch_size", "gpipe_batch_size", "microbatches")
@@ -188,21 +190,23 @@ def load_suite(path_or_preset: str) -> SuiteSpec:
     if path_or_preset in PRESETS:
         return SuiteSpec(**PRESETS[path_or_preset])
     path = Path(path_or_preset)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"suite file not found: {path}; allowed: a TOML file or a preset ({', '.join(PRESETS)})") from None
-    except tomllib.TOMLDecodeError as err:
-        raise UserError(f"suite file {path} is not valid TOML: {err}") from None
-    if set(data) != {"suite"}:
-        raise UserError(f"suite file {path}: expected exactly one [suite] table, got {sorted(data) or 'none'}")
+    if not path.exists():
+        raise UserError(f"suite file not found: {path}; allowed: a TOML file or a preset ({', '.join(PRESETS)})")
+    data = read_toml(path, "suite file")
+    if set(data) != {"suite"} or not isinstance(data["suite"], dict):
+        got = sorted(data) if set(data) != {"suite"} else f"suite = {data['suite']!r}"
+        raise UserError(f"suite file {path}: expected exactly one [suite] table, got {got or 'none'}")
     values = dict(data["suite"])
     if "preset" in values:  # start from a preset and change some fields
         preset = values.pop("preset")
         if preset not in PRESETS:
             raise UserError(f"suite.preset = {preset!r}; allowed: {', '.join(PRESETS)}")
         values = {**PRESETS[preset], **values}
+    bad = _bad_numbers(values, SuiteSpec, "suite")
+    if bad:
+        raise UserError(f"invalid suite {path}: " + "; ".join(bad))
     try:
         return SuiteSpec(**values)
     except ValidationError as err:
-        raise UserError(_format_validation_error(err).replace("invalid run config", f"invalid suite {path}")) from None
+        raise UserError(_format_validation_error(err, SuiteSpec).replace("invalid run config",
+                                                                         f"invalid suite {path}")) from None

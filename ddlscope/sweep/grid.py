@@ -52,6 +52,8 @@ from ddlscope.errors import UserError
 from ddlscope.experiments.runner import Cell
 
 DEFAULT_MAX_CELLS = 200
+MAX_REPEAT_INDEX = 100_000
+"""Largest repeat index a ``repeats`` list may name (the seed of repeat i is the base seed + i)."""
 REPEAT_KEY = "repeat"
 SPECIAL_AXES = ("repeats", "total_vcpus")
 _NOT_AXES = ("name", *distribution.config_tables())  # a run's label is set per cell; model tables are tables of axes
@@ -106,9 +108,12 @@ def load_grid(path: Path, max_cells: int = DEFAULT_MAX_CELLS, name: str | None =
     """Read a grid TOML file and expand it (see the module docstring for the format).
 
     Raises:
-        UserError: missing file, bad TOML, unknown tables or axes, or any invalid cell.
+        UserError: missing, unreadable or empty file, bad TOML, unknown tables or axes, or any invalid cell.
     """
     data = read_toml(path, "grid file")
+    if not data:
+        raise UserError(f"grid file {path} sets nothing; a grid needs a [base] table of run config fields and an "
+                        f"[axes] table of field = [values], e.g. [base] model = \"tiny_cnn\" [axes] batch_size = [16, 32]")
     return expand_grid(data, name or data.get("name") or Path(path).stem, max_cells)
 
 
@@ -182,9 +187,11 @@ def _parse_axes(table: dict[str, Any], index: int, count: int, n_cores: int) -> 
             if isinstance(values, int) and not isinstance(values, bool):
                 if values < 0:
                     raise UserError(f"grid {where}: repeats = {values}; allowed: a count >= 1 or a list of repeat indices")
-                values = list(range(values))
-            elif not (isinstance(values, list) and all(isinstance(v, int) and v >= 0 for v in values)):
-                raise UserError(f"grid {where}: repeats = {values!r}; allowed: a count >= 1 or a list of indices >= 0")
+                values = range(values)  # counted before any cell is built (a count of 10**8 takes no memory)
+            elif not (isinstance(values, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                       and 0 <= v <= MAX_REPEAT_INDEX for v in values)):
+                raise UserError(f"grid {where}: repeats = {values!r}; allowed: a count >= 1 or a list of indices "
+                                f"0..{MAX_REPEAT_INDEX}")
             axes[REPEAT_KEY] = values
             continue
         if not isinstance(values, list):

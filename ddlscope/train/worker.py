@@ -7,25 +7,39 @@ ddlscope.train.worker --core-sets 0;1 ...``): the worker then takes its index, t
 workers and its local rank from ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``, and its cores from
 ``--core-sets`` (one comma-separated set per local rank, separated by ``;``). The worker reads the
 run's config from the results store, trains, and records its own status there: ``completed``,
-``failed`` (with the reason) or ``interrupted`` (SIGTERM/SIGINT).
+``failed`` (with the reason) or ``interrupted`` (SIGTERM/SIGINT/SIGHUP).
 
-Exit codes: 0 completed, 1 failed, 2 bad input (UserError), 130 interrupted.
+With ``--die-with-parent`` (every worker a launcher starts) the worker watches its launcher: Linux
+sends it SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), and a thread checks the launcher's
+pid recorded with the run (torchrun's workers' parent is the agent). A worker whose launcher is
+gone stops, ends its children, and records the run as ``interrupted`` with "launcher (pid N)
+died ..." (the first worker to see it wins), since a launcher killed by SIGKILL records nothing.
+When the results store's disk is full it stops with one line ``error: disk full writing <db>``.
+
+Exit codes: 0 completed, 1 failed, 2 bad input (UserError), 3 the store's disk is full, 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
 import socket
+import sqlite3
 import sys
 import threading
 import traceback
 
-from ddlscope.launch.processes import die_with_parent
+from ddlscope.launch.processes import die_with_parent, end_children, remove_run_temp_dir, route_hivemind_sockets
 
 GRACE_S = 5.0
+LAUNCHER_POLL_S = 0.5
+"""Seconds between two checks that the launcher is alive."""
+EXIT_DISK_FULL = 3
+CLEANUP_WAIT_S = 10.0
+"""Seconds the worker that cleans up after a dead launcher waits for the run's other workers to end."""
 
 
 class Interrupted(BaseException):
@@ -35,10 +49,12 @@ class Interrupted(BaseException):
 def _stop_handler(on_deadline):
     """A signal handler that raises :class:`Interrupted` and, as a backstop, ends the process group.
 
+    Only the first signal raises; later ones are ignored, so that they cannot break the stop.
     Libraries may swallow the exception (hivemind catches BaseException around averaging
-    rounds) or block in C code; so the first signal also arms a timer that, after ``GRACE_S``,
-    calls ``on_deadline`` (records the status) and SIGKILLs this worker's own process group —
-    hivemind's averager processes and p2pd daemon included.
+    rounds; the strategy then stops at its next step, :meth:`Strategy.check_stop`) or block in C
+    code; so the first signal also arms a timer that, after ``GRACE_S``, calls ``on_deadline``
+    (records the status) and SIGKILLs this worker's own process group — hivemind's averager
+    processes and p2pd daemon included.
     """
     fired = threading.Event()
     owner_pid = os.getpid()
@@ -54,15 +70,58 @@ def _stop_handler(on_deadline):
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        if not fired.is_set():
-            fired.set()
-            timer = threading.Timer(GRACE_S, _deadline)
-            timer.daemon = True
-            timer.start()
+        if fired.is_set():  # already stopping: a second signal (the parent's death seen twice) must not break the stop
+            return
+        handler.signal_name = signal.Signals(signum).name
+        fired.set()
+        timer = threading.Timer(GRACE_S, _deadline)
+        timer.daemon = True
+        timer.start()
         raise Interrupted(signal.Signals(signum).name)
 
     handler.stop_requested = fired
+    handler.signal_name = None
     return handler
+
+
+class LauncherWatch:
+    """Watches the launcher of a run (its pid and start time as recorded with the run) from a worker.
+
+    Args:
+        launcher_pid / launcher_started_at: from the run's row; None (another host, or not recorded):
+            nothing is watched.
+    """
+
+    def __init__(self, launcher_pid: int | None, launcher_started_at: float | None):
+        self.pid = launcher_pid
+        self.started_at = launcher_started_at
+        self.gone = threading.Event()
+
+    def alive(self) -> bool:
+        """False once the launcher's process is gone (a later process under its pid counts as gone)."""
+        if self.pid is None:
+            return True
+        from ddlscope.store.db import _process_alive
+
+        if not _process_alive(self.pid, self.started_at, None):
+            self.gone.set()
+        return not self.gone.is_set()
+
+    def start(self) -> None:
+        """Check every ``LAUNCHER_POLL_S`` in a daemon thread; when the launcher is gone, SIGTERM this worker
+        (the same stop as the launcher's own)."""
+        def loop() -> None:
+            while self.alive():
+                self.gone.wait(LAUNCHER_POLL_S)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        if self.pid is not None:
+            threading.Thread(target=loop, name="ddlscope-launcher-watch", daemon=True).start()
+
+    def reason(self) -> str:
+        """The run's reason when the launcher is gone."""
+        return (f"launcher (pid {self.pid}) died without stopping the run (killed by SIGKILL, or it crashed); "
+                f"its workers stopped themselves")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,55 +134,144 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--core-sets", help="under torchrun: ';'-separated core sets, one per local rank")
     p.add_argument("--initial-peers", nargs="*", default=[])
     p.add_argument("--listen", nargs="*", default=None)
-    p.add_argument("--die-with-parent", action="store_true")
+    p.add_argument("--die-with-parent", action="store_true",
+                   help="stop when the parent or the run's launcher dies (a launcher's workers)")
     return p.parse_args(argv)
 
 
 def serve_worker(db: str, run_id: str, worker_index: int, num_workers: int, cores: list[int],
-                 initial_peers: list[str], listen: list[str] | None = None, local_rank: int = 0) -> int:
-    """Run one worker in this process and return its exit code (see the module docstring)."""
-    from ddlscope.config import RunConfig
-    from ddlscope.errors import UserError
-    from ddlscope.store.db import ResultsStore
-    from ddlscope.strategies import WorkerContext
-    from ddlscope.train.loop import run_worker
+                 initial_peers: list[str], listen: list[str] | None = None, local_rank: int = 0,
+                 watch_launcher: bool = False) -> int:
+    """Run one worker in this process and return its exit code (see the module docstring).
+
+    Args:
+        watch_launcher: stop when the run's launcher (recorded with the run, on this host) is gone.
+    """
+    from ddlscope.store.db import ResultsStore, StoreFullError, is_disk_full
 
     os.sched_setaffinity(0, cores)
-    store = ResultsStore(db)
+    try:
+        store = ResultsStore(db)
+    except StoreFullError:
+        return _store_failed(db, OSError(errno.ENOSPC, "disk full"))
+    watch = LauncherWatch(None, None)
 
     def record_interrupted():
+        if not os.path.isfile(db):  # a removed store is not made again
+            return
         with ResultsStore(db) as late:
-            late.upsert_worker(run_id, worker_index, status="interrupted", reason="stopped by signal (forced after grace period)")
+            late.upsert_worker(run_id, worker_index, status="interrupted", reason=_stop_reason(handler, watch) +
+                               " (forced after grace period)")
+            if not watch.alive():
+                late.end_running_run(run_id, "interrupted", watch.reason())
+        if not watch.alive():
+            end_children()  # before waiting for the other workers: nothing of this one lingers meanwhile
+            clean_up_after_launcher(db, run_id, worker_index)
 
     handler = _stop_handler(record_interrupted)
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    store.upsert_worker(run_id, worker_index, hostname=socket.gethostname(), pid=os.getpid(),
-                        cores=",".join(map(str, cores)), status="starting")
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, handler)
+    try:
+        store.upsert_worker(run_id, worker_index, hostname=socket.gethostname(), pid=os.getpid(),
+                            cores=",".join(map(str, cores)), status="starting")
+        run = store.run(run_id)
+        if watch_launcher and run is not None and run["host"] == socket.gethostname():
+            watch = LauncherWatch(run["launcher_pid"], run["launcher_started_at"])
+            watch.start()
+        return _train(store, run_id, worker_index, num_workers, cores, initial_peers, listen, local_rank, handler, watch)
+    except Interrupted:  # a stop before training began
+        return _record(store, db, run_id, worker_index, "interrupted", _stop_reason(handler, watch), 130, watch)
+    except (sqlite3.OperationalError, OSError) as e:
+        if is_disk_full(e, db):
+            return _store_failed(db, e)
+        raise
+
+
+def _train(store, run_id: str, worker_index: int, num_workers: int, cores: list[int], initial_peers: list[str],
+           listen: list[str] | None, local_rank: int, handler, watch: LauncherWatch) -> int:
+    from ddlscope.config import RunConfig
+    from ddlscope.errors import UserError
+    from ddlscope.store.db import is_disk_full
+    from ddlscope.strategies import WorkerContext
+    from ddlscope.strategies.base import StopRequested
+    from ddlscope.train.loop import run_worker
+
+    db = str(store.path)
     cfg = RunConfig(**store.run_config(run_id))
+    if cfg.distribution_model.launcher == "swarm":
+        route_hivemind_sockets()
     ctx = WorkerContext(
         run_id=run_id, worker_index=worker_index, num_workers=num_workers, cores=cores,
         initial_peers=initial_peers, listen_maddrs=listen, local_rank=local_rank, store=store,
         announce=lambda maddrs: store.upsert_worker(run_id, worker_index, maddrs=json.dumps(maddrs)),
+        stop_requested=handler.stop_requested,
     )
     try:
         reason = run_worker(cfg, ctx, store)
-        store.upsert_worker(run_id, worker_index, status="completed", reason=reason)
-        return 0
-    except (Interrupted, KeyboardInterrupt) as e:
-        store.upsert_worker(run_id, worker_index, status="interrupted", reason=f"stopped by {e or 'SIGINT'}")
-        return 130
+        return _record(store, db, run_id, worker_index, "completed", reason, 0, watch)
+    except (Interrupted, KeyboardInterrupt, StopRequested):
+        return _record(store, db, run_id, worker_index, "interrupted", _stop_reason(handler, watch), 130, watch)
     except UserError as e:
-        store.upsert_worker(run_id, worker_index, status="failed", reason=str(e))
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        _say(f"error: {e}")
+        return _record(store, db, run_id, worker_index, "failed", str(e), 2, watch)
     except Exception as e:  # record every other failure with its reason, then exit non-zero
-        traceback.print_exc()
+        if is_disk_full(e, db):
+            return _store_failed(db, e, store, run_id, worker_index)
+        _say(traceback.format_exc().rstrip())
         if handler.stop_requested.is_set():  # a library turned our stop into its own error
-            store.upsert_worker(run_id, worker_index, status="interrupted", reason=f"stopped by signal ({e})")
-            return 130
-        store.upsert_worker(run_id, worker_index, status="failed", reason=f"{type(e).__name__}: {e}")
-        return 1
+            return _record(store, db, run_id, worker_index, "interrupted", f"{_stop_reason(handler, watch)} ({e})", 130,
+                           watch)
+        return _record(store, db, run_id, worker_index, "failed", f"{type(e).__name__}: {e}", 1, watch)
+
+
+def _stop_reason(handler, watch: LauncherWatch) -> str:
+    """Why a worker stopped: its launcher died, or the signal it got."""
+    if not watch.alive():
+        return f"stopped: {watch.reason()}"
+    return f"stopped by {handler.signal_name or 'SIGINT'}"
+
+
+def _record(store, db: str, run_id: str, worker_index: int, status: str, reason: str | None, code: int,
+            watch: LauncherWatch) -> int:
+    """Record the worker's final status (and the run's, when its launcher is gone); return ``code``, or the
+    disk-full exit code when nothing can be written."""
+    from ddlscope.store.db import is_disk_full
+
+    try:
+        store.upsert_worker(run_id, worker_index, status=status, reason=reason)
+        if not watch.alive():
+            store.end_running_run(run_id, "interrupted", watch.reason())
+    except sqlite3.OperationalError as e:
+        if not is_disk_full(e, db):
+            raise
+        return _store_failed(db, e)
+    return code
+
+
+def _say(line: str) -> None:
+    """Print a line to stderr (the worker's log); nothing when the log's disk is full."""
+    try:
+        print(line, file=sys.stderr)
+    except OSError:
+        pass
+
+
+def _store_failed(db: str, err: BaseException, store=None, run_id: str | None = None, worker_index: int | None = None
+                  ) -> int:
+    """The store cannot be written (its disk is full): one error line, the reason recorded if that still
+    fits, exit code :data:`EXIT_DISK_FULL` (a store that cannot even be opened: the error re-raised)."""
+    from ddlscope.store.db import disk_full_message, is_disk_full
+
+    if not is_disk_full(err, db):
+        raise err
+    message = disk_full_message(db)
+    _say(f"error: {message}")
+    if store is not None:
+        try:
+            store.upsert_worker(run_id, worker_index, status="failed", reason=message)
+        except sqlite3.OperationalError:
+            pass
+    return EXIT_DISK_FULL
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,11 +283,56 @@ def main(argv: list[str] | None = None) -> None:
     index = args.worker_index if args.worker_index is not None else int(env["RANK"])
     num_workers = args.num_workers if args.num_workers is not None else int(env["WORLD_SIZE"])
     cores = args.cores if args.cores is not None else args.core_sets.split(";")[local_rank]
-    code = serve_worker(args.db, args.run_id, index, num_workers, [int(c) for c in cores.split(",")],
-                        args.initial_peers, args.listen, local_rank)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        code = serve_worker(args.db, args.run_id, index, num_workers, [int(c) for c in cores.split(",")],
+                            args.initial_peers, args.listen, local_rank, watch_launcher=args.die_with_parent)
+    finally:
+        end_children()  # hivemind's processes, loader workers: none outlives the worker
+    if args.die_with_parent:
+        clean_up_after_launcher(args.db, args.run_id, index)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except OSError:  # the log's disk is full
+        pass
     os._exit(code)  # hivemind may leave non-daemon threads; the launcher ends the process group anyway
+
+
+def clean_up_after_launcher(db: str, run_id: str, index: int) -> None:
+    """When the run's launcher is gone, the last of its workers removes the run's temporary folder (``$TMPDIR``,
+    see :func:`ddlscope.launch.processes.make_run_temp_dir`); see :func:`_last_one_out`."""
+    if _last_one_out(db, run_id, index):
+        remove_run_temp_dir(os.environ.get("TMPDIR"))
+
+
+def _last_one_out(db: str, run_id: str, index: int) -> bool:
+    """Whether this worker cleans up after a run whose launcher is gone: the launcher is dead, no worker with a
+    lower index is alive (that one cleans up), and every worker with a higher index ended within
+    :data:`CLEANUP_WAIT_S` (they stop at the same time). False when unsure (the next read of the store cleans up)."""
+    import time
+
+    from ddlscope.store.db import ResultsStore, StoreFullError, _process_alive
+
+    if not os.path.isfile(db):  # a removed store is not made again
+        return False
+    try:
+        with ResultsStore(db) as store:
+            run = store.run(run_id)
+            if run is None or run["host"] != socket.gethostname() or not run["launcher_pid"]:
+                return False
+            if _process_alive(run["launcher_pid"], run["launcher_started_at"], None):
+                return False
+            others = [w for w in store.workers(run_id) if w["worker_index"] != index and w["pid"]]
+    except (sqlite3.Error, StoreFullError):
+        return False
+    if any(_process_alive(w["pid"], w["pid_started_at"], None) for w in others if w["worker_index"] < index):
+        return False
+    deadline = time.monotonic() + CLEANUP_WAIT_S
+    while any(_process_alive(w["pid"], w["pid_started_at"], None) for w in others):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 if __name__ == "__main__":

@@ -1,0 +1,433 @@
+"""Any death, any moment: the fault matrix of a run (issue 18).
+
+Each case starts ``ddlscope run`` (or ``sweep``) as a user does, in a session of its own, on the
+tiny CNN and the bundled digits with one thread per process, waits until every worker trains, then
+hurts it: a signal (SIGKILL, SIGTERM, SIGINT, SIGHUP) to the launcher, to a worker or peer, or to a
+daemon (a peer's p2pd, the torchrun agent); a full disk under the store; the store file removed; a
+second run on the same store. Every case asserts:
+
+- the run's final status and a reason a person understands ("launcher (pid N) died ...", "peer 1
+  killed by SIGKILL", "disk full writing <db>: ...");
+- every step stored before the fault is still there;
+- no process of the run is left: every descendant of the launcher seen while it trained (workers,
+  torchrun's agent and workers, hivemind's processes and p2pd) and every process whose command line
+  names the run's database is gone;
+- nothing is left in the temporary folder: the launcher is given a private ``TMPDIR``, the run's own
+  folder under it (``ddlscope-run-*``: pymp, torchelastic, hivemind's sockets) is gone and the
+  private folder is empty, after the next read of the store (``ddlscope runs``).
+
+No timing is asserted: "gone" waits up to :data:`GONE_WAIT_S`, generous for a loaded machine.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ddlscope.launch.processes import remove_run_temp_dir
+from ddlscope.store.db import ResultsStore
+
+slow = pytest.mark.slow  # each case starts a real run (seconds of start-up on 2 cores)
+
+GONE_WAIT_S = 60.0
+"""Seconds a case waits for the run's processes to end before it fails."""
+START_WAIT_S = 180.0
+"""Seconds a case waits for every worker to train."""
+BASE = dict(model="tiny_cnn", dataset="digits", batch_size=16, sample_budget=50_000_000, loader_workers=0,
+            warmup_steps=1, vcpus_per_peer=1, final_eval=False, host_sample_interval_s=0.5)
+STRATEGY = {
+    "single": dict(strategy="single", peers=1),
+    "ddp": dict(strategy="ddp", peers=2),
+    "collaborative": dict(strategy="collaborative", peers=2,
+                          collaborative=dict(target_batch_size=64, matchmaking_time_s=1.0, averaging_timeout_s=10.0,
+                                             join_timeout_s=60.0)),
+}
+
+
+# ---------------------------------------------------------------------- helpers
+def _sets(values: dict) -> list[str]:
+    args = []
+    for key, value in values.items():
+        pairs = value.items() if isinstance(value, dict) else [(None, value)]
+        for sub, v in pairs:
+            args += ["--set", f"{key}.{sub}={json.dumps(v)}" if sub else f"{key}={json.dumps(v)}"]
+    return args
+
+
+@dataclass
+class Launched:
+    """A ``ddlscope`` command started for a case, and what the case saw of it."""
+
+    popen: subprocess.Popen
+    db: Path
+    tmp: Path
+    seen: dict[int, psutil.Process] = field(default_factory=dict)
+    run_id: str = ""
+    steps_before: int = 0
+
+    def remember_tree(self) -> None:
+        """Add every current descendant of the launcher to :attr:`seen`."""
+        try:
+            for p in psutil.Process(self.popen.pid).children(recursive=True):
+                self.seen.setdefault(p.pid, p)
+        except psutil.NoSuchProcess:
+            pass
+
+    def workers(self) -> list:
+        with ResultsStore(self.db) as store:
+            return store.workers(self.run_id)
+
+    def output(self) -> str:
+        if self.popen.poll() is None:
+            return ""
+        return self.popen.stdout.read().decode(errors="replace") if self.popen.stdout else ""
+
+
+@pytest.fixture
+def private_tmp():
+    """A private, short ``TMPDIR`` for the launcher (Unix socket paths must stay short)."""
+    path = Path(tempfile.mkdtemp(prefix="t18-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def launched(env_data, private_tmp):
+    """Starts ``ddlscope`` commands; whatever a failed case left is killed at the end."""
+    started: list[Launched] = []
+
+    def start(db: Path, strategy: str, command: str = "run", extra: dict | None = None, args: list[str] = ()) -> Launched:
+        values = dict(BASE, **STRATEGY[strategy], **(extra or {}))
+        cmd = [sys.executable, "-m", "ddlscope", command, *args, "--db", str(db), "--no-progress"]
+        if command == "run":
+            cmd += _sets(values)
+        env = dict(os.environ, TMPDIR=str(private_tmp), PYTHONUNBUFFERED="1")
+        popen = subprocess.Popen(cmd, cwd=private_tmp.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        launched = Launched(popen, db, private_tmp)
+        started.append(launched)
+        return launched
+
+    yield start
+    for one in started:
+        one.remember_tree()
+        for p in [psutil.Process(one.popen.pid)] if one.popen.poll() is None else []:
+            p.kill()
+        for p in list(one.seen.values()) + _processes_naming(str(one.db)):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        one.popen.wait()
+        if one.popen.stdout:
+            one.popen.stdout.close()
+
+
+def _processes_naming(marker: str) -> list[psutil.Process]:
+    """Live (non-zombie) processes whose command line contains ``marker``."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        if p.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(p.info["cmdline"] or []):
+            found.append(p)
+    return found
+
+
+def _wait_training(run: Launched, workers: int, min_steps: int = 3) -> None:
+    """Wait until the run has ``workers`` workers, each training with ``min_steps`` steps stored."""
+    deadline = time.monotonic() + START_WAIT_S
+    while time.monotonic() < deadline and run.popen.poll() is None:
+        run.remember_tree()
+        if run.db.exists():
+            with ResultsStore(run.db) as store:
+                runs = [r for r in store.runs() if r["launcher_pid"] == run.popen.pid]
+                if runs:
+                    run.run_id = runs[0]["run_id"]
+                    counts = store.step_counts(run.run_id)
+                    rows = store.workers(run.run_id)
+                    if (len(rows) == workers and all(r["status"] == "training" for r in rows)
+                            and all(counts.get(i, 0) >= min_steps for i in range(workers))):
+                        run.remember_tree()
+                        run.steps_before = sum(counts.values())
+                        return
+        time.sleep(0.3)
+    raise AssertionError(f"the run never trained with {workers} workers: {run.output()[-3000:]}")
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait_gone(run: Launched) -> None:
+    """Wait for the launcher to exit and every process of the run to end; fail naming what is left."""
+    try:
+        run.popen.wait(timeout=GONE_WAIT_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the launcher did not exit") from None
+    deadline = time.monotonic() + GONE_WAIT_S
+    left = []
+    while time.monotonic() < deadline:
+        left = [p for p in run.seen.values() if _alive(p)] + _processes_naming(str(run.db))
+        if not left:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"processes of the run left: {[p.pid for p in left]}")
+
+
+def _read(run: Launched) -> dict:
+    """The run as the next ``ddlscope runs --json`` reads it (a stale run is marked then)."""
+    result = subprocess.run([sys.executable, "-m", "ddlscope", "runs", "--db", str(run.db), "--json"],
+                            capture_output=True, text=True, timeout=120, cwd=run.tmp.parent)
+    assert result.returncode == 0, result.stderr
+    [record] = [r for r in json.loads(result.stdout) if r["run_id"] == run.run_id]
+    return record
+
+
+def _assert_clean(run: Launched, record: dict) -> None:
+    """Every step seen before the fault is kept; nothing of the run is left in the temporary folder."""
+    with ResultsStore(run.db) as store:
+        assert sum(store.step_counts(run.run_id).values()) >= run.steps_before
+    assert record["tmp_dir"] and Path(record["tmp_dir"]).parent == run.tmp, record["tmp_dir"]
+    assert not Path(record["tmp_dir"]).exists(), sorted(os.listdir(record["tmp_dir"]))
+    assert sorted(os.listdir(run.tmp)) == []
+
+
+def _socket_files(run: Launched) -> list[str]:
+    """Paths of the Unix sockets (files, not abstract names) that the launcher's descendants listen on."""
+    paths = []
+    for proc in list(run.seen.values()):
+        try:
+            paths += [c.laddr for c in proc.net_connections(kind="unix") if c.laddr and c.laddr.startswith("/")]
+        except psutil.Error:
+            continue
+    return paths
+
+
+def _target_pid(run: Launched, target: str) -> int:
+    rows = run.workers()
+    if target == "launcher":
+        return run.popen.pid
+    if target.startswith("worker"):
+        return next(r["pid"] for r in rows if r["worker_index"] == int(target[-1]))
+    if target == "p2pd":
+        peer = next(r["pid"] for r in rows if r["worker_index"] == 1)
+        [daemon] = [p for p in psutil.Process(peer).children(recursive=True) if p.name() == "p2pd"]
+        return daemon.pid
+    if target == "agent":
+        [agent] = [p for p in psutil.Process(run.popen.pid).children() if "--nproc-per-node" in " ".join(p.cmdline())]
+        return agent.pid
+    raise ValueError(target)
+
+
+# ---------------------------------------------------------------------- the matrix
+LAUNCHER_DIED = "launcher (pid {pid}) died without stopping the run"
+
+MATRIX = [
+    # (strategy, target, signal, status, reason fragments)
+    ("single", "launcher", "SIGKILL", "interrupted", [LAUNCHER_DIED, "SIGKILL"]),
+    ("single", "launcher", "SIGTERM", "interrupted", ["interrupted: the launcher received SIGTERM"]),
+    ("single", "launcher", "SIGHUP", "interrupted", ["interrupted: the launcher received SIGHUP"]),
+    ("single", "worker0", "SIGKILL", "failed", ["worker 0 killed by SIGKILL"]),
+    ("single", "worker0", "SIGTERM", "interrupted", ["worker 0 stopped by SIGTERM"]),
+    ("ddp", "launcher", "SIGKILL", "interrupted", [LAUNCHER_DIED]),
+    ("ddp", "launcher", "SIGTERM", "interrupted", ["interrupted: the launcher received SIGTERM"]),
+    ("ddp", "worker1", "SIGKILL", "failed", ["worker 1 died", "killed by SIGKILL"]),
+    ("ddp", "worker1", "SIGTERM", "interrupted", ["worker 1 stopped by SIGTERM (not sent by the launcher)"]),
+    ("ddp", "agent", "SIGKILL", "failed", ["torchrun agent", "killed by SIGKILL"]),
+    ("collaborative", "launcher", "SIGKILL", "interrupted", [LAUNCHER_DIED]),
+    ("collaborative", "launcher", "SIGHUP", "interrupted", ["interrupted: the launcher received SIGHUP"]),
+    ("collaborative", "worker1", "SIGKILL", "failed", ["peer 1 killed by SIGKILL"]),
+    ("collaborative", "worker1", "SIGTERM", "interrupted", ["peer 1 stopped by SIGTERM (not sent by the launcher)"]),
+    ("collaborative", "p2pd", "SIGKILL", "failed", ["peer 1's p2pd daemon", "ended during training"]),
+]
+
+
+@slow
+@pytest.mark.parametrize("strategy, target, sig, status, fragments", MATRIX,
+                         ids=[f"{s}-{t}-{g}" for s, t, g, *_ in MATRIX])
+def test_a_signal_to_any_process_ends_the_run_with_its_reason_and_leaves_nothing(
+        launched, tmp_path, strategy, target, sig, status, fragments):
+    run = launched(tmp_path / "r" / "ddlscope.db", strategy)
+    _wait_training(run, STRATEGY[strategy]["peers"])
+    with ResultsStore(run.db) as store:
+        tmp_dir = store.run(run.run_id)["tmp_dir"]
+    paths = _socket_files(run)  # every socket file of the run (hivemind's, pymp's, torch's) is in the run's folder
+    assert all(p.startswith(tmp_dir + os.sep) for p in paths), (tmp_dir, paths)
+    if strategy == "collaborative":
+        assert glob.glob(os.path.join(tmp_dir, "hivemind-*.sock")) and paths, os.listdir(tmp_dir)
+    pid = _target_pid(run, target)
+    os.kill(pid, getattr(signal, sig))
+    _wait_gone(run)
+    if target == "launcher":  # the workers of a killed launcher removed the run's folder themselves, before any read
+        assert not Path(tmp_dir).exists(), sorted(os.listdir(tmp_dir))
+    output = run.output()
+    assert "Traceback" not in output, output[-3000:]
+    record = _read(run)
+    assert record["status"] == status, record
+    for fragment in fragments:
+        assert fragment.format(pid=pid) in record["reason"], record["reason"]
+    assert all(w["status"] not in ("starting", "training") for w in record["workers"]), record["workers"]
+    _assert_clean(run, record)
+
+
+@slow
+def test_ctrl_c_stops_every_peer_at_its_next_step(launched, tmp_path):
+    """Ctrl-C: the peers stop at the step they are in (hivemind swallows the stop inside its step; the
+    strategy stops at the step's end), not after the forced kill: no peer records a forced stop."""
+    run = launched(tmp_path / "r" / "ddlscope.db", "collaborative")
+    _wait_training(run, 2)
+    run.popen.send_signal(signal.SIGINT)
+    _wait_gone(run)
+    assert run.popen.returncode == 130, run.output()[-3000:]
+    record = _read(run)
+    assert record["status"] == "interrupted" and record["reason"] == "interrupted by the user (Ctrl-C)"
+    reasons = [w["reason"] for w in record["workers"]]
+    assert reasons == ["stopped by SIGTERM", "stopped by SIGTERM"], reasons  # not "... (forced after grace period)"
+    _assert_clean(run, record)
+
+
+@slow
+def test_sigterm_to_a_sweep_interrupts_the_cell_that_runs(launched, tmp_path):
+    grid = tmp_path / "grid.toml"
+    grid.write_text('[base]\nmodel = "tiny_cnn"\ndataset = "digits"\nsample_budget = 50000000\nloader_workers = 0\n'
+                    'final_eval = false\nvcpus_per_peer = 1\n[axes]\nbatch_size = [16, 32]\n')
+    run = launched(tmp_path / "r" / "ddlscope.db", "single", command="sweep", args=[str(grid)])
+    _wait_training(run, 1)
+    run.popen.send_signal(signal.SIGTERM)
+    _wait_gone(run)
+    assert run.popen.returncode == 130, run.output()[-3000:]
+    record = _read(run)
+    assert record["status"] == "interrupted" and "the launcher received SIGTERM" in record["reason"], record
+    with ResultsStore(run.db) as store:
+        assert len(store.runs()) == 1  # the sweep stopped: the second cell never started
+    _assert_clean(run, record)
+
+
+@slow
+def test_two_runs_on_one_store_one_launcher_killed(launched, tmp_path):
+    """Two runs write to one store at once; killing one's launcher ends that run alone, the other completes."""
+    db = tmp_path / "r" / "ddlscope.db"
+    killed = launched(db, "single")
+    _wait_training(killed, 1)
+    other = launched(db, "single", extra=dict(sample_budget=16 * 200))
+    _wait_training(other, 1, min_steps=1)
+    os.kill(killed.popen.pid, signal.SIGKILL)
+    _wait_gone(killed)
+    _wait_gone(other)
+    assert other.popen.returncode == 0, other.output()[-3000:]
+    first, second = _read(killed), _read(other)
+    assert first["status"] == "interrupted" and LAUNCHER_DIED.format(pid=killed.popen.pid) in first["reason"], first
+    assert second["status"] == "completed", second
+    with ResultsStore(db) as store:
+        assert store.step_counts(other.run_id) == {0: 200}
+        assert store.run(killed.run_id)["status"] == "interrupted"  # the other run's launcher did not touch it
+    _assert_clean(killed, first)
+    _assert_clean(other, second)
+
+
+@slow
+def test_a_removed_store_stops_the_run_with_one_error_line(launched, tmp_path):
+    run = launched(tmp_path / "r" / "ddlscope.db", "single")
+    _wait_training(run, 1)
+    with ResultsStore(run.db) as store:
+        tmp_dir = store.run(run.run_id)["tmp_dir"]
+    for path in glob.glob(str(run.db) + "*"):
+        os.remove(path)
+    _wait_gone(run)
+    output = run.output().strip().splitlines()
+    assert run.popen.returncode == 2 and output[-1].startswith("error: the results store ") and \
+        "was removed or replaced" in output[-1], output
+    assert not any("Traceback" in line for line in output), output
+    assert not Path(tmp_dir).exists() and os.listdir(run.tmp) == []
+    assert not run.db.exists()  # nothing made a new, empty store in its place
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 4 MiB tmpfs (needs root); filled by the test with :func:`_fill`."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (root needed): {made.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _fill(folder: Path) -> None:
+    """Write zeros to ``folder/filler`` until its filesystem is full."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while True:
+            os.write(fd, bytes(64 * 1024))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    assert shutil.disk_usage(folder).free < 64 * 1024
+
+
+@slow
+@pytest.mark.parametrize("strategy", ["single", "collaborative"])
+def test_a_full_disk_fails_the_run_with_disk_full_and_one_error_line(launched, full_disk, strategy):
+    run = launched(full_disk / "r" / "ddlscope.db", strategy)
+    _wait_training(run, STRATEGY[strategy]["peers"])
+    _fill(full_disk)
+    _wait_gone(run)
+    lines = run.output().strip().splitlines()
+    assert run.popen.returncode == 2, lines
+    assert lines[-1].startswith(f"error: disk full writing {run.db}"), lines
+    assert not any("Traceback" in line for line in lines), lines
+    (full_disk / "filler").unlink()
+    record = _read(run)
+    assert record["status"] == "failed" and record["reason"].startswith(f"disk full writing {run.db}: "), record
+    assert all(w["status"] == "failed" for w in record["workers"]), record["workers"]
+    _assert_clean(run, record)
+
+
+# ---------------------------------------------------------------------- without processes
+def test_a_stale_run_on_a_store_that_cannot_be_written_is_still_recognised(db_path, tmp_path):
+    """The next read tells a run whose processes are gone even when it cannot write that down; its temporary
+    folder goes."""
+    folder = Path(tempfile.mkdtemp(prefix="ddlscope-run-", dir=tmp_path))
+    (folder / "hivemind-p2pclient-x.sock").write_text("")
+    with ResultsStore(db_path) as store:
+        run_id = store.create_run("x", "single", {})
+        store.set_tmp_dir(run_id, folder)
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        store.conn.execute("UPDATE runs SET launcher_pid = ?, launcher_started_at = NULL WHERE run_id = ?",
+                           (dead.pid, run_id))
+    with ResultsStore(db_path) as store:
+        store.conn.execute("PRAGMA query_only = ON")  # every write fails, as on a full disk or a read-only file
+        assert store.mark_stale_runs() == [run_id]
+        assert store.run(run_id)["status"] == "running"
+    assert not folder.exists()
+    with ResultsStore(db_path) as store:
+        assert store.mark_stale_runs() == [run_id] and store.run(run_id)["status"] == "interrupted"
+
+
+def test_remove_run_temp_dir_removes_only_run_folders(tmp_path):
+    other = tmp_path / "not-a-run"
+    other.mkdir()
+    remove_run_temp_dir(other)
+    remove_run_temp_dir(None)
+    assert other.exists()
+    run_dir = Path(tempfile.mkdtemp(prefix="ddlscope-run-", dir=tmp_path))
+    (run_dir / "pymp-x").mkdir()
+    remove_run_temp_dir(run_dir)
+    assert not run_dir.exists()
