@@ -101,6 +101,8 @@ class RunConfigBase(BaseModel):
 
     peers: int = Field(1, ge=1, le=MAX_PEERS, description="workers/peers trained at once (1 for single; stages for gpipe/1f1b)")
     vcpus_per_peer: int | None = Field(None, ge=1, description="CPU cores pinned to each peer; default all cores / peers")
+    share_cores: bool = Field(False, description="more peers than cores: peers share cores round-robin (their compute "
+                                                 "contends, e.g. a many-peer swarm of tiny models); else refused")
 
     sample_budget: int | None = Field(3200, ge=1, le=MAX_SAMPLE_BUDGET,
                                       description="samples shared by all peers; each peer runs budget/(peers*batch_size) steps")
@@ -194,17 +196,23 @@ class RunConfigBase(BaseModel):
         Args:
             local_workers: workers started on this host (default ``peers``; fewer on a cluster node).
 
+        With ``share_cores`` and more workers x vcpus_per_peer than cores, the sets overlap: worker
+        ``i`` takes the next ``vcpus_per_peer`` cores round-robin.
+
         Raises:
-            UserError: workers x vcpus_per_peer exceeds the cores this process may use.
+            UserError: workers x vcpus_per_peer exceeds the cores this process may use (without
+                ``share_cores``), or a worker would get more cores than there are.
         """
         cores = cores if cores is not None else available_cores()
         n = local_workers or self.peers
         per_peer = self.cores_per_peer(cores, n)
         if per_peer * n > len(cores):
-            raise UserError(
-                f"vcpus_per_peer = {per_peer} x {n} workers on this host needs {per_peer * n} cores, "
-                f"but this machine gives ddlscope {len(cores)} ({cores}); allowed: workers x vcpus_per_peer <= {len(cores)}"
-            )
+            if not self.share_cores or per_peer > len(cores):
+                raise UserError(
+                    f"vcpus_per_peer = {per_peer} x {n} workers on this host needs {per_peer * n} cores, but this "
+                    f"machine gives ddlscope {len(cores)} ({cores}); allowed: workers x vcpus_per_peer <= {len(cores)}, "
+                    f"or share_cores = true to let peers share cores (vcpus_per_peer <= {len(cores)})")
+            return [sorted({cores[(i * per_peer + k) % len(cores)] for k in range(per_peer)}) for i in range(n)]
         return [cores[i * per_peer:(i + 1) * per_peer] for i in range(n)]
 
     def max_steps_per_peer(self) -> int | None:

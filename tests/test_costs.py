@@ -335,3 +335,17 @@ def test_eq51_reference_equals_its_formula():
     s = Setting("ddp", 4, 8, epoch_samples=3200, bucket_cap_mb=4)
     per_batch = prof.step_at(8).step_s + 2 * 3 * (1e-3 + 4 * MIB / (4 * 2e9))
     assert eq_5_1_epoch_s(prof, cl, s) == pytest.approx(per_batch * 3200 / 32)
+
+
+def test_collaborative_groups_average_within_the_slowest_group():
+    prof = make_profile()
+    peers = [PeerSpec(compute_share=1.0, bandwidth_gb_per_s=b) for b in (0.01, 0.01, 0.1, 0.1)]
+    cl = make_cluster(peers=peers)
+    whole = predict(prof, cl, Setting("collaborative", 4, 8, epoch_samples=3200, target_batch_size=256))
+    pairs = predict(prof, cl, Setting("collaborative", 4, 8, epoch_samples=3200, target_batch_size=256,
+                                      options={"target_group_size": 2}))
+    assert whole.inputs["averaging_group_size"] == 4 and pairs.inputs["averaging_group_size"] == 2
+    # the slowest pair (both at 0.01 GB/s) each send and receive the whole vector once: nbytes / bw
+    assert pairs.inputs["grad_round_s"] - pairs.inputs["matchmaking_wait_s"] == pytest.approx(
+        prof.param_bytes / 0.01e9 + 2 * 0.0 + cl.collective_fixed_s, rel=1e-6)
+    assert pairs.inputs["grad_round_s"] < whole.inputs["grad_round_s"]

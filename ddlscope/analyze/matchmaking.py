@@ -74,7 +74,9 @@ def configured_matchmaking_s(strategy: str, config: dict[str, Any]) -> float:
 
 @dataclass
 class RoundObservation:
-    """One averaging round (global epoch) of one run, as all its peers saw it. Times in seconds."""
+    """One averaging round (global epoch) of one run, as all its peers saw it. Times in seconds;
+    ``param_spread``: how far the peers' parameters are apart after it, ``(max - min) / mean |c|``
+    of their parameter checksums ``c`` (0: they agree; None: fewer than 2 peers recorded one)."""
 
     run_id: str
     epoch: int
@@ -82,6 +84,7 @@ class RoundObservation:
     group_sizes: list[int | None]
     arrival_spread_s: float | None
     mean_wait_s: float
+    param_spread: float | None = None
 
 
 @dataclass
@@ -129,9 +132,12 @@ class MatchmakingAnalysis:
             f"**Recommendation**: {self.verdict}", "", f"Rule: {self.rule}.", "",
         ]
         if self.rounds:
-            lines += ["| run | epoch | peers | group sizes | arrival spread s | mean wait s |", "|---|---|---|---|---|---|"]
+            lines += ["Parameter spread: how far the peers' parameters are apart after the round, (max - min) / mean "
+                      "of their parameter checksums (0 when they agree; Moshpit-style groups bring it down over rounds).",
+                      "", "| run | epoch | peers | group sizes | arrival spread s | mean wait s | parameter spread |",
+                      "|---|---|---|---|---|---|---|"]
             lines += [f"| {r.run_id} | {r.epoch} | {len(r.peers)} | {r.group_sizes} | {f(r.arrival_spread_s, '.3f')} | "
-                      f"{r.mean_wait_s:.2f} |" for r in self.rounds]
+                      f"{r.mean_wait_s:.2f} | {f(r.param_spread, '.2e')} |" for r in self.rounds]
         return "\n".join(lines) + "\n"
 
 
@@ -159,8 +165,14 @@ def recommend_matchmaking_s(spread_s: float | None, step_s: float) -> float:
     return max(spread_s + max(MARGIN_FRACTION * spread_s, step_s), floor)
 
 
-def rounds_of_run(run_id: str, steps: list[dict]) -> list[RoundObservation]:
-    """Group a run's round steps by global epoch (see the module docstring for arrival and wait)."""
+def rounds_of_run(run_id: str, steps: list[dict], checksums: dict[tuple[int, int], float] | None = None
+                  ) -> list[RoundObservation]:
+    """Group a run's round steps by global epoch (see the module docstring for arrival and wait).
+
+    Args:
+        checksums: ``(worker_index, epoch) -> parameter checksum`` after the round (the
+            ``averaging_round`` events' ``param_checksum``), for each round's ``param_spread``.
+    """
     by_epoch: dict[int, list[dict]] = {}
     for s in steps:
         if s["averaging_round"] and s["global_epoch"] is not None:
@@ -172,7 +184,28 @@ def rounds_of_run(run_id: str, steps: list[dict]) -> list[RoundObservation]:
             run_id=run_id, epoch=epoch, peers=[s["worker_index"] for s in rows],
             group_sizes=[s["averaging_group_size"] for s in rows],
             arrival_spread_s=max(arrivals) - min(arrivals) if len(rows) >= 2 else None,
-            mean_wait_s=statistics.fmean(s["averaging_s"] or 0.0 for s in rows)))
+            mean_wait_s=statistics.fmean(s["averaging_s"] or 0.0 for s in rows),
+            param_spread=param_spread([(checksums or {}).get((s["worker_index"], epoch)) for s in rows])))
+    return out
+
+
+def param_spread(checksums: list[float | None]) -> float | None:
+    """``(max - min) / mean |c|`` of the known checksums; None with fewer than 2 (or all zero)."""
+    known = [c for c in checksums if c is not None]
+    scale = statistics.fmean(abs(c) for c in known) if len(known) >= 2 else 0.0
+    return (max(known) - min(known)) / scale if scale > 0 else None
+
+
+def round_checksums(events: list[dict]) -> dict[tuple[int, int], float]:
+    """``(worker_index, epoch) -> param_checksum`` from a run's ``averaging_round`` events."""
+    import json
+
+    out = {}
+    for e in events:
+        if e["kind"] == "averaging_round" and e["worker_index"] is not None:
+            detail = json.loads(e["detail_json"] or "{}")
+            if detail.get("param_checksum") is not None and detail.get("epoch") is not None:
+                out[(e["worker_index"], int(detail["epoch"]))] = float(detail["param_checksum"])
     return out
 
 
@@ -207,7 +240,7 @@ def analyze_matchmaking(store: ResultsStore, run_ids: list[str]) -> MatchmakingA
         used.append(run_id)
         configured.add(configured_matchmaking_s(strategy, cfg))
         steps = store.rows("steps", run_id)
-        rounds += rounds_of_run(run_id, steps)
+        rounds += rounds_of_run(run_id, steps, round_checksums(store.rows("events", run_id)))
         peer_rows += [s for s in steps if s["averaging_round"]]
         step_times += [s["step_s"] for s in steps if not s["warmup"] and not s["averaging_round"] and s["step_s"]]
         gaps += _epoch_gaps(steps)

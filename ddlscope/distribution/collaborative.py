@@ -48,6 +48,13 @@ class CollaborativeConfig(BaseModel):
                                 "behind NATs on public networks; needs a non-loopback listen_host")
     join_timeout_s: float = Field(60.0, gt=0, description="a peer that cannot join the swarm in this time fails")
     initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of a running swarm or bootstrap peer to join")
+    target_group_size: int | None = Field(None, ge=2, le=1024, description="Moshpit-style groups: each averaging round "
+                                          "averages in groups of at most this many peers, re-formed every round "
+                                          "(hivemind's target_group_size); default: all peers in one group")
+    initial_group_bits: str = Field("", pattern=r"^[01]{0,32}$", description="hivemind's initial group key bits "
+                                    "(Moshpit SGD's grid coordinates), e.g. \"01\"; peers with other bits start apart")
+    client_mode_peers: list[int] = Field(default_factory=list, description="peers that accept no incoming "
+                                         "connections (behind a firewall): they send and receive, never aggregate")
 
     @model_validator(mode="after")
     def _nat_traversal_needs_public_host(self) -> "CollaborativeConfig":
@@ -60,11 +67,24 @@ class CollaborativeConfig(BaseModel):
 
 
 def check_target_batch(cfg: "RunConfig") -> None:
-    """The target batch size holds at least one optimizer step of a peer.
+    """The target batch size holds at least one optimizer step of a peer; client-mode peers exist and
+    leave someone to connect to.
 
     Raises:
-        ValueError: ``target_batch_size < batch_size x gradient_accumulation_steps``.
+        ValueError: ``target_batch_size < batch_size x gradient_accumulation_steps``; a client-mode
+            peer index >= peers; peer 0 in client mode when it bootstraps the swarm (no
+            ``initial_peers``); every peer in client mode.
     """
+    c = cfg.collaborative
+    bad = [i for i in c.client_mode_peers if not 0 <= i < cfg.peers]
+    if bad:
+        raise ValueError(f"collaborative.client_mode_peers: {bad} are not peers; allowed: 0..{cfg.peers - 1}")
+    if 0 in c.client_mode_peers and not c.initial_peers:
+        raise ValueError("collaborative.client_mode_peers: peer 0 bootstraps the swarm (no initial_peers), so the others "
+                         "must connect to it; allowed: peers 1..{}".format(cfg.peers - 1))
+    if len(set(c.client_mode_peers)) >= cfg.peers:
+        raise ValueError("collaborative.client_mode_peers: every peer in client mode leaves no one to aggregate; "
+                         "allowed: at most peers - 1 of them")
     per_step = cfg.batch_size * cfg.gradient_accumulation_steps
     if cfg.collaborative.target_batch_size < per_step:
         raise ValueError(
@@ -114,7 +134,9 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     reaches the target batch size after ``T_acc = TBS / sum_p(b / step_p)`` seconds (DeDLOC's
     global progress tracking, Ryabinin 2023). The step that ends a global epoch then waits for
     the gradient round (unless ``use_local_updates``), a :func:`butterfly_allreduce_s` of the
-    gradients over the peers' links. hivemind pre-schedules it
+    gradients over the peers' links, in equal parts (ddlscope's peers declare no bandwidth to
+    hivemind). With Moshpit-style groups (``options["target_group_size"]`` = g < peers) a round
+    averages within groups of g; the g slowest links make the slowest group, whose round is timed. hivemind pre-schedules it
     (``Optimizer._maybe_schedule_gradient_averaging``): once the epoch's end is less than
     ``matchmaking_time_s`` away, matchmaking starts and the group is ready at ``max(estimated
     end, now + matchmaking_time_s)``, so the round also waits ``max(0, matchmaking_time_s - (T_acc
@@ -169,6 +191,10 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     alone = len(shares) < 2
     on_cpu = serial_comm(profile, cluster)
     fixed = cluster.collective_fixed_s
+    # Moshpit-style groups (target_group_size): a round averages within groups; the slowest group sets its time
+    group = min(len(bws), s.options.get("target_group_size") or len(bws))
+    order = sorted(range(len(bws)), key=lambda i: bws[i])[:group]
+    bws, lats = [bws[i] for i in order], [lats[i] for i in order]
     # the peers declare no bandwidth to their averagers: hivemind splits the vector equally
     one_round = 0.0 if alone else butterfly_allreduce_s(float(profile.param_bytes), bws, lats, fixed, balanced=False)
     wait = 0.0 if alone else max(0.0, s.matchmaking_time_s - max(0.0, t_acc - max(peer_steps)))
@@ -201,7 +227,8 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
         + (0.0 if s.use_local_updates else step.optimizer_s * slow / min(shares))
     parts["averaging_s"] = averaging
     return make_prediction(s, parts, throughput * t_acc,
-                           inputs={"peers": len(shares), "compute_shares": shares, "peer_step_s": peer_steps,
+                           inputs={"peers": len(shares), "averaging_group_size": group, "compute_shares": shares,
+                                   "peer_step_s": peer_steps,
                                    "swarm_samples_per_s": throughput, "accumulate_s": t_acc,
                                    "samples_per_global_epoch": throughput * t_acc, "matchmaking_wait_s": wait,
                                    "grad_round_s": grad_round, "state_round_s": state_round,

@@ -122,7 +122,9 @@ def lease_cores(cfg: "RunConfig", run_label: str, local_workers: int | None = No
                 f.close()
         free = sorted(held)
         per_peer = cfg.vcpus_per_peer or (len(free) // n)
-        if per_peer >= 1 and per_peer * n <= len(free):
+        fits = per_peer >= 1 and per_peer * n <= len(free)
+        shares = cfg.share_cores and 0 < (cfg.vcpus_per_peer or 1) <= len(free)  # peers share the free cores
+        if fits or shares:
             sets = cfg.core_sets(cores=free, local_workers=n)
             keep = {c for s in sets for c in s}
             for core in free:

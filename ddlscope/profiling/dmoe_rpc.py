@@ -95,6 +95,8 @@ CALL_TIMEOUT_S = 30.0
 DEFAULT_TIMEOUT_S = 120.0
 """The whole measurement (both children) fails after this long."""
 STOP_GRACE_S = 3.0
+SERVER_SILENT_S = 40.0
+"""Seconds the expert server may take to serve before it is killed and started once more (it starts in ~2 s)."""
 UPDATE_PERIOD_S = 300.0
 """The server re-declares its experts this rarely, so that no re-declaration falls inside the measurement."""
 SHARED_HIDDEN, SHARED_BATCH, SHARED_K = 16, 16, 2
@@ -686,7 +688,7 @@ def measure(progress: Callable[[str], None] | None = None, timeout_s: float = DE
             measurement took longer than ``timeout_s``. Every child (its whole process group)
             is stopped before this returns or raises.
     """
-    from ddlscope.launch.processes import log_tail, start_process, stop_processes
+    from ddlscope.launch.processes import log_tail, signal_group, start_process, stop_processes
     from ddlscope.profiling.calibrate import CalibrationError, _sigterm_as_interrupt
 
     say = progress or (lambda msg: None)
@@ -714,8 +716,12 @@ def measure(progress: Callable[[str], None] | None = None, timeout_s: float = DE
                     say(line)
                 seen[0] = len(lines)
 
-        def wait_for(path: str, what: str) -> None:
+        def wait_for(path: str, what: str, limit_s: float | None = None) -> bool:
+            """True once ``path`` exists; False when ``limit_s`` passed first (None: up to the deadline)."""
+            until = time.monotonic() + limit_s if limit_s is not None else float("inf")
             while not os.path.exists(path):
+                if time.monotonic() > until:
+                    return False
                 relay()
                 for role, p in zip(roles, procs):
                     if p.poll() is not None and not os.path.exists(path):
@@ -725,14 +731,23 @@ def measure(progress: Callable[[str], None] | None = None, timeout_s: float = DE
                                                f"exited with code {p.returncode} before {what}"
                                                + (f": {tail}" if tail else ""))
                 if time.monotonic() > deadline:
-                    raise CalibrationError(f"dmoe calibration did not finish within {timeout_s:g} s (waiting for {what})")
+                    logs = "; ".join(f"{r}: {log_tail(os.path.join(tmp, f'{r}.log')) or '(empty log)'}" for r in roles)
+                    raise CalibrationError(f"dmoe calibration did not finish within {timeout_s:g} s (waiting for "
+                                           f"{what}; {logs})")
                 time.sleep(0.1)
+            return True
 
         previous_sigterm = _sigterm_as_interrupt()
         try:
             say(f"dmoe: expert server on core {server_core}, client on core {client_core} (hivemind over loopback)")
-            start("serve", server_core)
-            wait_for(os.path.join(tmp, "server.json"), "it served its experts")
+            server = start("serve", server_core)
+            if not wait_for(os.path.join(tmp, "server.json"), "it served its experts", SERVER_SILENT_S):
+                # hivemind's Server start now and then never gets ready (docs/validation.md): once more
+                say(f"dmoe: the expert server did not start within {SERVER_SILENT_S:g} s; starting it once more")
+                signal_group(server.pid, signal.SIGKILL)
+                server.wait()
+                start("serve", server_core)
+                wait_for(os.path.join(tmp, "server.json"), "it served its experts")
             if server_core != client_core:  # the shared rounds need the server's core to differ from the client's
                 _write_json(os.path.join(tmp, "second.expected"), {})
                 start("second", server_core)

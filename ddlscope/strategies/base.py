@@ -114,6 +114,8 @@ class StepOutcome:
             processes: hivemind's) since the previous step's end, None if not measured.
         comm_s / comm_bytes: collectives the step itself ran (diloco's outer all-reduce): seconds
             in flight and payload bytes, added to the step's :class:`BatchResult` figures.
+        param_checksum: after a round, the sum of the peer's parameters (collaborative; equal
+            across peers whose parameters agree), else None.
     """
 
     averaging_s: float = 0.0
@@ -124,6 +126,7 @@ class StepOutcome:
     background_cpu_s: float | None = None
     comm_s: float = 0.0
     comm_bytes: int = 0
+    param_checksum: float | None = None
 
 
 class Strategy:

@@ -28,6 +28,7 @@ waiting in, instead of letting it hang until ``averaging_timeout_s`` for peers t
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -127,6 +128,13 @@ def _compression(name: str):
     }[name]()
 
 
+def param_checksum(param_groups) -> float:
+    """Sum of every parameter's elements (float64): peers whose parameters agree have equal checksums,
+    so their spread over peers after a round shows how far averaging brought them together."""
+    with torch.no_grad():
+        return float(sum(p.detach().double().sum() for group in param_groups for p in group["params"]))
+
+
 def shutdown_hivemind(opt, dht, timeout_s: float = SHUTDOWN_S) -> None:
     """Cancel ``opt``'s pre-scheduled rounds, shut it and then ``dht`` down (either may be None).
 
@@ -171,14 +179,17 @@ class CollaborativeStrategy(Strategy):
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         import hivemind
+        from hivemind.optim.grad_averager import GradientAverager
 
         from ddlscope.launch.network import p2p_options
 
         c = self.cfg.collaborative
         listen = self.ctx.listen_maddrs or [f"/ip4/{c.listen_host}/tcp/0"]
+        client_mode = self.ctx.worker_index in c.client_mode_peers
         try:
             self.dht = hivemind.DHT(initial_peers=self.ctx.initial_peers or None, host_maddrs=listen, start=True,
-                                    startup_timeout=c.join_timeout_s, **p2p_options(c.nat_traversal))
+                                    startup_timeout=c.join_timeout_s, client_mode=client_mode,
+                                    **p2p_options(c.nat_traversal))
         except hivemind.p2p.P2PDaemonError as e:
             raise RuntimeError(
                 f"peer {self.ctx.worker_index} could not join the swarm (initial peers "
@@ -191,13 +202,17 @@ class CollaborativeStrategy(Strategy):
             lg.setLevel(logging.INFO)
         self._time_local_optimizer_step(optimizer)
         comp = _compression(c.gradient_compression)
+        groups = {"target_group_size": c.target_group_size, "initial_group_bits": c.initial_group_bits}
         self.hm_opt = hivemind.Optimizer(
             dht=self.dht, run_id=f"ddlscope-{self.ctx.run_id}", optimizer=optimizer,
             target_batch_size=c.target_batch_size,
             batch_size_per_step=self.cfg.batch_size * self.cfg.gradient_accumulation_steps,
             use_local_updates=c.use_local_updates, matchmaking_time=c.matchmaking_time_s,
             averaging_timeout=c.averaging_timeout_s, average_state_every=c.average_state_every,
-            grad_compression=comp, state_averaging_compression=comp, verbose=True,
+            grad_compression=comp, state_averaging_compression=comp, verbose=True, client_mode=client_mode,
+            # Moshpit-style groups for both rounds: hivemind 1.1.12 passes averager_opts to the state averager
+            # only (its docstring says both), so the gradient averager gets them through its factory
+            averager_opts=groups, grad_averager_factory=functools.partial(GradientAverager, **groups),
         )
         self._time_global_update()
         self.optimizer = self.hm_opt
@@ -299,6 +314,7 @@ class CollaborativeStrategy(Strategy):
         before, self._background_cpu_s = self._background_cpu_s, background_cpu_s()
         return StepOutcome(averaging_s=averaging_s, averaging_round=happened, group_size=group, succeeded=ok,
                            global_epoch=self.hm_opt.local_epoch,
+                           param_checksum=param_checksum(self.hm_opt.param_groups) if happened else None,
                            # the kernel counts CPU in ticks: a short interval can read a tick below zero
                            background_cpu_s=None if before is None else max(0.0, self._background_cpu_s - before))
 

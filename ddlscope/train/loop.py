@@ -211,7 +211,8 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy) -> str:
         ))
         if outcome is not None and outcome.averaging_round:
             store.add_event(run_id, wi, "averaging_round", step=step, group_size=outcome.group_size,
-                            succeeded=outcome.succeeded, averaging_s=outcome.averaging_s, epoch=outcome.global_epoch)
+                            succeeded=outcome.succeeded, averaging_s=outcome.averaging_s, epoch=outcome.global_epoch,
+                            param_checksum=outcome.param_checksum)
         steps_done = step + 1
         if cfg.eval_every_steps and (step + 1) % cfg.eval_every_steps == 0:
             acc = clock.evaluate(step)
