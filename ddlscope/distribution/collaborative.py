@@ -58,11 +58,9 @@ class CollaborativeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _nat_traversal_needs_public_host(self) -> "CollaborativeConfig":
-        from ddlscope.launch.network import is_loopback
+        from ddlscope.launch.network import check_nat_traversal
 
-        if self.nat_traversal and is_loopback(self.listen_host):
-            raise ValueError(f"nat_traversal = true needs a listen_host other peers can reach, not "
-                             f"{self.listen_host!r}; allowed: e.g. listen_host = \"0.0.0.0\", or nat_traversal = false")
+        check_nat_traversal(self.nat_traversal, self.listen_host)
         return self
 
 

@@ -27,6 +27,18 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
+
+def check_nat_traversal(nat_traversal: bool, listen_host: str) -> None:
+    """A swarm model's ``nat_traversal`` needs a ``listen_host`` other peers can reach.
+
+    Raises:
+        ValueError: ``nat_traversal`` with a loopback ``listen_host`` (the message says what is allowed).
+    """
+    if nat_traversal and is_loopback(listen_host):
+        raise ValueError(f"nat_traversal = true needs a listen_host other peers can reach, not "
+                         f"{listen_host!r}; allowed: e.g. listen_host = \"0.0.0.0\", or nat_traversal = false")
+
+
 def p2p_options(nat_traversal: bool = False) -> dict[str, bool]:
     """Keyword arguments of ``hivemind.DHT`` (passed on to ``hivemind.P2P.create``) for its p2pd daemon.
 
