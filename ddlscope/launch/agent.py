@@ -6,7 +6,9 @@
 - **It dies with its launcher.** It asks Linux for SIGTERM when its parent dies
   (:func:`~ddlscope.launch.processes.die_with_parent`) and exits at once if the parent ``PID``
   is already gone. On SIGTERM torchrun stops its workers (who also watch their parent, the agent)
-  and exits, so a SIGKILLed ``ddlscope run`` leaves no agent or worker training on.
+  and exits, so a SIGKILLed ``ddlscope run`` leaves no agent or worker training on. Its last act
+  then is to remove the run's private ``$TMPDIR``, where torchrun writes its ``torchelastic_*``
+  logs while shutting down, after the workers removed the folder.
 - **Its TCP stores listen on one address.** torch's ``TCPStore`` server listens on every
   interface whatever host it is given: the c10d rendezvous store (on the rendezvous port) and
   the store the agent shares with its workers (the "second port", any free one). Here each is
@@ -32,7 +34,7 @@ import sys
 from collections.abc import Callable
 
 from ddlscope.launch.network import LOOPBACK
-from ddlscope.launch.processes import die_with_parent
+from ddlscope.launch.processes import die_with_parent, remove_run_temp_dir
 
 BIND_MODES = ("loopback", "reached")
 
@@ -148,7 +150,11 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.run import main as torchrun_main
 
     sys.argv = ["torchrun", *torchrun_args]
-    torchrun_main(torchrun_args)
+    try:
+        torchrun_main(torchrun_args)
+    finally:
+        if os.getppid() != parent_pid:  # the launcher died: nobody else removes what torchrun wrote last
+            remove_run_temp_dir(os.environ.get("TMPDIR"))
 
 
 if __name__ == "__main__":
