@@ -66,7 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--grid", default="local")
     ap.add_argument("--cluster", type=Path, help="cluster TOML of this machine (default: calibrate now)")
-    ap.add_argument("--other-cluster", type=Path, default=HERE.parent / "examples" / "cluster-4xv100-nvlink.toml")
+    ap.add_argument("--other-cluster", type=Path, default=HERE.parent / "ddlscope" / "examples" / "cluster-4xv100-nvlink.toml")
     ap.add_argument("--db", type=Path, help="results database (default: a fresh temporary one)")
     ap.add_argument("--rerun", action="store_true")
     ap.add_argument("--docs", type=Path, default=DOCS_PAGE, help="docs page whose 'predictor' block is rewritten")

@@ -4,14 +4,23 @@ Commands: ``quickstart`` (the main job), ``models``, ``run``, ``suite``, ``sweep
 ``matchmaking``, ``datapipe``, ``peer``, ``serve-experts``, ``bootstrap``, ``report``, ``runs``, ``rm``, ``export``, ``data``, and the
 predictor's ``profile``, ``calibrate``, ``recommend`` and ``validate`` (``predict/commands.py``). User errors
 print one line ``error: ...`` and exit with status 2.
+
+Conventions shared by every command: help texts are shown literally (no rich markup, so ``[run]``
+stays ``[run]``); a command that prints a table takes ``--json`` and then prints one strict JSON
+document on stdout (:func:`echo_json`) and everything else on stderr (:func:`stdout_to_stderr`);
+tables take the terminal's width; an option has one name in every command (units in it, e.g.
+``--matchmaking-time-s``), a renamed one keeps its old spelling as a hidden alias (:func:`renamed`).
 """
 
 from __future__ import annotations
 
+import json
+import math
+import numbers
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext, redirect_stdout
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,12 +29,72 @@ import typer
 from ddlscope.errors import UserError
 from ddlscope.store.db import default_db_path
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+HELP_WIDTH_MAX = 120
+"""Help text is wrapped to the terminal's width, at most this many columns (click's default is 80)."""
+
+# rich_markup_mode=None: help texts are printed as written; rich markup would eat "[run]", "[dmoe]" ...
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+                  context_settings={"max_content_width": HELP_WIDTH_MAX},
                   help="Measure, compare and explain distributed deep-learning training.")
-data_app = typer.Typer(no_args_is_help=True, help="Prepare datasets: the built-in digits, synthetic copies.")
+data_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                       help="Prepare datasets: the built-in digits, synthetic copies.")
 app.add_typer(data_app, name="data")
 
 DbOption = typer.Option(None, "--db", help="results database (default ./ddlscope-results/ddlscope.db)")
+JSON_HELP = "print one JSON document on stdout instead of the table (everything else goes to stderr)"
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, +-Infinity) replaced by None, recursively through
+    dicts, lists and tuples; other real numbers that are not int (numpy floats) become float."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        value = float(value)
+        return value if math.isfinite(value) else None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return value
+
+
+def strict_json(value: Any) -> str:
+    """``value`` (dicts, lists, numbers, strings, None) as strict JSON text, indented by 2.
+
+    NaN and +-Infinity, which Python's json would write as the invalid tokens ``NaN`` and
+    ``Infinity``, become ``null`` (unknown); anything else json cannot encode (paths, times) is
+    written as its ``str``.
+    """
+    return json.dumps(_finite(value), indent=2, allow_nan=False, default=str)
+
+
+def echo_json(value: Any) -> None:
+    """Print ``value`` on stdout as one strict JSON document (:func:`strict_json`)."""
+    typer.echo(strict_json(value))
+
+
+def stdout_to_stderr(enabled: bool):
+    """A context in which whatever is printed to stdout (progress bars, notes, tables) goes to stderr,
+    when ``enabled`` (``--json``): stdout then holds only the JSON document printed after it."""
+    return redirect_stdout(sys.stderr) if enabled else nullcontext()
+
+
+def renamed(ctx: typer.Context, name: str, old_name: str) -> Any:
+    """The value of the option parameter ``name``, taking its old spelling, the hidden parameter
+    ``old_name``, when that was given instead (with a deprecation note on stderr).
+
+    Raises:
+        UserError: both spellings given.
+    """
+    flags = {p.name: p.opts[0] for p in ctx.command.params}
+    old_value = ctx.params.get(old_name)
+    if old_value is None:
+        return ctx.params[name]
+    if ctx.get_parameter_source(name).name != "DEFAULT":
+        raise UserError(f"{flags[old_name]} is the old name of {flags[name]}; give {flags[name]} only")
+    typer.echo(f"note: {flags[old_name]} is deprecated; it is now {flags[name]}", err=True)
+    return old_value
 
 
 def _db(db: Optional[Path]) -> Path:
@@ -129,19 +198,11 @@ def _echo_outcome(db: Path, run_id: str) -> None:
         raise typer.Exit(130 if row["status"] == "interrupted" else 1)
 
 
-def _report(db: Path, run_ids: list[str], out_dir: Path, threshold: Optional[float]) -> Path:
-    from ddlscope.analyze.compare import compare, pick_baseline, summarize_run
-    from ddlscope.analyze.report import print_summary, write_report
-    from ddlscope.store.db import ResultsStore
-
-    with ResultsStore(db) as store:
-        summaries = [summarize_run(store, r) for r in run_ids]
-    baseline = pick_baseline(summaries)
-    comparisons = compare(baseline, summaries, threshold)
-    if threshold is None and baseline.accuracy is not None:
-        threshold = 0.9 * baseline.accuracy
-    print_summary(comparisons, threshold)
-    return write_report(comparisons, out_dir, threshold)
+def _report_json(path: Path) -> dict[str, Any]:
+    """The report written at ``path`` (``report.html``) as a JSON-ready dict: ``report``, the path, and
+    the fields of its ``summary.json`` (:func:`ddlscope.analyze.report.write_report`: the threshold, the
+    baseline and every run's summary with speedup, accuracy decrease and time-to-accuracy)."""
+    return {"report": str(path), **json.loads((path.parent / "summary.json").read_text())}
 
 
 @app.command()
@@ -155,13 +216,15 @@ def quickstart(
     matchmaking_time_s: float = typer.Option(2.0, help="collaborative: seconds to form an averaging group"),
     peers: int = typer.Option(2, help="collaborative peers; the cores are split evenly among them"),
     progress: bool = typer.Option(True, help="show progress bars"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ):
-    """The main job: one machine vs. collaborating Hivemind peers with the same total CPUs.
+    """The main job: one machine versus collaborating Hivemind peers with the same total CPUs.
 
-    Trains the baseline (``single``) on all cores, then ``peers`` collaborative peers with an equal
+    Trains the baseline ('single') on all cores, then --peers collaborative peers with an equal
     share of the cores each, on the same sample budget and real data (the bundled handwritten
     digits), and writes a report comparing runtime, throughput, accuracy and where the time went.
     """
+    from ddlscope.analyze.report import report_runs
     from ddlscope.config import available_cores, check_runnable, validate_config
     from ddlscope.launch.local import run_local
 
@@ -179,19 +242,24 @@ def quickstart(
                                                      matchmaking_time_s=matchmaking_time_s, averaging_timeout_s=60)))
     db_path = _writable_db(db)
     check_runnable(baseline)  # the peers train the same model on the same data
-    typer.echo(f"baseline: {model} on {dataset}, {len(cores)} cores, budget {sample_budget} samples")
-    with _interruptible():
-        run_ids = [run_local(baseline, db_path, group, progress)]
-        typer.echo(f"collaborative: {peers} peers x {len(cores) // peers} core(s), target batch size {target_batch_size}")
-        run_ids.append(run_local(collab, db_path, group, progress))
-    path = _report(db_path, run_ids, db_path.parent / "reports" / group, None)
-    typer.echo(f"report: {path}")
+    with stdout_to_stderr(as_json):
+        typer.echo(f"baseline: {model} on {dataset}, {len(cores)} cores, budget {sample_budget} samples")
+        with _interruptible():
+            run_ids = [run_local(baseline, db_path, group, progress)]
+            typer.echo(f"collaborative: {peers} peers x {len(cores) // peers} core(s), "
+                       f"target batch size {target_batch_size}")
+            run_ids.append(run_local(collab, db_path, group, progress))
+        path = report_runs(db_path, run_ids, db_path.parent / "reports" / group)
+        typer.echo(f"report: {path}")
+    if as_json:
+        echo_json(dict(group=group, **_report_json(path)))
 
 
 @app.command()
 def run(
     config: Optional[Path] = typer.Argument(None, help="TOML run config ([run], [distributed] and the models' own tables)"),
-    set_: list[str] = typer.Option([], "--set", help="override a field, e.g. --set batch_size=64 --set collaborative.target_batch_size=512"),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
+                                   help="override a field, e.g. --set batch_size=64 --set collaborative.target_batch_size=512"),
     db: Optional[Path] = DbOption,
     group: Optional[str] = typer.Option(None, help="label tying runs together for reports"),
     local_peers: Optional[int] = typer.Option(None, help="start only this many peers here; the rest join with 'ddlscope peer'"),
@@ -200,6 +268,8 @@ def run(
     rdzv_endpoint: Optional[str] = typer.Option(None, help="cluster: HOST:PORT of the rendezvous on the first node"),
     run_id: Optional[str] = typer.Option(None, help="cluster: the same run id on every node"),
     progress: bool = typer.Option(True),
+    as_json: bool = typer.Option(False, "--json", help="print the stored run (as 'ddlscope runs --json' does) as JSON "
+                                                       "on stdout; progress and the outcome line go to stderr"),
 ):
     """Train one run (any distribution model), measured and stored.
 
@@ -220,10 +290,16 @@ def run(
     _check_local_peers(cfg, local_peers, nnodes)
     db_path = _writable_db(db)
     check_runnable(cfg, local_peers or cfg.peers // nnodes)
-    with _interruptible():
+    with stdout_to_stderr(as_json), _interruptible():
         run_id = run_local(cfg, db_path, group, progress, local_peers, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
                            run_id=run_id)
-    _echo_outcome(db_path, run_id)
+    if as_json:
+        from ddlscope.store.db import ResultsStore
+
+        with ResultsStore(db_path) as store:
+            echo_json(_run_record(store, store.run(run_id)))
+    with stdout_to_stderr(as_json):
+        _echo_outcome(db_path, run_id)
 
 
 def _check_local_peers(cfg, local_peers: Optional[int], nnodes: int) -> None:
@@ -255,6 +331,8 @@ def suite(
     rerun: bool = typer.Option(False, help="run cells again even if a completed run of them is stored"),
     report_only: bool = typer.Option(False, "--report-only", help="only (re)write the report from stored cells"),
     progress: bool = typer.Option(True),
+    as_json: bool = typer.Option(False, "--json", help="print the cells (with --dry-run: the planned cells) as JSON "
+                                                       "on stdout; everything else goes to stderr"),
 ):
     """Distribution-model benchmark suite: seconds per epoch, speedup and step breakdown per cell (thesis 002 ch. 3)."""
     from ddlscope.store.db import ResultsStore
@@ -265,23 +343,31 @@ def suite(
     spec = load_suite(suite_file)
     cells = expand(spec)
     if dry_run:
-        for c in cells:
-            microbatches = (c.values.get("distributed") or {}).get("microbatches")
-            mb = f", {microbatches} micro-batches" if microbatches else ""
-            typer.echo(f"{c.label}: batch {c.values['batch_size']} per worker{mb}")
+        planned = [{"label": c.label, "strategy": c.strategy, "batch_size": c.values["batch_size"],
+                    "microbatches": (c.values.get("distributed") or {}).get("microbatches")} for c in cells]
+        if as_json:
+            echo_json({"suite": spec.name, "cells": planned})
+            return
+        for c in planned:
+            mb = f", {c['microbatches']} micro-batches" if c["microbatches"] else ""
+            typer.echo(f"{c['label']}: batch {c['batch_size']} per worker{mb}")
         typer.echo(f"{len(cells)} cells")
         return
-    db_path = _existing_db(db) if report_only else _writable_db(db)
-    if not report_only:
-        with _interruptible():
-            run_suite(spec, db_path, progress=progress, rerun=rerun)
-    with ResultsStore(db_path) as store:
-        results = suite_results(store, spec.name)
-    if not results:
-        raise UserError(f"no stored cells of suite {spec.name!r} in {db_path}; run it first without --report-only")
-    print_suite(results)
-    path = write_suite_report(results, out or db_path.parent / "reports" / f"suite-{spec.name}", spec.name)
-    typer.echo(f"report: {path}")
+    with stdout_to_stderr(as_json):
+        db_path = _existing_db(db) if report_only else _writable_db(db)
+        if not report_only:
+            with _interruptible():
+                run_suite(spec, db_path, progress=progress, rerun=rerun)
+        with ResultsStore(db_path) as store:
+            results = suite_results(store, spec.name)
+        if not results:
+            raise UserError(f"no stored cells of suite {spec.name!r} in {db_path}; run it first without --report-only")
+        if not as_json:
+            print_suite(results)
+        path = write_suite_report(results, out or db_path.parent / "reports" / f"suite-{spec.name}", spec.name)
+        typer.echo(f"report: {path}")
+    if as_json:
+        echo_json({"suite": spec.name, "report": str(path), "cells": [r.to_dict() for r in results]})
 
 
 @app.command()
@@ -296,6 +382,9 @@ def sweep(
                                       help="run cells whose last run failed again (default) or skip them"),
     db: Optional[Path] = DbOption,
     progress: bool = typer.Option(True, help="show the sweep's progress bar"),
+    as_json: bool = typer.Option(False, "--json", help="print the cells' outcomes (with --dry-run: the plan; with "
+                                                       "--list-presets: the presets) as JSON on stdout; everything "
+                                                       "else goes to stderr"),
 ):
     """Run a grid of runs (one cell after another, stored in the group NAME); reruns skip finished cells."""
     from ddlscope.config import available_cores
@@ -303,6 +392,9 @@ def sweep(
     from ddlscope.sweep.presets import describe_presets, preset_grid
 
     if list_presets:
+        if as_json:
+            echo_json(describe_presets())
+            return
         for preset_name, text in describe_presets().items():
             typer.echo(f"{preset_name}: {text}")
         return
@@ -313,29 +405,41 @@ def sweep(
     else:
         plan = expand_grid(preset_grid(preset, len(available_cores())), name or preset, max_cells)
     if dry_run:
-        _print_sweep_plan(plan, _db(db))
+        cells = _sweep_plan(plan, _db(db))
+        if as_json:
+            echo_json({"sweep": plan.name, "cells": cells,
+                       "estimated_remaining_s": sum(c["estimated_s"] for c in cells if c["stored"] != "completed")})
+        else:
+            _print_sweep_plan(plan.name, cells)
         return
     from ddlscope.sweep.runner import run_sweep
 
     _writable_db(db)
-    with _interruptible():
+    with stdout_to_stderr(as_json), _interruptible():
         outcomes = run_sweep(plan, _db(db), progress, retry_failed)
     counts = {s: sum(o.status == s for o in outcomes) for s in ("completed", "failed", "skipped")}
-    typer.echo(f"sweep {plan.name}: {counts['completed']} completed, {counts['failed']} failed, "
-               f"{counts['skipped']} skipped (already stored) of {len(outcomes)} cells (stored in {_db(db)})")
-    for o in outcomes:
-        if o.status == "failed":
-            typer.echo(f"  failed {o.cell.label} (run {o.run_id}): {o.reason}", err=True)
-    typer.echo(f"report: ddlscope sweep-report {plan.name}" + (f" --db {db}" if db else ""))
+    if as_json:
+        echo_json({"sweep": plan.name, "db": str(_db(db)), "counts": counts,
+                   "cells": [{"label": o.cell.label, "key": o.cell.key, "status": o.status, "run_id": o.run_id,
+                              "reason": o.reason} for o in outcomes]})
+    with stdout_to_stderr(as_json):
+        typer.echo(f"sweep {plan.name}: {counts['completed']} completed, {counts['failed']} failed, "
+                   f"{counts['skipped']} skipped (already stored) of {len(outcomes)} cells (stored in {_db(db)})")
+        for o in outcomes:
+            if o.status == "failed":
+                typer.echo(f"  failed {o.cell.label} (run {o.run_id}): {o.reason}", err=True)
+        typer.echo(f"report: ddlscope sweep-report {plan.name}" + (f" --db {db}" if db else ""))
     if counts["failed"]:
         raise typer.Exit(1)
 
 
-def _print_sweep_plan(plan, db_path: Path) -> None:
-    """The --dry-run table: every cell, its run shape, estimated time and what the store holds."""
-    from rich.console import Console
-    from rich.table import Table
+SWEEP_KEYS_MIN_WIDTH = 140
+"""Columns from which ``sweep --dry-run`` shows each cell's key (canonical JSON of its overrides)."""
 
+
+def _sweep_plan(plan, db_path: Path) -> list[dict[str, Any]]:
+    """The --dry-run rows: every cell, its run shape, estimated seconds and its status in the store
+    (``-``: not stored)."""
     from ddlscope.store.db import ResultsStore
     from ddlscope.experiments.estimate import estimate_cell_s
     from ddlscope.experiments.runner import stored_cells
@@ -344,17 +448,31 @@ def _print_sweep_plan(plan, db_path: Path) -> None:
     if db_path.exists():
         with ResultsStore(db_path) as store:
             stored = stored_cells(store, plan.name)
-    table = Table(title=f"sweep {plan.name}: {len(plan.cells)} cells")
-    for col in ("#", "cell", "strategy", "peers x vCPUs", "steps/peer", "est. s", "stored", "key"):
-        table.add_column(col, justify="right" if col in ("#", "steps/peer", "est. s") else "left")
-    total = 0.0
-    for i, c in enumerate(plan.cells):
-        est = estimate_cell_s(c.config)
-        state = stored.get(c.key, {}).get("status", "-")
-        total += 0.0 if state == "completed" else est
-        table.add_row(str(i), c.label, c.config.strategy, f"{c.config.peers} x {c.config.cores_per_peer()}",
-                      str(c.config.max_steps_per_peer() or "-"), f"{est:.0f}", state, c.key)
-    console = Console(width=220)
+    return [{"index": i, "label": c.label, "strategy": c.config.strategy, "peers": c.config.peers,
+             "vcpus_per_peer": c.config.cores_per_peer(), "steps_per_peer": c.config.max_steps_per_peer(),
+             "estimated_s": estimate_cell_s(c.config), "stored": stored.get(c.key, {}).get("status", "-"),
+             "key": c.key} for i, c in enumerate(plan.cells)]
+
+
+def _print_sweep_plan(name: str, cells: list[dict[str, Any]]) -> None:
+    """The --dry-run table (:func:`_sweep_plan`'s rows) and the estimated time of the cells still to run; the
+    cells' keys only in a terminal at least :data:`SWEEP_KEYS_MIN_WIDTH` wide."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console()
+    with_keys = console.width >= SWEEP_KEYS_MIN_WIDTH  # a key is as long as the rest of its row
+    table = Table(title=f"sweep {name}: {len(cells)} cells",
+                  caption=None if with_keys else "cell keys: a wider terminal or --json")
+    columns = ("#", "cell", "strategy", "peers x vCPUs", "steps/peer", "est. s", "stored") + ("key",) * with_keys
+    for col in columns:
+        table.add_column(col, justify="right" if col in ("#", "steps/peer", "est. s") else "left", overflow="fold")
+    for c in cells:
+        table.add_row(*(Text(v) for v in (str(c["index"]), c["label"], c["strategy"],
+                                          f"{c['peers']} x {c['vcpus_per_peer']}", str(c["steps_per_peer"] or "-"),
+                                          f"{c['estimated_s']:.0f}", c["stored"], c["key"])[:len(columns)]))
+    total = sum(c["estimated_s"] for c in cells if c["stored"] != "completed")
     console.print(table)
     console.print(f"estimated time of the cells still to run: {total / 60:.1f} min "
                   f"(ResNet-18 figures of this project's 2-core machine; see ddlscope/experiments/estimate.py)")
@@ -369,12 +487,12 @@ def peer(
     strategy: Optional[str] = typer.Option(None, help="the run's distribution model, one launched as a swarm "
                                                       "(default: the only such model; see 'ddlscope models')"),
     config: Optional[Path] = typer.Option(None, help="the run's TOML config (same as the other peers')"),
-    set_: list[str] = typer.Option([], "--set", help="config overrides, as for 'run'"),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help="config overrides, as for 'run'"),
     listen: list[str] = typer.Option([], help="multiaddr to listen on, e.g. /ip4/0.0.0.0/tcp/31337 (default loopback)"),
     cores: Optional[str] = typer.Option(None, help="comma-separated core ids (default: all)"),
     db: Optional[Path] = DbOption,
 ):
-    """Join a swarm run (a model whose launcher is ``swarm``) by hand, e.g. from another host; results go to this host's --db."""
+    """Join a swarm run (a model whose launcher is 'swarm') by hand, say from another host; results go to this host's --db."""
     from ddlscope.config import check_runnable, load_config, validate_config
     from ddlscope.store.db import ResultsStore
     from ddlscope.train.worker import serve_worker
@@ -436,17 +554,17 @@ def serve_experts(
     index: int = typer.Option(0, help="this server's index: it hosts every servers-th expert of the grid from the "
                                       "index-th on (dmoe.servers says how many servers share the grid)"),
     config: Optional[Path] = typer.Option(None, help="a run config with the [dmoe] table the trainers use"),
-    set_: list[str] = typer.Option([], "--set", help="config overrides, as for 'run'"),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help="config overrides, as for 'run'"),
     initial_peers: list[str] = typer.Option([], help="multiaddr of a running expert server (repeatable); none: this "
                                                      "server starts the swarm"),
     run_id: Optional[str] = typer.Option(None, help="the id this server's measurements get in --db (default: new)"),
     cores: Optional[str] = typer.Option(None, help="comma-separated core ids (default: all)"),
     db: Optional[Path] = DbOption,
 ):
-    """Serve a share of a mixture-of-experts grid from this host until Ctrl-C (e.g. a volunteer's machine).
+    """Serve a share of a mixture-of-experts grid from this host until Ctrl-C (a volunteer's machine, say).
 
-    It prints the multiaddrs trainers on other hosts join with ``--set dmoe.initial_peers='["..."]'``;
-    listen on a public address with ``--set dmoe.listen_host='"0.0.0.0"'``. Its batches, CPU and memory
+    It prints the multiaddrs trainers on other hosts join with --set dmoe.initial_peers='["..."]';
+    listen on a public address with --set dmoe.listen_host='"0.0.0.0"'. Its batches, CPU and memory
     go to this host's --db.
     """
     from ddlscope import distribution
@@ -496,13 +614,16 @@ def bootstrap(listen: list[str] = typer.Option(["/ip4/127.0.0.1/tcp/0"], help="m
 
 @app.command()
 def report(
-    run_ids: list[str] = typer.Argument(None, help="runs to compare (default: the newest group)"),
+    run_ids: list[str] = typer.Argument(None, metavar="RUN_ID", help="runs to compare (default: the newest group)"),
     group: Optional[str] = typer.Option(None, help="compare all runs of this group"),
     db: Optional[Path] = DbOption,
     out: Optional[Path] = typer.Option(None, help="report folder"),
     threshold: Optional[float] = typer.Option(None, help="accuracy for time-to-accuracy (default 0.9 x baseline's)"),
+    as_json: bool = typer.Option(False, "--json", help="print the comparison (the report's summary.json and its path) "
+                                                       "as JSON instead of the table"),
 ):
     """Compare runs (baseline = first completed run of the baseline model, see 'ddlscope models') and write an HTML/Markdown report."""
+    from ddlscope.analyze.report import report_runs
     from ddlscope.store.db import ResultsStore
 
     db_path = _existing_db(db)
@@ -518,7 +639,11 @@ def report(
         if missing:
             raise UserError(f"unknown run id(s) {missing} in {db_path}; see 'ddlscope runs'")
     out = out or db_path.parent / "reports" / (group or "-".join(run_ids))
-    typer.echo(f"report: {_report(db_path, run_ids, out, threshold)}")
+    with stdout_to_stderr(as_json):  # with --json the table goes to stderr
+        path = report_runs(db_path, run_ids, out, threshold)
+        typer.echo(f"report: {path}")
+    if as_json:
+        echo_json(_report_json(path))
 
 
 @app.command("sweep-report")
@@ -526,6 +651,8 @@ def sweep_report(
     name: str = typer.Argument(..., help="the sweep's name (its runs' group)"),
     db: Optional[Path] = DbOption,
     out: Optional[Path] = typer.Option(None, help="report folder (default <db folder>/reports/sweep-NAME)"),
+    as_json: bool = typer.Option(False, "--json", help="print the views (the report's sweep_report.json and its path) "
+                                                       "as JSON instead of the Markdown"),
 ):
     """Thesis 000's views over a sweep: plots + tables (Markdown, JSON), matchmaking analysis included."""
     from ddlscope.analyze.sweep_report import write_sweep_report
@@ -534,26 +661,33 @@ def sweep_report(
     db_path = _existing_db(db)
     with ResultsStore(db_path) as store:
         path = write_sweep_report(store, name, out or db_path.parent / "reports" / f"sweep-{name}")
+    if as_json:
+        echo_json({"sweep": name, "report": str(path), **json.loads(path.with_name("sweep_report.json").read_text())})
+        typer.echo(f"report: {path}", err=True)
+        return
     typer.echo(path.read_text())
     typer.echo(f"report: {path}")
 
 
 @app.command()
 def matchmaking(
-    run_ids: list[str] = typer.Argument(None, help="run id(s) of a model with matchmaking to analyze together"),
+    run_ids: list[str] = typer.Argument(None, metavar="RUN_ID",
+                                        help="run id(s) of a model with matchmaking to analyze together"),
     group: Optional[str] = typer.Option(None, help="analyze every run with matchmaking of this group or sweep"),
     db: Optional[Path] = DbOption,
-    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the analysis as JSON here"),
+    as_json: bool = typer.Option(False, "--json", help="print the analysis as JSON instead of the Markdown"),
+    out: Optional[Path] = typer.Option(None, "--out", help="also write the analysis as JSON to this file"),
 ):
     """Averaging rounds of runs whose model forms groups by matchmaking (collaborative): group sizes, solo rounds,
     waits; recommends matchmaking_time_s."""
-    import json
-
-    from ddlscope.analyze.matchmaking import analyze_matchmaking, matchmaking_applies, matchmaking_models
+    from ddlscope.analyze.matchmaking import (analyze_matchmaking, matchmaking_applies, matchmaking_models,
+                                              print_matchmaking)
     from ddlscope.store.db import ResultsStore
 
     if bool(run_ids) == bool(group):
         raise UserError("give run id(s) or --group NAME (not both)")
+    if out is not None and out.is_dir():
+        raise UserError(f"--out {out} is a folder; allowed: a file path, e.g. {out / 'matchmaking.json'}")
     db_path = _existing_db(db)
     with ResultsStore(db_path) as store:
         ids = [r["run_id"] for r in store.runs(group)] if group else run_ids
@@ -566,9 +700,12 @@ def matchmaking(
             raise UserError(f"no run with matchmaking among {ids}; matchmaking applies to strategy "
                             f"{' or '.join(repr(n) for n in matchmaking_models())}")
         analysis = analyze_matchmaking(store, ids)
-    typer.echo(analysis.markdown())
-    if json_out:
-        json_out.write_text(json.dumps(analysis.to_dict(), indent=2, default=str))
+    if out is not None:
+        out.write_text(strict_json(analysis.to_dict()) + "\n")
+    if as_json:
+        echo_json(analysis.to_dict())
+    else:
+        print_matchmaking(analysis)
 
 
 def _existing_db(db: Optional[Path]) -> Path:
@@ -605,8 +742,6 @@ def _existing_db(db: Optional[Path]) -> Path:
 @app.command()
 def models(as_json: bool = typer.Option(False, "--json", help="print the registry as JSON")):
     """List the registered distribution models: launcher, what a run measures, what the predictor predicts."""
-    import json
-
     from ddlscope import distribution
 
     rows = [{"name": m.name, "summary": m.summary, "launcher": m.launcher, "workers": _workers_text(m),
@@ -614,7 +749,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="print the registr
              "cost_model": m.cost_model is not None, "memory_model": m.memory_model is not None}
             for m in distribution.all_models()]
     if as_json:
-        typer.echo(json.dumps(rows, indent=2))
+        echo_json(rows)
         return
     for r in rows:
         table = f", [{r['config_table']}]" if r["config_table"] else ""
@@ -639,8 +774,6 @@ def runs(
 
     Runs whose processes are gone (killed) are marked interrupted first.
     """
-    import json
-
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -655,7 +788,7 @@ def runs(
         rows.sort(key=lambda r: r["created_at"], reverse=True)
         records = [_run_record(store, r) for r in rows] if as_json else []
     if as_json:
-        typer.echo(json.dumps(records, indent=2, default=str))
+        echo_json(records)
         return
     if not rows:
         which = " and ".join(f for f in (f"status {status}" if status else "", f"group {group!r}" if group else "") if f)
@@ -682,8 +815,6 @@ def runs(
 
 def _run_record(store, row) -> dict[str, Any]:
     """A run as a JSON-ready dict: every ``runs`` column, ``config`` parsed, and its ``workers`` rows."""
-    import json
-
     record = {k: row[k] for k in row.keys() if k != "config_json"}
     record["config"] = json.loads(row["config_json"])
     record["workers"] = [dict(w) for w in store.workers(row["run_id"])]
@@ -692,7 +823,7 @@ def _run_record(store, row) -> dict[str, Any]:
 
 @app.command("rm")
 def rm(
-    run_ids: list[str] = typer.Argument(None, help="ids of the runs to delete (see 'ddlscope runs')"),
+    run_ids: list[str] = typer.Argument(None, metavar="RUN_ID", help="ids of the runs to delete (see 'ddlscope runs')"),
     group: Optional[str] = typer.Option(None, help="delete every run of this group (or sweep, suite)"),
     db: Optional[Path] = DbOption,
     yes: bool = typer.Option(False, "--yes", "-y", help="delete without asking (needed when stdin is not a terminal)"),
@@ -745,7 +876,7 @@ def rm(
 
 @app.command()
 def export(
-    run_ids: list[str] = typer.Argument(None, help="ids of the runs to export (see 'ddlscope runs')"),
+    run_ids: list[str] = typer.Argument(None, metavar="RUN_ID", help="ids of the runs to export (see 'ddlscope runs')"),
     group: Optional[str] = typer.Option(None, help="export every run of this group (or sweep, suite)"),
     to: str = typer.Option(..., "--to", help="tensorboard | wandb | mlflow | csv | parquet | trace"),
     db: Optional[Path] = DbOption,
@@ -774,15 +905,19 @@ def export(
 
 @app.command()
 def datapipe(
+    ctx: typer.Context,
     dataset: str = typer.Argument(..., help="dataset name (digits, mnist, cifar10, imagenet, highres) or folder"),
-    workers: str = typer.Option("0,1,2", help="loader worker counts to try, comma-separated, each 0..64"),
-    batch_size: Optional[int] = typer.Option(None, help="samples per batch (default: the run's with --run, else 32)"),
+    loader_workers: str = typer.Option("0,1,2", "--loader-workers",
+                                       help="loader worker counts to try, comma-separated, each 0..64"),
+    old_workers: Optional[str] = typer.Option(None, "--workers", hidden=True, help="old name of --loader-workers"),
+    batch_size: Optional[int] = typer.Option(None, help="samples per batch (default: the run's with --run-id, else 32)"),
     step_time_s: Optional[float] = typer.Option(None, help="your measured compute seconds per training step "
                                                              "(forward + backward + optimizer, no data loading)"),
-    run_id: Optional[str] = typer.Option(None, "--run", help="take the step time and batch size from this stored run"),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="take the step time and batch size from this stored run"),
+    old_run: Optional[str] = typer.Option(None, "--run", hidden=True, help="old name of --run-id"),
     db: Optional[Path] = DbOption,
     model: str = typer.Option("resnet18", help="model whose step time is measured on synthetic input "
-                                                 "when neither --step-time-s nor --run gives it"),
+                                                 "when neither --step-time-s nor --run-id gives it"),
     compute_steps: int = typer.Option(5, help="steps timed when measuring the step time"),
     samples: int = typer.Option(1024, help="samples timed per strategy and worker count, after a warm-up batch"),
     max_samples: Optional[int] = typer.Option(None, help="use only this many training samples (default: all)"),
@@ -799,51 +934,78 @@ def datapipe(
     preprocessed (no online augmentation). Measures loader samples/s, storage bytes and one-time
     build seconds; an option is input-bound when it delivers fewer samples/s than training consumes.
     """
-    import json
-
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ddlscope.datapipe import DatapipeOptions, parse_workers, run_datapipe
     from ddlscope.datapipe.report import print_result, write_report
 
-    opts = DatapipeOptions(dataset, parse_workers(workers), batch_size, samples, max_samples, step_time_s, run_id,
-                           db, model, compute_steps, augment, data_root)
+    loader_workers = renamed(ctx, "loader_workers", "old_workers")
+    run_id = renamed(ctx, "run_id", "old_run")
+    opts = DatapipeOptions(dataset, parse_workers(loader_workers), batch_size, samples, max_samples, step_time_s,
+                           run_id, db, model, compute_steps, augment, data_root)
     opts.check()
     out = out or Path.cwd() / "ddlscope-results" / "datapipe" / Path(dataset).name
     console = Console(stderr=True)
     bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=console, disable=not (progress and console.is_terminal), transient=True)
-    with bars:
+    with stdout_to_stderr(json_), bars:
         result = run_datapipe(opts, cache_dir or out / "cache", bars)
     path = write_report(result, out)
     if json_:
-        typer.echo(json.dumps(result.to_dict(), indent=2))
+        echo_json(result.to_dict())
+        typer.echo(f"report: {path}", err=True)
     else:
         print_result(result)
         typer.echo(f"report: {path}")
 
 
 @data_app.command("digits")
-def data_digits(root: Optional[Path] = typer.Option(None, help="data root (default $DDLSCOPE_DATA or ~/.cache/ddlscope/data)")):
+def data_digits(
+    ctx: typer.Context,
+    data_root: Optional[Path] = typer.Option(None, "--data-root",
+                                            help="data root (default $DDLSCOPE_DATA or ~/.cache/ddlscope/data)"),
+    old_root: Optional[Path] = typer.Option(None, "--root", hidden=True, help="old name of --data-root"),
+):
     """Write scikit-learn's bundled handwritten digits as PNG files at MNIST geometry (once)."""
     from ddlscope.workloads.datasets import default_data_root, materialize_digits
 
-    typer.echo(materialize_digits(root or default_data_root()))
+    typer.echo(materialize_digits(renamed(ctx, "data_root", "old_root") or default_data_root()))
 
 
 @data_app.command("synthetic")
 def data_synthetic(
+    ctx: typer.Context,
     name: str = typer.Argument(..., help="mnist, cifar10, imagenet or highres"),
     train_size: int = typer.Option(1024, min=1),
     test_size: int = typer.Option(256, min=1),
-    root: Optional[Path] = typer.Option(None, help="data root"),
+    data_root: Optional[Path] = typer.Option(None, "--data-root",
+                                            help="data root (default $DDLSCOPE_DATA or ~/.cache/ddlscope/data)"),
+    old_root: Optional[Path] = typer.Option(None, "--root", hidden=True, help="old name of --data-root"),
     seed: int = typer.Option(0),
 ):
     """Write a synthetic dataset in the real dataset's standard format (thesis 002 Table 3.2 shapes)."""
     from ddlscope.workloads.datasets import default_data_root, write_synthetic
 
-    typer.echo(write_synthetic(name, root or default_data_root(), train_size, test_size, seed))
+    root = renamed(ctx, "data_root", "old_root") or default_data_root()
+    typer.echo(write_synthetic(name, root, train_size, test_size, seed))
+
+
+@app.command()
+def examples(
+    names: list[str] = typer.Argument(None, metavar="NAME", help="only these examples (file names, as listed)"),
+    copy: Optional[Path] = typer.Option(None, "--copy", metavar="DIR",
+                                        help="copy the examples into this folder (created if missing)"),
+    overwrite: bool = typer.Option(False, help="with --copy: replace files there that differ from the shipped ones"),
+):
+    """List the example cluster files, run configs, sweep grid and scripts that ship with ddlscope, or copy them out.
+
+    Commands that read a TOML file (run, sweep, recommend --cluster, ...) take examples/NAME as well:
+    when that path does not exist in the current folder, the shipped copy is read.
+    """
+    from ddlscope.examples import examples_command
+
+    typer.echo(examples_command(copy, names, overwrite))
 
 
 from ddlscope.predict.commands import register as _register_predict_commands  # noqa: E402

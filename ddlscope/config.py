@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from ddlscope import distribution
 from ddlscope.errors import UserError
+from ddlscope.measure.torch_profile import check_profile_steps
 from ddlscope.network.emulated import NetworkConfig, emulated_models
 
 
@@ -35,6 +36,8 @@ MAX_PEERS = 256
 """Most workers/peers one run may train."""
 MAX_SEED = 2**32 - 1
 """Largest ``seed`` (NumPy's and most libraries' 32-bit seed range)."""
+_FACTORY_FIELDS = ("model", "dataset", "loss", "optimizer")
+"""Fields that may name a user factory (``module:attribute``) or be given as a callable in Python."""
 
 
 def available_cores() -> list[int]:
@@ -86,13 +89,16 @@ class RunConfigBase(BaseModel):
     name: str | None = Field(None, description="human label; defaults to strategy-model-dataset")
     strategy: str = Field("single", description="distribution model: a name in the registry (`ddlscope models`)")
     model: str = Field("resnet18", description="zoo network name or 'package.module:factory'")
-    dataset: str = Field("digits", description="dataset name or path to a local copy")
+    dataset: str = Field("digits", description="dataset name, path to a local copy, or 'package.module:factory'")
     data_root: Path | None = Field(None, description="folder holding datasets; default $DDLSCOPE_DATA or ~/.cache/ddlscope/data")
     batch_size: int = Field(32, ge=1, le=MAX_BATCH_SIZE, description="samples per worker per step")
     learning_rate: float = Field(0.01, gt=0, le=10)
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0, le=1)
-    optimizer: Literal["sgd", "adam", "adamw"] = Field("sgd", description="sgd (with momentum), adam or adamw")
+    optimizer: str = Field("sgd", description="sgd (with momentum), adam, adamw, or 'package.module:factory' "
+                                              "called as factory(params, lr=learning_rate)")
+    loss: str = Field("cross_entropy", description="cross_entropy, or 'package.module:attribute': a function "
+                                                   "loss(logits, labels) or a class instantiated without arguments")
     gradient_accumulation_steps: int = Field(1, ge=1, le=1024, description="micro-steps per optimizer step (GAS)")
     loader_workers: int = Field(1, ge=0, le=64, description="DataLoader worker processes per peer")
     augment: bool = True
@@ -113,17 +119,42 @@ class RunConfigBase(BaseModel):
     final_eval: bool = Field(True, description="evaluate once more after the last step (benchmarks that time steps only turn it off)")
     warmup_steps: int = Field(2, ge=0, description="first steps are recorded but flagged and excluded from rates")
     host_sample_interval_s: float = Field(1.0, gt=0, le=60)
+    profile_steps: list[int] | None = Field(
+        None, description="[a, b]: record torch.profiler traces of each worker's steps a..b (0-based, both "
+                          "included); `ddlscope export --to trace` merges them")
 
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     network: NetworkConfig = Field(default_factory=NetworkConfig,
                                    description="loopback, or each peer in a namespace with rate-limited links")
     # the distribution models' own tables ([collaborative], ...) are added from the registry: see RunConfig
 
+    @field_validator("profile_steps")
+    @classmethod
+    def _step_range(cls, v: list[int] | None) -> list[int] | None:
+        check_profile_steps(v)  # ValueError: not two ints with 0 <= a <= b
+        return v
+
     @field_validator("strategy")
     @classmethod
     def _registered(cls, v: str) -> str:
         if v not in distribution.names():
             raise ValueError(f"unknown distribution model {v!r}; allowed: {', '.join(distribution.names())}")
+        return v
+
+    @field_validator("optimizer")
+    @classmethod
+    def _known_optimizer(cls, v: str) -> str:
+        from ddlscope.workloads.step import OPTIMIZERS
+
+        if v not in OPTIMIZERS and not _is_factory(v):
+            raise ValueError(f"unknown optimizer {v!r}; allowed: {', '.join(OPTIMIZERS)} or 'package.module:factory'")
+        return v
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        if v != "cross_entropy" and not _is_factory(v):
+            raise ValueError(f"unknown loss {v!r}; allowed: cross_entropy or 'package.module:attribute'")
         return v
 
     @property
@@ -157,15 +188,22 @@ class RunConfigBase(BaseModel):
             if self.strategy not in emulated:
                 raise ValueError(f"network.emulate: not built yet for {self.strategy}; allowed: {', '.join(emulated)}")
             self.network.rates(self.peers)  # a link of a peer that does not exist
+        if self.profile_steps is not None:
+            check_profile_steps(self.profile_steps, self.max_steps_per_peer())  # b beyond the steps trained
         if self.target_accuracy is not None and self.eval_every_steps is None:
             self.eval_every_steps = 10
+        if self.loss != "cross_entropy" and not model.data_parallel:
+            fitting = ", ".join(m.name for m in distribution.all_models() if m.data_parallel)
+            raise ValueError(f"loss = {self.loss!r}: {self.strategy} computes its stages' cross-entropy itself; allowed "
+                             f"with a user loss: a data-parallel model ({fitting})")
         return self
 
     # ------------------------------------------------------------------ derived values
     @property
     def data_parallel_size(self) -> int:
-        """Workers that each train on their own batch: ``peers``, or 1 for pipelines (all stages share a batch)."""
-        return self.distribution_model.data_parallel_size(self.peers)
+        """Workers that each train on their own batch: ``peers``, or 1 for pipelines (all stages share a batch),
+        less the model's auxiliary peers (they train on no batch: collaborative's ``auxiliary_peers``)."""
+        return self.distribution_model.data_parallel_size(self.peers) - len(self.model_options().get("auxiliary_peers", ()))
 
     def data_rank(self, worker_index: int) -> int:
         """Which data stream a worker reads (its shuffle seed offset): its index, or 0 for pipeline stages."""
@@ -273,18 +311,38 @@ def _format_validation_error(err: ValidationError, root: type[BaseModel] | None 
     return "invalid run config: " + "; ".join(lines)
 
 
+def _is_factory(value: str) -> bool:
+    from ddlscope.workloads.factories import is_import_string
+
+    return is_import_string(value)
+
+
 def validate_config(values: dict[str, Any], nnodes: int = 1) -> RunConfig:
     """Build a :class:`RunConfig` and check the names and resources it refers to.
 
     Checks, besides the field ranges: every number is finite (no ``inf``/``nan``) and no boolean
     stands for a number; ``listen_host`` fields are IPv4 addresses and ``initial_peers`` entries
     look like multiaddrs; the model is a zoo network or ``module:factory``; the
-    dataset is a known name or an existing path; the workers started on this host
-    (``peers / nnodes``) x vCPUs fit the available cores.
+    dataset is a known name, an existing path or ``module:factory``; no factory names ``__main__``;
+    the workers started on this host (``peers / nnodes``) x vCPUs fit the available cores.
+
+    ``model``, ``dataset``, ``loss`` and ``optimizer`` may also be Python callables (functions or
+    classes) that a worker process can import by name; they are stored as their import strings
+    (:func:`ddlscope.workloads.factories.import_string_of`). Nothing is imported or built here for
+    strings; :func:`check_runnable` builds and tries them.
 
     Raises:
-        UserError: with one message naming each bad field and what is allowed.
+        UserError: with one message naming each bad field and what is allowed; for a callable that a
+            worker cannot import (defined in ``__main__``, a lambda or closure, a model instance), naming
+            it and saying what is allowed.
     """
+    if isinstance(values, dict) and any(not isinstance(values.get(f), (str, type(None))) for f in _FACTORY_FIELDS):
+        from ddlscope.workloads.factories import import_string_of
+
+        values = dict(values)
+        for f in _FACTORY_FIELDS:
+            if f in values and not isinstance(values[f], str) and values[f] is not None:
+                values[f] = import_string_of(f, values[f])
     bad = _bad_numbers(values, RunConfig)
     if bad:
         raise UserError("invalid run config: " + "; ".join(bad))
@@ -294,14 +352,21 @@ def validate_config(values: dict[str, Any], nnodes: int = 1) -> RunConfig:
         raise UserError(_format_validation_error(err)) from None
     _check_addresses(cfg)
     from ddlscope.workloads.datasets import DATASETS
+    from ddlscope.workloads.factories import check_import_string, is_import_string
     from ddlscope.workloads.models import NETWORKS
 
     if ":" not in cfg.model and cfg.model not in NETWORKS:
         raise UserError(f"model: unknown network {cfg.model!r}; allowed: {', '.join(NETWORKS)} or 'package.module:factory'")
-    if cfg.dataset not in DATASETS and not Path(cfg.dataset).exists():
+    user_dataset = cfg.dataset not in DATASETS and not Path(cfg.dataset).exists() and is_import_string(cfg.dataset)
+    if cfg.dataset not in DATASETS and not Path(cfg.dataset).exists() and not user_dataset:
         raise UserError(
-            f"dataset: unknown dataset {cfg.dataset!r} and no such path; allowed: {', '.join(DATASETS)} or a folder with a local copy"
+            f"dataset: unknown dataset {cfg.dataset!r} and no such path; allowed: {', '.join(DATASETS)}, a folder with a "
+            f"local copy, or a factory 'package.module:factory'"
         )
+    for f in _FACTORY_FIELDS:
+        value = getattr(cfg, f)
+        if ":" in value and (f != "dataset" or user_dataset):
+            check_import_string(f, value)
     if cfg.dataset in DATASETS:
         from ddlscope.workloads.models import network_takes
 
@@ -382,7 +447,9 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
         UserError: the file is missing, a folder, unreadable, not UTF-8 text, or not valid TOML
             (the message has the path).
     """
-    path = Path(path)
+    from ddlscope.examples import resolve_example
+
+    path = resolve_example(path)  # examples/NAME that is not here: the copy that ships with ddlscope
     try:
         text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
@@ -437,13 +504,15 @@ def check_runnable(cfg: RunConfigBase, local_workers: int | None = None) -> None
       not empty, and ``batch_size`` is at most the training split (each step takes a full batch);
     - every label of the first batch (and, for datasets held in memory, of the split) is a class
       the model predicts;
-    - a user factory ``module:function``, or any network on a dataset folder, is built once on
-      the CPU (the factory imported from the working folder, as a worker does, and called with
-      ``num_classes`` and ``in_channels``), and trained-mode forward and loss run on the first
+    - a user factory ``module:function``, or any network on a dataset folder or a user dataset or
+      with a user loss, is built once on the CPU (the factory imported from the working folder, as a
+      worker does, and called with ``num_classes`` and ``in_channels``, and ``image_size`` when it
+      takes it), and trained-mode forward and loss run on the first
       ``min(batch_size, 2)`` training samples, preprocessed as a worker does: the output must be
       logits ``(N, classes)`` (``(N, T, classes)`` for text) with at least the dataset's classes.
       A zoo network on a named dataset is not built: the zoo gives every named dataset's
-      geometry its logits (tests/test_models.py).
+      geometry its logits (tests/test_models.py). The loss must return a scalar tensor; a user
+      optimizer factory is called once on the model's parameters.
 
     Cost: opening the dataset; a factory or folder adds one build and one forward of two samples
     (docs/config.md has figures).
@@ -453,6 +522,8 @@ def check_runnable(cfg: RunConfigBase, local_workers: int | None = None) -> None
     """
     import torch
 
+    from ddlscope.workloads.step import OPTIMIZERS
+
     _check_device(cfg, local_workers)
     train_set, spec = _open_splits(cfg)
     if len(train_set) < cfg.batch_size:
@@ -460,28 +531,34 @@ def check_runnable(cfg: RunConfigBase, local_workers: int | None = None) -> None
                         f"({len(train_set)} samples); allowed: 1..{len(train_set)}")
     from torch.utils.data import default_collate
 
-    from ddlscope.workloads.datasets import DATASETS
+    from ddlscope.workloads.datasets import DATASETS, USER
+    from ddlscope.workloads.factories import build_loss
     from ddlscope.workloads.models import NETWORKS, build_model
     from ddlscope.workloads.preprocessing import train_transform
-    from ddlscope.workloads.step import loss_function
 
-    transform = train_transform(spec, augment=cfg.augment)
+    transform = (lambda image: image) if spec.format == USER else train_transform(spec, augment=cfg.augment)
     n = min(cfg.batch_size, 2)
-    x, y = default_collate([(transform(image), label) for image, label in (train_set[i] for i in range(n))])
+    try:
+        x, y = default_collate([(transform(image), label) for image, label in (train_set[i] for i in range(n))])
+    except Exception as err:  # a user dataset's items that do not stack into a batch
+        raise UserError(f"dataset = {cfg.dataset!r}: its first {n} samples do not form a batch: {type(err).__name__}: "
+                        f"{err}; allowed: items (tensor of one shape, int label)") from None
     what = f"model = {cfg.model!r}"
-    if cfg.model in NETWORKS and cfg.dataset in DATASETS:
+    loss_fn = build_loss(cfg.loss)
+    if cfg.model in NETWORKS and cfg.dataset in DATASETS and cfg.loss == "cross_entropy":
         _check_labels(train_set, y, spec.num_classes, spec, cfg, what, "logits (N, classes)")
         return
     torch.manual_seed(cfg.seed)
     search_path = list(sys.path)
     sys.path.insert(0, os.getcwd())  # where a worker (python -m ...) imports a factory 'module:function' from
     try:
-        model = build_model(cfg.model, spec.family, num_classes=spec.num_classes)
+        model = build_model(cfg.model, spec.family, num_classes=spec.num_classes, input_shape=spec.image_shape)
     except UserError:
         raise
     except Exception as err:  # a user factory's own error: the user's to fix
         raise UserError(f"{what}: the factory failed when called with num_classes={spec.num_classes}, "
-                        f"in_channels={spec.channels}: {type(err).__name__}: {err}") from None
+                        f"in_channels={spec.channels} (image_size=({spec.height}, {spec.width}) if it takes it): "
+                        f"{type(err).__name__}: {err}") from None
     finally:
         sys.path[:] = search_path
     model.train()
@@ -498,10 +575,17 @@ def check_runnable(cfg: RunConfigBase, local_workers: int | None = None) -> None
                         f"allowed: {expected}")
     _check_labels(train_set, y, out.shape[-1], spec, cfg, what, expected)
     try:
-        loss_function()(out, y)
+        loss = loss_fn(out, y)
     except Exception as err:
-        raise UserError(f"{what}: the loss fails on its output {tuple(out.shape)} for labels {tuple(y.shape)}: "
-                        f"{type(err).__name__}: {err}; allowed: {expected}") from None
+        raise UserError(f"{what}: the loss {cfg.loss!r} fails on its output {tuple(out.shape)} for labels "
+                        f"{tuple(y.shape)}: {type(err).__name__}: {err}; allowed: {expected}") from None
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise UserError(f"loss = {cfg.loss!r} returns {got}; allowed: a scalar (0-dim) tensor, e.g. a mean")
+    if cfg.optimizer not in OPTIMIZERS:
+        from ddlscope.train.loop import build_run_optimizer
+
+        build_run_optimizer(cfg, model.parameters())
 
 
 def _check_labels(train_set, y, classes: int, spec, cfg: RunConfigBase, what: str, expected: str) -> None:

@@ -11,9 +11,12 @@ from ddlscope.analyze.report import write_report
 from ddlscope.store.db import ResultsStore
 
 
-def _write_run(store, name, strategy, workers, peers=1):
-    """workers: list of dicts with start, runtime, eval_s, phases (per step), steps, final_acc, evals, net."""
-    run_id = store.create_run(name, strategy, {"peers": peers}, group_name="g")
+def _write_run(store, name, strategy, workers, peers=1, config=None, status="completed"):
+    """workers: list of dicts with start, runtime, eval_s, phases (per step), steps, final_acc, evals, net.
+
+    ``config``: more settings for the stored config; ``status`` "running" leaves the run unfinished.
+    """
+    run_id = store.create_run(name, strategy, {"peers": peers, **(config or {})}, group_name="g")
     for i, w in enumerate(workers):
         store.upsert_worker(run_id, i, status="completed", train_start_time=w["start"],
                             train_end_time=w["start"] + w["runtime"] + w.get("eval_s", 0.0), eval_s=w.get("eval_s", 0.0))
@@ -31,7 +34,8 @@ def _write_run(store, name, strategy, workers, peers=1):
                                               net_recv_bytes=0))
         store.add_host_sample(run_id, i, dict(wall_time=w["start"] + 1, cpu_percent=w.get("cpu", 100.0), rss_bytes=300,
                                               net_sent_bytes=w.get("net", 0), net_recv_bytes=w.get("net", 0)))
-    store.finish_run(run_id, "completed")
+    if status != "running":
+        store.finish_run(run_id, status)
     return run_id
 
 
@@ -101,7 +105,7 @@ def test_report_files(store, tmp_path):
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "| base |" in md and "compute-bound" in md
     lines = md.splitlines()
-    at = lines.index(next(line for line in lines if line.startswith("| run | worker |")))
+    at = lines.index(next(line for line in lines if line.startswith("| run | id | worker |")))
     header, rule, row = lines[at], lines[at + 1], lines[at + 2]
     assert header.count("|") == rule.count("|") == row.count("|")  # every column has its separator
     data = json.loads((tmp_path / "rep" / "summary.json").read_text())
@@ -129,7 +133,7 @@ def test_background_cpu_counts_other_threads_and_child_processes():
     t.join()
     after_thread = background_cpu_s()
     assert after_thread - before >= 0.25
-    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.3\n"
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.6\n"
                               "while time.process_time() < end: pass\ntime.sleep(30)"])
     try:
         deadline = time.monotonic() + 20

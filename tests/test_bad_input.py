@@ -179,7 +179,7 @@ for i, (args, must) in enumerate([
     (["rm", "abc", "--group", "g"], "not both"), (["matchmaking"], "give run id(s) or --group"),
     (["suite", "nope-preset", "--dry-run"], "nope-preset"),
     (["validate", "nope-preset", "--predict-only"], "nope-preset"),
-    (["datapipe", "digits", "--workers", "a"], "workers"),
+    (["datapipe", "digits", "--loader-workers", "a"], "workers"),
     (["profile", "--model", "tiny_cnn", "--dataset", "mnist", "--batch-size", "8", "--loader-workers", "x"],
      "--loader-workers"),
     (["calibrate", "--timeout-s", "0"], "--timeout-s"), (["calibrate", "--out", "d"], "--out d is a folder"),

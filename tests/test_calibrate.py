@@ -186,7 +186,7 @@ def test_time_repeats_warms_up_untimed_and_syncs_around_every_call():
 def test_calibrate_hivemind_swarm_fits_what_hivemind_adds(tmp_path):
     out = tmp_path / "cluster.toml"
     proc = subprocess.run([sys.executable, "-m", "ddlscope", "calibrate", "--quick", "--hivemind", "--out", str(out),
-                           "--matchmaking-time", "0.8", "--json"], cwd=tmp_path, capture_output=True, text=True,
+                           "--matchmaking-time-s", "0.8", "--json"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "hivemind swarm: resnet18" in proc.stderr

@@ -13,7 +13,7 @@ from ddlscope.modeling.cluster import (ClusterSpec, DeviceSpec, LinkSpec, PeerSp
 from ddlscope.modeling.devices import DEVICE_KINDS, UNCERTAINTY, compute_scale
 from ddlscope.modeling.profile import DeviceProfile, LayerProfile, StepProfile, WorkloadProfile
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parent.parent / "ddlscope" / "examples"
 GOOD = """
 [cluster]
 name = "t"

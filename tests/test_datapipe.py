@@ -273,7 +273,7 @@ def test_parse_workers(text, expected):
 
 @pytest.mark.parametrize("text", ["", "-1,0", "a", "0,,1", "65"])
 def test_parse_workers_rejects_bad_lists(text):
-    with pytest.raises(UserError, match="--workers"):
+    with pytest.raises(UserError, match="--loader-workers"):
         parse_workers(text)
 
 
@@ -284,8 +284,8 @@ def _cli(*args: str, cwd: Path, data_root: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["digits", "--workers", "-1,0"], "error: --workers '-1,0': allowed: comma-separated loader worker counts"),
-    (["digits", "--workers", ""], "error: --workers '': allowed"),
+    (["digits", "--loader-workers", "-1,0"], "error: --loader-workers '-1,0': allowed: comma-separated loader worker counts"),
+    (["digits", "--loader-workers", ""], "error: --loader-workers '': allowed"),
     (["digits", "--batch-size", "0"], "error: --batch-size 0: allowed: >= 1"),
     (["digits", "--step-time-s", "0"], "error: --step-time-s 0.0: allowed: > 0 seconds"),
     (["digits", "--batch-size", "5000", "--step-time-s", "1"], "error: --batch-size 5000 is larger than the 1438"),
@@ -300,7 +300,7 @@ def test_cli_rejects_bad_options_with_one_line_and_writes_nothing(tmp_path, data
 
 
 def test_cli_json_and_report(tmp_path, data_root):
-    result = _cli("digits", "--workers", "1,0", "--step-time-s", "1000", "--samples", "32", "--max-samples", "96",
+    result = _cli("digits", "--loader-workers", "1,0", "--step-time-s", "1000", "--samples", "32", "--max-samples", "96",
                   "--json", "--no-progress", cwd=tmp_path, data_root=data_root)
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)

@@ -143,9 +143,9 @@ def test_latency_without_netem_is_one_clear_error():
         check_can_emulate(latency=True)
 
 
-def test_emulation_of_a_torchrun_model_or_a_missing_peer_is_refused_before_anything_starts(tmp_path):
-    with pytest.raises(UserError, match="not built yet for ddp; allowed: collaborative"):
-        validate_config(tiny_run(strategy="ddp", peers=2, network=dict(emulate=True)))
+def test_emulation_of_expert_servers_or_a_missing_peer_is_refused_before_anything_starts(tmp_path):
+    with pytest.raises(UserError, match="not built yet for dmoe; allowed: collaborative, ddp, fsdp"):
+        validate_config(tiny_run(strategy="dmoe", model="moe_cnn", peers=1, network=dict(emulate=True)))
     with pytest.raises(UserError, match="peer 5 does not exist"):
         validate_config(tiny_run(strategy="collaborative", peers=2,
                                  network=dict(emulate=True, links=[dict(peer=5, bandwidth_mbit_per_s=1)])))

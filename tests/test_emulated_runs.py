@@ -161,3 +161,19 @@ listen_host = "10.201.0.2"
         assert full, f"no averaging round gathered both hosts: {rounds}"
     # the hosts talked over the emulated link
     assert counters[0]["bytes_sent"] > 50_000 and counters[1]["bytes_sent"] > 50_000
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_torchrun_models_run_one_agent_per_worker_in_its_namespace(env_data, db_path, strategy):
+    before = (set(namespaces()), set(_ddl_links()))
+    cfg = validate_config(tiny_run(strategy=strategy, peers=2, vcpus_per_peer=1, sample_budget=2 * 16 * 30,
+                                   network=dict(emulate=True, bandwidth_mbit_per_s=100)))
+    run_id = run_local(cfg, db_path, progress=False)
+    with ResultsStore(db_path) as store:
+        run = store.run(run_id)
+        assert run["status"] == "completed", run["reason"]
+        assert sorted(w["cores"] for w in store.workers(run_id)) == ["0", "1"]  # each agent pinned its own worker
+        links = {r["worker_index"]: r for r in store.rows("network_links", run_id)}
+        # the gradients crossed the emulated links: 30 all-reduces of the tiny CNN's gradients each way
+        assert links[0]["bytes_sent"] > 100_000 and links[1]["bytes_sent"] > 100_000, links
+    assert (set(namespaces()), set(_ddl_links())) == before

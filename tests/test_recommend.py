@@ -15,7 +15,7 @@ from ddlscope.modeling.recommend import candidate_settings, recommend
 from tests.test_costs import MIB, make_profile
 
 REPO = Path(__file__).resolve().parents[1]
-LOCAL = REPO / "examples" / "cluster-local-2cores.toml"
+LOCAL = REPO / "ddlscope" / "examples" / "cluster-local-2cores.toml"
 
 
 def cluster(memory_gib: float, bw: float = 1.0) -> ClusterSpec:
@@ -110,7 +110,7 @@ def test_recommend_cli_json(profile_cache):
 
 def test_recommend_cli_table_and_scaled_device(profile_cache):
     res = _cli("recommend", "--model", "tiny_cnn", "--dataset", "mnist", "--batch-size", "16",
-               "--cluster", str(REPO / "examples" / "cluster-4xv100-nvlink.toml"), "--cache-dir", str(profile_cache))
+               "--cluster", str(REPO / "ddlscope" / "examples" / "cluster-4xv100-nvlink.toml"), "--cache-dir", str(profile_cache))
     assert res.returncode == 0, res.stderr
     assert "recommended:" in res.stdout and "compute scaled" in res.stdout
 

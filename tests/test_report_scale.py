@@ -34,11 +34,11 @@ def _pixel_sizes(folder: Path) -> dict[str, tuple[int, int]]:
 
 
 def test_report_of_200_runs_draws_pngs_of_bounded_size(store_of_many_runs, tmp_path):
-    from ddlscope.cli import _report
+    from ddlscope.analyze.report import report_runs
 
     db, ids = store_of_many_runs
     with contextlib.redirect_stdout(io.StringIO()):
-        _report(db, ids, tmp_path / "report", None)
+        report_runs(db, ids, tmp_path / "report")
     sizes = _pixel_sizes(tmp_path / "report")
     assert set(sizes) >= {"step_breakdown.png", "accuracy.png", "loss.png", "network.png"}
     max_px = round(MAX_WIDTH_IN * DPI)
@@ -65,9 +65,10 @@ def test_step_breakdown_shows_the_baseline_the_slowest_and_one_bar_for_the_other
     with ResultsStore(db) as store:
         summaries = [summarize_run(store, r) for r in ids[:40]]
     bars, note = _step_bars(summaries)
-    assert len(bars) == MAX_BARS and bars[0][0] == summaries[0].name and bars[-1][0].startswith("others\n(17 runs)")
+    assert len(bars) == MAX_BARS and bars[0][0] == f"{summaries[0].name}\n{summaries[0].run_id}"
+    assert bars[-1][0].startswith("others\n(17 runs)")
     slowest = sorted(summaries[1:], key=lambda s: -sum(w.mean_phase_s[p] for w in s.workers for p in w.mean_phase_s))
-    assert {b[0] for b in bars[1:-1]} == {s.name for s in slowest[:MAX_BARS - 2]}
+    assert {b[0] for b in bars[1:-1]} == {f"{s.name}\n{s.run_id}" for s in slowest[:MAX_BARS - 2]}
     assert "every run is in the tables" in note
     few, note = _step_bars(summaries[:3])  # few runs: one bar per worker, as before
     assert len(few) == 1 + 2 + 2 and note == ""

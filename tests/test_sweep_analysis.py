@@ -101,7 +101,9 @@ def test_matchmaking_numbers(store):
 
 def test_matchmaking_too_long_and_floor(store):
     a = analyze_matchmaking(store, [_matchmaking_run(store, matchmaking_s=10.0)])
-    assert "too long" in a.verdict and "8.5 s more than needed" in a.verdict
+    # 43 % of peer-rounds solo: never a shorter window than the configured 10 s (issue 17); "too long" with few
+    # solo rounds is tested in tests/test_report_defects.py
+    assert a.recommended_s == pytest.approx(10.0) and "do not shorten it" in a.verdict and "too long" not in a.verdict
     solo = _put_run(store, dict(strategy="collaborative", peers=2, collaborative=dict(matchmaking_time_s=1.0)),
                     [dict(steps=_plain_steps(4) + [_step(4, 4.0, 0.3, 1, 1, 1)], runtime_s=5.0),
                      dict(steps=_plain_steps(4), runtime_s=5.0)], group="solo")

@@ -19,7 +19,7 @@ from tests.test_costs import make_cluster, make_profile
 from tests.test_experiments import fake_run_fn
 
 REPO = Path(__file__).resolve().parents[1]
-LOCAL = REPO / "examples" / "cluster-local-2cores.toml"
+LOCAL = REPO / "ddlscope" / "examples" / "cluster-local-2cores.toml"
 
 
 def _cli(*args):
@@ -90,11 +90,11 @@ def test_validation_stores_predictions_links_runs_and_resumes(tmp_path, monkeypa
     assert {o.status for o in not_run[0].outcomes} == {"not-run"}
 
 
-def test_link_rates_add_emulated_cells_for_collaborative_only_predicted_over_those_links(tmp_path, monkeypatch):
+def test_link_rates_add_emulated_cells_predicted_over_those_links(tmp_path, monkeypatch):
     import ddlscope.profiling.profile
 
     monkeypatch.setattr(ddlscope.profiling.profile, "load_or_profile", lambda *a, **k: make_profile())
-    grid = ValidationGrid(name="v", datasets=["mnist"], networks=["tiny_cnn"], strategies=["ddp", "collaborative"],
+    grid = ValidationGrid(name="v", datasets=["mnist"], networks=["tiny_cnn"], strategies=["ddp", "collaborative", "dmoe"],
                           workers=2, batch_size=16, warmup_batches=1, measured_batches=2, threads_per_device=1,
                           synthetic_train_size=16, bandwidths_mbit_per_s=[10.0])
     fake, _ = fake_run_fn(step_s=0.5)
@@ -105,13 +105,17 @@ def test_link_rates_add_emulated_cells_for_collaborative_only_predicted_over_tho
         return fake(cfg, *args, **kwargs)
 
     loopback, emulated = run_validation(grid, make_cluster(), tmp_path / "r.db", progress=False, run_fn=run)
-    assert [o.strategy for o in loopback.outcomes] == ["ddp", "collaborative"]
-    assert emulated.network == "tiny_cnn @ 10 Mbit/s" and [o.strategy for o in emulated.outcomes] == ["collaborative"]
-    # 10 Mbit/s makes the averaging round dearer than loopback's link
-    assert emulated.outcomes[0].predicted_parts_s["averaging_s"] > loopback.outcome("collaborative").predicted_parts_s["averaging_s"]
-    (key,) = [k for k in configs if k.endswith("-10mbit")]
-    assert configs[key].network.emulate and configs[key].network.bandwidth_mbit_per_s == 10.0
-    assert not any(c.network.emulate for k, c in configs.items() if k != key)
+    assert [o.strategy for o in loopback.outcomes] == ["ddp", "collaborative", "dmoe"]
+    # dmoe's expert servers are not placed in namespaces: no emulated cell of it
+    assert emulated.network == "tiny_cnn @ 10 Mbit/s" and [o.strategy for o in emulated.outcomes] == ["ddp", "collaborative"]
+    # 10 Mbit/s makes the averaging round and the all-reduce dearer than loopback's link
+    assert emulated.outcome("collaborative").predicted_parts_s["averaging_s"] > \
+        loopback.outcome("collaborative").predicted_parts_s["averaging_s"]
+    assert emulated.outcome("ddp").predicted_parts_s["comm_wait_s"] > loopback.outcome("ddp").predicted_parts_s["comm_wait_s"]
+    keys = [k for k in configs if k.endswith("-10mbit")]
+    assert len(keys) == 2 and all(configs[k].network.emulate and configs[k].network.bandwidth_mbit_per_s == 10.0
+                                  for k in keys)
+    assert not any(c.network.emulate for k, c in configs.items() if k not in keys)
     with pytest.raises(ValueError, match="rates in Mbit/s, > 0"):
         ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], bandwidths_mbit_per_s=[0.0])
 

@@ -27,6 +27,12 @@ peers' arrival plus a margin, and never go below a few step times::
     margin = max(0.5 x spread, 1 step time)
     recommended_s = max(spread + margin, 3 x step time)
 
+With a solo share of :data:`SOLO_SHARE_TOO_SHORT` or more, the recommendation is never shorter than
+the configured time (a shorter window only makes more peers average alone): below the rule's value
+the configured time is too short; at or above it, the solo rounds have another cause (peers
+reaching a round at different global epochs, failed matchmaking) and the configured time is kept.
+Only with fewer solo rounds can a configured time be too long.
+
 When the recommendation exceeds half of a global epoch, averaging would dominate the epoch: the
 output says to raise ``target_batch_size`` instead.
 """
@@ -47,7 +53,8 @@ MARGIN_FRACTION = 0.5
 MIN_STEP_TIMES = 3
 SOLO_SHARE_TOO_SHORT = 0.2
 RULE = (f"recommended_s = max(spread + max({MARGIN_FRACTION} x spread, 1 step time), {MIN_STEP_TIMES} x step time), "
-        f"spread = p{int(SPREAD_QUANTILE * 100)} (nearest rank) of the rounds' arrival spreads")
+        f"spread = p{int(SPREAD_QUANTILE * 100)} (nearest rank) of the rounds' arrival spreads; with "
+        f"{SOLO_SHARE_TOO_SHORT:.0%} or more of peer-rounds solo, never below the configured matchmaking_time_s")
 
 
 def matchmaking_applies(strategy: str) -> bool:
@@ -257,10 +264,24 @@ def analyze_matchmaking(store: ResultsStore, run_ids: list[str]) -> MatchmakingA
         failed_share=sum(1 for s in peer_rows if s["averaging_succeeded"] == 0) / len(peer_rows) if peer_rows else None,
         mean_wait_s=statistics.fmean(waits) if waits else None, max_wait_s=max(waits) if waits else None,
         step_s=step_s, epoch_s=statistics.median(gaps) if gaps else None, spread_s=spread_s,
-        recommended_s=recommend_matchmaking_s(spread_s, step_s) if step_s is not None else None,
-        verdict="", rounds=rounds)
+        recommended_s=None, verdict="", rounds=rounds)
+    analysis.recommended_s = _recommended(analysis)
     analysis.verdict = _verdict(analysis)
     return analysis
+
+
+def _too_solo(a: MatchmakingAnalysis) -> bool:
+    return a.solo_share is not None and a.solo_share >= SOLO_SHARE_TOO_SHORT
+
+
+def _recommended(a: MatchmakingAnalysis) -> float | None:
+    """:func:`recommend_matchmaking_s`, raised to the configured time when the solo share is high (module docstring)."""
+    if a.step_s is None:
+        return None
+    value = recommend_matchmaking_s(a.spread_s, a.step_s)
+    if _too_solo(a) and a.configured_matchmaking_s:
+        value = max(value, max(a.configured_matchmaking_s))
+    return value
 
 
 def _verdict(a: MatchmakingAnalysis) -> str:
@@ -271,17 +292,61 @@ def _verdict(a: MatchmakingAnalysis) -> str:
         return "no averaging rounds were recorded; run longer or with a smaller target_batch_size."
     basis = (f"arrival spread p90 {a.spread_s:.2f} s" if a.spread_s is not None
              else "no round was reached by two peers, so only the step-time floor applies")
-    text = f"set matchmaking_time_s to about {a.recommended_s:.1f} s ({basis}; step time {a.step_s:.3f} s)."
+    rule_s = recommend_matchmaking_s(a.spread_s, a.step_s)
     current = max(a.configured_matchmaking_s) if a.configured_matchmaking_s else None
-    if current is not None and a.solo_share is not None and a.solo_share >= SOLO_SHARE_TOO_SHORT \
-            and current < a.recommended_s:
-        text += (f" The configured {current:g} s is too short: {a.solo_share:.0%} of peer-rounds averaged alone.")
-    elif current is not None and current > 2 * a.recommended_s:
-        text += (f" The configured {current:g} s is too long: peers waited {a.mean_wait_s:.2f} s per round on "
-                 f"average, about {current - a.recommended_s:.1f} s more than needed.")
-    elif current is not None:
-        text += f" The configured {current:g} s is in range."
+    if current is not None and _too_solo(a) and current >= rule_s:
+        lone = sum(1 for r in a.rounds if len(r.peers) == 1)
+        text = (f"keep matchmaking_time_s at {current:g} s, do not shorten it: {a.solo_share:.0%} of peer-rounds "
+                f"averaged alone although it already covers the rule's {rule_s:.1f} s ({basis}; step time "
+                f"{a.step_s:.3f} s), so a longer or shorter window is not the cause: {lone} of {len(a.rounds)} rounds "
+                f"were reached by one peer only (peers at different global epochs), or matchmaking failed.")
+    else:
+        text = f"set matchmaking_time_s to about {a.recommended_s:.1f} s ({basis}; step time {a.step_s:.3f} s)."
+        if current is not None and _too_solo(a):
+            text += f" The configured {current:g} s is too short: {a.solo_share:.0%} of peer-rounds averaged alone."
+        elif current is not None and current > 2 * a.recommended_s:
+            text += (f" The configured {current:g} s is too long: peers waited {a.mean_wait_s:.2f} s per round on "
+                     f"average, about {current - a.recommended_s:.1f} s more than needed.")
+        elif current is not None:
+            text += f" The configured {current:g} s is in range."
     if a.epoch_s is not None and a.recommended_s > 0.5 * a.epoch_s:
         text += (f" It exceeds half a global epoch ({a.epoch_s:.2f} s): averaging dominates; raise "
                  f"target_batch_size rather than lengthening matchmaking.")
     return text
+
+
+def print_matchmaking(a: MatchmakingAnalysis, console=None) -> None:
+    """Print the analysis to a terminal with rich: a summary table, the recommendation, the rule and
+    the per-round table (what :meth:`MatchmakingAnalysis.markdown` writes, rendered, not raw Markdown).
+
+    Args:
+        console: a :class:`rich.console.Console`; default one on stdout at the terminal's width.
+    """
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = console or Console()
+    f = _f
+    console.print(f"runs: {', '.join(a.run_ids) or '-'}; configured matchmaking_time_s: "
+                  f"{', '.join(f'{m:g}' for m in a.configured_matchmaking_s) or '-'}")
+    summary = Table(title="matchmaking")
+    cols = ["peer-rounds", "group sizes (size: count)", "solo share", "failed share", "mean wait s", "max wait s",
+            "step s", "global epoch s", "arrival spread p90 s", "recommended s"]
+    for col in cols:
+        summary.add_column(col, justify="right", overflow="fold")
+    sizes = ", ".join(f"{k}: {v}" for k, v in sorted(a.group_size_counts.items(), key=lambda kv: str(kv[0])))
+    summary.add_row(str(a.peer_rounds), sizes or "-", f(a.solo_share, ".0%"), f(a.failed_share, ".0%"),
+                    f(a.mean_wait_s), f(a.max_wait_s), f(a.step_s, ".3f"), f(a.epoch_s), f(a.spread_s, ".3f"),
+                    f(a.recommended_s))
+    console.print(summary)
+    console.print(f"[bold]recommendation[/bold]: {escape(a.verdict)}")
+    console.print(f"rule: {escape(a.rule)}.")
+    if a.rounds:
+        rounds = Table(title="rounds (parameter spread: (max - min) / mean of the peers' parameter checksums after it)")
+        for col in ("run", "epoch", "peers", "group sizes", "arrival spread s", "mean wait s", "parameter spread"):
+            rounds.add_column(col, justify="left" if col == "run" else "right", overflow="fold")
+        for r in a.rounds:
+            rounds.add_row(r.run_id, str(r.epoch), str(len(r.peers)), escape(str(r.group_sizes)),
+                           f(r.arrival_spread_s, ".3f"), f"{r.mean_wait_s:.2f}", f(r.param_spread, ".2e"))
+        console.print(rounds)

@@ -7,7 +7,8 @@ Views (each written as ``<view>.png``, ``<view>.md`` and ``<view>.json``; all of
 - ``accuracy``: accuracy decrease vs. the baseline per target batch size, local updates and GAS;
   a run's baseline is the first completed run of the baseline model (``single``,
   :func:`ddlscope.distribution.baseline`) of the sweep with the same batch size and learning rate
-  and GAS 1 (else any GAS; else :func:`pick_baseline` of the whole sweep), and the decrease is
+  and GAS 1 (else any GAS; else the sweep's first one, :func:`find_baseline`; with none, no
+  decrease), and the decrease is
   :func:`compare`'s (baseline accuracy - run accuracy, > 0 is worse); the target-batch-size and
   local-updates rows come from the runs whose model has that option in its config table;
 - ``optimizer_time``: cumulative optimizer-step and averaging time per run (s, mean over peers);
@@ -35,7 +36,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from ddlscope import distribution  # noqa: E402
-from ddlscope.analyze.compare import RunSummary, compare, is_baseline_run, pick_baseline, summarize_run  # noqa: E402
+from ddlscope.analyze.compare import RunSummary, compare, find_baseline, is_baseline_run, summarize_run  # noqa: E402
 from ddlscope.analyze.matchmaking import (MatchmakingAnalysis, analyze_matchmaking,  # noqa: E402
                                           configured_matchmaking_s, matchmaking_applies)
 from ddlscope.analyze.plots import DPI, MAX_BARS, MAX_LINES, bar_figure_width_in, top_with_others  # noqa: E402
@@ -86,12 +87,12 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def matched_baseline(run: RunSummary, summaries: list[RunSummary]) -> RunSummary:
-    """The baseline of ``run`` by the rule in the module docstring."""
+def matched_baseline(run: RunSummary, summaries: list[RunSummary]) -> RunSummary | None:
+    """The baseline of ``run`` by the rule in the module docstring; None when the sweep has no baseline run."""
     singles = [s for s in summaries if is_baseline_run(s)
                and _cfg(s, "batch_size") == _cfg(run, "batch_size") and _cfg(s, "learning_rate") == _cfg(run, "learning_rate")]
     gas1 = [s for s in singles if _cfg(s, "gradient_accumulation_steps", 1) == 1]
-    return (gas1 or singles or [pick_baseline(summaries)])[0]
+    return (gas1 or singles or [find_baseline(summaries)])[0]
 
 
 def peers_table(summaries: list[RunSummary]) -> Table:
@@ -236,9 +237,10 @@ def _plot_optimizer_time(summaries: list[RunSummary], steps_by_run: dict[str, li
     for i, (s, ys) in enumerate(others):
         ax.plot(range(len(ys)), ys, color="0.75", linewidth=0.6, label=f"{len(others)} other runs" if i == 0 else None)
     for s, ys in shown:
-        ax.plot(range(len(ys)), ys, label=s.name, linewidth=1)
+        ax.plot(range(len(ys)), ys, label=s.label, linewidth=1)
     ax.set_xlabel("step (worker 0)")
     ax.set_ylabel("cumulative optimizer-step time incl. averaging (s)")
+    ax.set_title(TITLES["optimizer_time"] + " (worker 0 of each run)", fontsize=10)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, loc="upper left")
     _save(fig, path)
@@ -247,21 +249,23 @@ def _plot_optimizer_time(summaries: list[RunSummary], steps_by_run: dict[str, li
 def _plot_network(rows: Table, path: Path) -> None:
     """Bytes per peer per run; with more runs than MAX_BARS, those sending most and one bar for the others' mean."""
     shown, others = top_with_others(rows, lambda r: r["net_bytes_per_peer"] or 0.0, MAX_BARS - 1)
-    bars = [(r["run"], (r["net_bytes_per_peer"] or 0.0) / 1e6) for r in shown]
+    bars = [(f"{r['run']}\n{r['run_id']}", (r["net_bytes_per_peer"] or 0.0) / 1e6) for r in shown]
     if others:
         bars.append((f"others ({len(others)} runs)", sum((r["net_bytes_per_peer"] or 0.0) for r in others) / len(others) / 1e6))
     fig, ax = plt.subplots(figsize=(bar_figure_width_in(len(bars)), 4))
     ax.bar(range(len(bars)), [b[1] for b in bars])
     ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=7, rotation=30, ha="right")
     ax.set_ylabel("TCP bytes per peer (MB, sent + received)")
+    ax.set_title(TITLES["network"] + (f"\n(the {len(shown)} runs sending most; 'others' = their mean)" if others else ""),
+                 fontsize=10)
     _save(fig, path)
 
 
 def _plot_step_time(rows: Table, path: Path) -> None:
     rows, others = top_with_others(rows, lambda r: r["step_s"], MAX_BARS)  # the slowest, when there are too many
     fig, ax = plt.subplots(figsize=(bar_figure_width_in(len(rows)), 4))
-    if others:
-        ax.set_title(f"the {len(rows)} slowest of {len(rows) + len(others)} (strategy, batch size) pairs", fontsize=9)
+    ax.set_title(TITLES["step_time"] + (f"\n(the {len(rows)} slowest of {len(rows) + len(others)} (strategy, batch size) "
+                                        f"pairs)" if others else ""), fontsize=10)
     labels = [f"{r['strategy']}\nbs {r['batch_size']}" for r in rows]
     bottom = [0.0] * len(rows)
     for p in STEP_PARTS:
@@ -275,13 +279,14 @@ def _plot_step_time(rows: Table, path: Path) -> None:
 
 # ---------------------------------------------------------------------- documents
 def markdown_table(rows: Table) -> str:
-    """A Markdown table of ``rows`` (floats with 4 significant digits, None as '-')."""
+    """A Markdown table of ``rows`` (floats with 4 significant digits, None as '-', ``|`` in a cell escaped)."""
     if not rows:
         return "(no rows)\n"
     cols = list(rows[0])
 
     def cell(v: Any) -> str:
-        return "-" if v is None else format(v, ".4g") if isinstance(v, float) else str(v)
+        text = "-" if v is None else format(v, ".4g") if isinstance(v, float) else str(v)
+        return text.replace("|", "\\|").replace("\n", " ")
 
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows]
@@ -329,7 +334,9 @@ def write_sweep_report(store: ResultsStore, name: str, out_dir: Path) -> Path:
            f"{len(summaries)} cells, {len(summaries) - len(failed)} completed. Runtime = max over peers, "
            "accuracy = max over peers, system metrics averaged over peers (thesis 000).", ""]
     for s in failed:
-        doc.append(f"- {s.status}: **{s.name}** (`{s.run_id}`): {s.reason}")
+        why = s.reason or ("still marked running: in progress, or stuck where its processes cannot be checked"
+                           if s.status == "running" else "no reason recorded")
+        doc.append(f"- {s.status}: **{s.name}** (`{s.run_id}`): {why}")
     for view, rows in tables.items():
         section = f"## {TITLES[view]}\n\n![{view}]({view}.png)\n\n{markdown_table(rows)}"
         (out_dir / f"{view}.md").write_text(section)

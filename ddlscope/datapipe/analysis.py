@@ -31,9 +31,9 @@ def parse_workers(text: str) -> tuple[int, ...]:
     """``"0,1,2"`` -> ``(0, 1, 2)``: loader worker counts, each in 0..64, sorted, without repeats.
 
     Raises:
-        UserError: empty, not integers, or out of range (the message names ``--workers``).
+        UserError: empty, not integers, or out of range (the message names ``--loader-workers``).
     """
-    message = f"--workers {text!r}: allowed: comma-separated loader worker counts, each 0..{MAX_WORKERS}, e.g. 0,1,2"
+    message = f"--loader-workers {text!r}: allowed: comma-separated loader worker counts, each 0..{MAX_WORKERS}, e.g. 0,1,2"
     try:
         counts = [int(p) for p in text.split(",")]
     except ValueError:
@@ -76,7 +76,7 @@ class DatapipeOptions:
     def check(self) -> None:
         """Raise :class:`UserError` naming the first option out of range and what is allowed."""
         if not self.workers or any(not 0 <= w <= MAX_WORKERS for w in self.workers):
-            raise UserError(f"--workers {self.workers}: allowed: one or more loader worker counts, each 0..{MAX_WORKERS}")
+            raise UserError(f"--loader-workers {self.workers}: allowed: one or more loader worker counts, each 0..{MAX_WORKERS}")
         checks = [
             (self.batch_size is not None and self.batch_size < 1, f"--batch-size {self.batch_size}: allowed: >= 1"),
             (self.samples < 1, f"--samples {self.samples}: allowed: >= 1 samples timed per option"),
@@ -84,7 +84,7 @@ class DatapipeOptions:
             (self.step_time_s is not None and not self.step_time_s > 0,
              f"--step-time-s {self.step_time_s}: allowed: > 0 seconds (compute time of one training step)"),
             (self.step_time_s is not None and self.run_id is not None,
-             "--step-time-s and --run both give the step time; allowed: one of them"),
+             "--step-time-s and --run-id both give the step time; allowed: one of them"),
             (self.compute_steps < 1, f"--compute-steps {self.compute_steps}: allowed: >= 1"),
         ]
         for bad, message in checks:

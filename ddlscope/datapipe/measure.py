@@ -117,10 +117,10 @@ def compute_step_from_run(db: Path, run_id: str) -> tuple[ComputeStep | None, di
     from ddlscope.store.db import ResultsStore
 
     if not Path(db).exists():
-        raise UserError(f"--run {run_id}: no results database at {db}; pass --db")
+        raise UserError(f"--run-id {run_id}: no results database at {db}; pass --db")
     with ResultsStore(db) as store:
         if store.run(run_id) is None:
-            raise UserError(f"--run {run_id}: no such run in {db}; see 'ddlscope runs'")
+            raise UserError(f"--run-id {run_id}: no such run in {db}; see 'ddlscope runs'")
         config = store.run_config(run_id)
         steps = store.rows("steps", run_id)
     compute = [s["step_s"] - s["data_load_s"] for s in steps

@@ -53,22 +53,29 @@ def headline(result: DatapipeResult) -> str:
 
 
 def print_result(result: DatapipeResult, console=None) -> None:
-    """Print the headline, the table, the recommendation and the notes with rich."""
+    """Print the headline, the table, the recommendation and the notes with rich.
+
+    Args:
+        console: a :class:`rich.console.Console`; default one on stdout at the terminal's width
+            (columns wrap or fold when it is narrow).
+    """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    console = console or Console(width=160)
+    console = console or Console()
     table = Table(title=f"ddlscope datapipe: {result.dataset}")
     for col in COLUMNS:
-        table.add_column(col, justify="left" if col in ("strategy", "augment", "verdict") else "right")
+        table.add_column(col, justify="left" if col in ("strategy", "augment", "verdict") else "right", overflow="fold")
     for row in rows(result):
-        table.add_row(*row.values())
-    console.print(headline(result))
+        table.add_row(*map(escape, row.values()))
+    console.print(headline(result), markup=False)
     console.print(table)
     rec = result.recommendation
-    console.print(f"[bold]recommended:[/bold] {rec.strategy}, {rec.workers} loader worker(s). {rec.explanation}")
+    advice = f"{rec.strategy}, {rec.workers} loader worker(s). {rec.explanation}"
+    console.print(f"[bold]recommended:[/bold] {escape(advice)}")
     for note in result.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", markup=False)
 
 
 def plot_throughput(result: DatapipeResult) -> bytes:

@@ -148,6 +148,11 @@ class DistributionModel:
         services: ``(RunConfig) -> list[Service]``: processes the launcher starts besides the
             workers (swarm models only; dmoe's expert servers). When set, the services bootstrap
             the swarm and the workers never wait for worker 0's multiaddrs; None: no services.
+        churn: ``(RunConfig) -> list[ChurnEvent]``: when the run's peers join late, leave, are
+            killed and rejoin (swarm models; :mod:`ddlscope.launch.churn` carries it out); None:
+            every peer runs from start to end.
+        per_peer_report: True when a report shows its runs peer by peer (samples, averaging
+            rounds, bytes, churn: :mod:`ddlscope.analyze.swarm`).
     """
 
     name: str
@@ -178,6 +183,8 @@ class DistributionModel:
     candidate: Callable[..., Any] | None = None
     uses_cluster_devices: bool = True
     services: Callable[["RunConfig"], list[Service]] | None = None
+    churn: Callable[["RunConfig"], list[Any]] | None = None
+    per_peer_report: bool = False
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:

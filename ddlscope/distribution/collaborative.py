@@ -27,6 +27,102 @@ DEFAULT_MATCHMAKING_TIME_S = 10.0
 """Thesis 000's fixed matchmaking time: the one default everywhere (runs, predictions, recommendations)."""
 
 
+class ChurnEvent(BaseModel):
+    """When one peer of a swarm joins, leaves, dies and comes back (``[[collaborative.churn]]``).
+
+    Times are seconds since the swarm's first training step (start-up, joining the DHT, excluded). ``join_at_s`` starts the
+    peer this late (it joins a running swarm and loads the swarm's state: hivemind's
+    ``load_state_from_peers``); ``leave_at_s`` asks it to leave cleanly (it ends its step, says
+    goodbye to the swarm and exits); ``kill_at_s`` ends its process group with SIGKILL (a crashed or
+    disconnected volunteer: what it accumulated since the last averaging round is lost);
+    ``rejoin_at_s`` starts a new process for the peer after it left or was killed, which continues
+    the peer's step count and sample budget. At most one of ``leave_at_s`` and ``kill_at_s``.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    peer: int = Field(ge=0, le=1023, description="the peer's index, 0..peers-1")
+    join_at_s: float = Field(0.0, ge=0, le=86_400, description="start the peer this late (0: with the run)")
+    leave_at_s: float | None = Field(None, gt=0, le=86_400, description="the peer leaves the swarm cleanly")
+    kill_at_s: float | None = Field(None, gt=0, le=86_400, description="SIGKILL the peer's processes")
+    rejoin_at_s: float | None = Field(None, gt=0, le=86_400, description="start the peer again after it left or died")
+
+    @model_validator(mode="after")
+    def _in_order(self) -> "ChurnEvent":
+        if self.leave_at_s is not None and self.kill_at_s is not None:
+            raise ValueError(f"churn of peer {self.peer}: leave_at_s and kill_at_s both given; allowed: one of them")
+        gone = self.leave_at_s if self.leave_at_s is not None else self.kill_at_s
+        if gone is not None and gone <= self.join_at_s:
+            raise ValueError(f"churn of peer {self.peer}: it goes at {gone:g} s, not after it joins at "
+                             f"{self.join_at_s:g} s; allowed: leave_at_s or kill_at_s > join_at_s")
+        if self.rejoin_at_s is not None and (gone is None or self.rejoin_at_s <= gone):
+            raise ValueError(f"churn of peer {self.peer}: rejoin_at_s = {self.rejoin_at_s:g} needs an earlier "
+                             f"leave_at_s or kill_at_s; allowed: rejoin_at_s > leave_at_s or kill_at_s")
+        return self
+
+    @property
+    def gone_at_s(self) -> float | None:
+        """When the peer leaves or is killed (None: it stays)."""
+        return self.leave_at_s if self.leave_at_s is not None else self.kill_at_s
+
+    @property
+    def ends_absent(self) -> bool:
+        """The peer leaves or dies and does not come back."""
+        return self.gone_at_s is not None and self.rejoin_at_s is None
+
+
+class RandomChurn(BaseModel):
+    """Churn drawn at random, reproducibly (``[collaborative.random_churn]``): ``joins`` peers start
+    late, ``leaves`` peers leave and ``kills`` peers are killed, each at a time drawn uniformly from
+    ``window_s``; those that leave or are killed rejoin ``rejoin_after_s`` later (never, if it is
+    not given). Peers are drawn from those without a ``[[collaborative.churn]]`` table; peer 0
+    never joins late (it bootstraps the swarm). The same ``seed`` and peers give the same schedule.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    seed: int = Field(0, ge=0, description="seed of the draw")
+    joins: int = Field(0, ge=0, le=1024, description="peers that start late")
+    leaves: int = Field(0, ge=0, le=1024, description="peers that leave cleanly")
+    kills: int = Field(0, ge=0, le=1024, description="peers that are killed (SIGKILL)")
+    window_s: tuple[float, float] = Field((10.0, 60.0), description="[earliest, latest] time of an event, seconds")
+    rejoin_after_s: float | None = Field(None, gt=0, le=86_400, description="seconds after leaving or dying that "
+                                         "a peer comes back (none: it does not)")
+
+    @model_validator(mode="after")
+    def _window(self) -> "RandomChurn":
+        a, b = self.window_s
+        if not 0 < a <= b <= 86_400:
+            raise ValueError(f"random_churn.window_s = [{a:g}, {b:g}]; allowed: 0 < earliest <= latest <= 86400")
+        return self
+
+    def events(self, peers: int, taken: set[int]) -> list[ChurnEvent]:
+        """The drawn schedule for a swarm of ``peers`` whose peers ``taken`` have schedules already.
+
+        Raises:
+            ValueError: more joins + leaves + kills than peers to draw from.
+        """
+        import random
+
+        rng = random.Random(self.seed)
+        free = [p for p in range(peers) if p not in taken]
+        late_ok = [p for p in free if p != 0]
+        if self.joins > len(late_ok) or self.joins + self.leaves + self.kills > len(free):
+            raise ValueError(f"random_churn: {self.joins} joins + {self.leaves} leaves + {self.kills} kills need that "
+                             f"many peers without a churn table ({len(free)} here, peer 0 never joins late); allowed: "
+                             f"at most {len(free)} in all")
+        joiners = rng.sample(late_ok, self.joins)
+        rest = rng.sample([p for p in free if p not in joiners], self.leaves + self.kills)
+        draw = lambda: round(rng.uniform(*self.window_s), 1)  # noqa: E731
+        out = [ChurnEvent(peer=p, join_at_s=draw()) for p in joiners]
+        for i, p in enumerate(rest):
+            gone = draw()
+            back = None if self.rejoin_after_s is None else gone + self.rejoin_after_s
+            out.append(ChurnEvent(peer=p, leave_at_s=gone, rejoin_at_s=back) if i < self.leaves else
+                       ChurnEvent(peer=p, kill_at_s=gone, rejoin_at_s=back))
+        return sorted(out, key=lambda e: e.peer)
+
+
 class CollaborativeConfig(BaseModel):
     """Settings of ``hivemind.Optimizer`` for the ``collaborative`` distribution model (``[collaborative]``).
 
@@ -56,6 +152,39 @@ class CollaborativeConfig(BaseModel):
     client_mode_peers: list[int] = Field(default_factory=list, description="peers that accept no incoming "
                                          "connections (behind a firewall): they send and receive, never aggregate")
 
+    auxiliary_peers: list[int] = Field(default_factory=list, description="peers that train on no batch and only "
+                                       "help average (hivemind's auxiliary peers: their upload and CPU, e.g. "
+                                       "a CPU-only machine beside GPU trainers)")
+    churn: list[ChurnEvent] = Field(default_factory=list, description="peers that join late, leave, are killed and "
+                                    "rejoin, at given times ([[collaborative.churn]] tables, one per peer)")
+
+    random_churn: RandomChurn | None = Field(None, description="churn drawn at random with a seed "
+                                             "([collaborative.random_churn])")
+
+    def churn_events(self, peers: int) -> list[ChurnEvent]:
+        """Every peer's churn schedule in a swarm of ``peers``: the ``churn`` tables, then the drawn ones.
+
+        Raises:
+            ValueError: ``random_churn`` asks for more peers than there are without a table.
+        """
+        drawn = self.random_churn.events(peers, {e.peer for e in self.churn}) if self.random_churn else []
+        return [*self.churn, *drawn]
+
+    def churn_of(self, peer: int, peers: int) -> ChurnEvent | None:
+        """The churn schedule of ``peer`` in a swarm of ``peers`` (None: with the run from start to end)."""
+        return next((c for c in self.churn_events(peers) if c.peer == peer), None)
+
+    def peers_at_start(self, peers: int) -> int:
+        """Peers that start with the run (``join_at_s = 0``)."""
+        late = {e.peer for e in self.churn_events(peers) if e.join_at_s > 0}
+        return peers - len(late)
+
+    def peers_at_end(self, peers: int) -> int:
+        """Training peers still in the swarm at the end of their schedules (they say they are done;
+        auxiliary peers do not count: they stop once the trainers are done)."""
+        gone = {e.peer for e in self.churn_events(peers) if e.ends_absent}
+        return sum(1 for p in range(peers) if p not in gone and p not in self.auxiliary_peers)
+
     @model_validator(mode="after")
     def _nat_traversal_needs_public_host(self) -> "CollaborativeConfig":
         from ddlscope.launch.network import check_nat_traversal
@@ -65,13 +194,14 @@ class CollaborativeConfig(BaseModel):
 
 
 def check_target_batch(cfg: "RunConfig") -> None:
-    """The target batch size holds at least one optimizer step of a peer; client-mode peers exist and
-    leave someone to connect to.
+    """The target batch size holds at least one optimizer step of a peer; client-mode and auxiliary
+    peers exist, leave someone to connect to and someone to train; churn schedules are sound.
 
     Raises:
         ValueError: ``target_batch_size < batch_size x gradient_accumulation_steps``; a client-mode
-            peer index >= peers; peer 0 in client mode when it bootstraps the swarm (no
-            ``initial_peers``); every peer in client mode.
+            or auxiliary peer index >= peers; peer 0 in client mode when it bootstraps the swarm (no
+            ``initial_peers``); every peer in client mode, or auxiliary; a peer both; a bad churn
+            schedule (:func:`_check_churn`).
     """
     c = cfg.collaborative
     bad = [i for i in c.client_mode_peers if not 0 <= i < cfg.peers]
@@ -80,14 +210,60 @@ def check_target_batch(cfg: "RunConfig") -> None:
     if 0 in c.client_mode_peers and not c.initial_peers:
         raise ValueError("collaborative.client_mode_peers: peer 0 bootstraps the swarm (no initial_peers), so the others "
                          "must connect to it; allowed: peers 1..{}".format(cfg.peers - 1))
+    bad = [i for i in c.auxiliary_peers if not 0 <= i < cfg.peers]
+    if bad:
+        raise ValueError(f"collaborative.auxiliary_peers: {bad} are not peers; allowed: 0..{cfg.peers - 1}")
+    both = sorted(set(c.auxiliary_peers) & set(c.client_mode_peers))
+    if both:
+        raise ValueError(f"collaborative.auxiliary_peers: {both} are also client_mode_peers; allowed: an auxiliary peer "
+                         f"accepts connections (hivemind: client-mode peers cannot serve as auxiliaries)")
+    if len(set(c.auxiliary_peers)) >= cfg.peers:
+        raise ValueError("collaborative.auxiliary_peers: every peer auxiliary leaves no one to train; allowed: at most "
+                         "peers - 1 of them")
     if len(set(c.client_mode_peers)) >= cfg.peers:
         raise ValueError("collaborative.client_mode_peers: every peer in client mode leaves no one to aggregate; "
                          "allowed: at most peers - 1 of them")
+    _check_churn(cfg)
     per_step = cfg.batch_size * cfg.gradient_accumulation_steps
     if cfg.collaborative.target_batch_size < per_step:
         raise ValueError(
             f"collaborative.target_batch_size = {cfg.collaborative.target_batch_size} is below one optimizer "
             f"step of a peer (batch_size x gradient_accumulation_steps = {per_step}); allowed: >= {per_step}")
+
+
+def _check_churn(cfg: "RunConfig") -> None:
+    """Churn schedules name peers of the run, once each, and leave someone to start the swarm.
+
+    Raises:
+        ValueError: a peer index >= peers, a peer with two schedules, a late peer 0 when it
+            bootstraps the swarm (no ``initial_peers``), a run with fewer than 2 peers, or an event
+            at or after the end of a run that only a time limit ends.
+    """
+    c = cfg.collaborative
+    if not c.churn and c.random_churn is None:
+        return
+    if cfg.peers < 2:
+        raise ValueError(f"collaborative.churn needs a swarm; peers = {cfg.peers}, allowed: peers >= 2")
+    bad = sorted({e.peer for e in c.churn if e.peer >= cfg.peers})
+    if bad:
+        raise ValueError(f"collaborative.churn: peers {bad} are not in the run; allowed: 0..{cfg.peers - 1}")
+    seen = [e.peer for e in c.churn]
+    twice = sorted({p for p in seen if seen.count(p) > 1})
+    if twice:
+        raise ValueError(f"collaborative.churn: peers {twice} have more than one schedule; allowed: one "
+                         f"[[collaborative.churn]] table per peer")
+    events = c.churn_events(cfg.peers)  # a draw that asks for more peers than there are raises here
+    if cfg.time_limit_s is not None and cfg.sample_budget is None and cfg.target_accuracy is None:
+        late = [(e.peer, name, t) for e in events for name, t in (("join_at_s", e.join_at_s), ("leave_at_s", e.leave_at_s),
+                ("kill_at_s", e.kill_at_s), ("rejoin_at_s", e.rejoin_at_s)) if t is not None and t >= cfg.time_limit_s]
+        if late:
+            peer, name, t = late[0]
+            raise ValueError(f"collaborative.churn: peer {peer}'s {name} = {t:g} s is at or after the run's end "
+                             f"(time_limit_s = {cfg.time_limit_s:g}); allowed: < time_limit_s")
+    first = c.churn_of(0, cfg.peers)
+    if first is not None and first.join_at_s > 0 and not c.initial_peers:
+        raise ValueError("collaborative.churn: peer 0 bootstraps the swarm (no initial_peers), so it starts with the "
+                         "run; allowed: join_at_s = 0 for peer 0")
 
 
 def _global_batch(batch_size: int, workers: int, options: Mapping[str, Any]) -> int:
@@ -216,7 +392,7 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
                                            not math.isclose(hm.matchmaking_time_s, s.matchmaking_time_s, rel_tol=0.05)):
         at = "an unrecorded matchmaking time" if hm.matchmaking_time_s is None else f"matchmaking {hm.matchmaking_time_s:g} s"
         notes.append(f"collaborative: hivemind's overhead and overshoot were calibrated at {at}, this setting uses "
-                     f"{s.matchmaking_time_s:g} s; both depend on it (calibrate --hivemind --matchmaking-time "
+                     f"{s.matchmaking_time_s:g} s; both depend on it (calibrate --hivemind --matchmaking-time-s "
                      f"{s.matchmaking_time_s:g} measures them there)")
     slowest = max(peer_steps)  # the accumulation split as the slowest peer's step is made
     parts = split_compute(profile, s.batch_size, t_acc * (slowest - load - local_opt * slow / min(shares)) / slowest)
@@ -271,6 +447,8 @@ MODEL = register(DistributionModel(
     config_table="collaborative",
     config_class=CollaborativeConfig,
     check_config=check_target_batch,
+    churn=lambda cfg: cfg.collaborative.churn_events(cfg.peers),
+    per_peer_report=True,
     global_batch=_global_batch,
     candidate=collaborative_candidate,
     uses_cluster_devices=False,

@@ -19,6 +19,11 @@ them, and their schedules (start late, killed, restarted) run while the workers 
 get cores of their own when the workers leave some free, else they share the workers' cores
 (:func:`service_core_sets`).
 
+A swarm with a churn schedule (``collaborative.churn``, :mod:`ddlscope.launch.churn`) starts its
+late peers, asks peers to leave, kills and restarts them while it runs; those scheduled ends are
+no failure. It goes on while at least one peer trains: it is ``completed`` when some peer finished
+its budget, and ``failed`` when the swarm emptied first (its last peer left or was killed).
+
 The run ends when every worker has ended. If a worker fails, the others are stopped and the run
 is stored as ``failed`` with that worker's reason ("peer 1 killed by SIGKILL"); Ctrl-C, SIGTERM
 and SIGHUP to the launcher store it as ``interrupted`` naming the signal. Either way every process
@@ -51,6 +56,7 @@ from pathlib import Path
 from ddlscope import distribution
 from ddlscope.config import RunConfig
 from ddlscope.errors import UserError
+from ddlscope.launch.churn import ChurnAction, ChurnSchedule
 from ddlscope.launch.cores import CoreLease, lease_cores
 from ddlscope.launch.processes import (describe_exit, log_tail, make_run_temp_dir, remove_run_temp_dir, start_process,
                                        stop_processes)
@@ -81,7 +87,8 @@ class StoreLostError(UserError):
 
 @dataclass
 class WorkerProcess:
-    """One process this launcher started: a worker (``index`` >= 0) or the torchrun agent (-1)."""
+    """One process this launcher started: a worker (``index`` >= 0) or a torchrun agent (< 0: agent
+    ``-1 - index``; one for all workers, or one per worker on an emulated network)."""
 
     index: int
     cores: list[int]
@@ -122,6 +129,9 @@ class LocalLauncher:
     leased_cores: list[int] | None = None
     tmp_dir: Path | None = None
     reserve_path: Path | None = None
+    churn: ChurnSchedule | None = None
+    departed: list[WorkerProcess] = field(default_factory=list)
+    _churn_start: float | None = None
     _stopping: bool = False
 
     def run(self) -> str:
@@ -308,17 +318,30 @@ class LocalLauncher:
                             f"peers = {self.cfg.peers} divisible by the number of nodes")
         return self.cfg.peers // self.nnodes
 
-    def _spawn_torchrun(self, run_id: str, core_sets: list[list[int]], log_dir: Path) -> WorkerProcess:
-        """One torchrun agent that starts this host's workers; index -1 marks it among :attr:`workers`."""
-        worker_args = ["--db", str(self.db_path), "--run-id", run_id, "--die-with-parent",
-                       "--core-sets", ";".join(",".join(map(str, c)) for c in core_sets)]
-        endpoint = self.rdzv_endpoint or f"127.0.0.1:{self.rdzv_port}"
-        cmd = torchrun_command(self.workers_here, endpoint, worker_args, nnodes=self.nnodes, rdzv_id=run_id)
-        return self._popen(cmd, -1, core_sets[0], log_dir / "torchrun.log")
+    def _spawn_torchrun(self, run_id: str, core_sets: list[list[int]], log_dir: Path) -> None:
+        """One torchrun agent that starts this host's workers (index -1 among :attr:`workers`); on an
+        emulated network one agent per worker in the worker's namespace, each a node of a cluster of
+        ``peers`` nodes (indices -1, -2, ...), the rendezvous hosted in worker 0's namespace."""
+        def worker_args(sets: list[list[int]]) -> list[str]:
+            return ["--db", str(self.db_path), "--run-id", run_id, "--die-with-parent",
+                    "--core-sets", ";".join(",".join(map(str, c)) for c in sets)]
 
-    def _popen(self, cmd: list[str], index: int, cores: list[int], log_path: Path) -> WorkerProcess:
-        wp = WorkerProcess(index, cores, start_process(cmd, log_path, threads=len(cores), env_extra=self._child_env()),
-                           log_path)
+        if self.network is None:
+            endpoint = self.rdzv_endpoint or f"127.0.0.1:{self.rdzv_port}"
+            cmd = torchrun_command(self.workers_here, endpoint, worker_args(core_sets), nnodes=self.nnodes, rdzv_id=run_id)
+            self._popen(cmd, -1, core_sets[0], log_dir / "torchrun.log")
+            return
+        endpoint = f"{self.network.address(0)}:{self.rdzv_port}"
+        for i in range(self.cfg.peers):  # gloo's pairs on the namespace's link, not the host name's address
+            cmd = torchrun_command(1, endpoint, worker_args([core_sets[i]]), nnodes=self.cfg.peers, rdzv_id=run_id,
+                                   local_addr=self.network.address(i), is_host=i == 0)
+            self._popen(self.network.wrap(i, cmd), -1 - i, core_sets[i], log_dir / f"torchrun-{i}.log",
+                        env={"GLOO_SOCKET_IFNAME": self.network.interface})
+
+    def _popen(self, cmd: list[str], index: int, cores: list[int], log_path: Path,
+               env: dict[str, str] | None = None) -> WorkerProcess:
+        wp = WorkerProcess(index, cores, start_process(cmd, log_path, threads=len(cores),
+                                                       env_extra={**self._child_env(), **(env or {})}), log_path)
         self.workers.append(wp)
         return wp
 
@@ -346,6 +369,11 @@ class LocalLauncher:
             for i in range(n_local):
                 self._spawn(run_id, i, core_sets[i], initial, log_dir)
             return self._watch(store, run_id)
+        churn = cfg.distribution_model.churn(cfg) if cfg.distribution_model.churn is not None else []
+        self.churn = ChurnSchedule(churn) if churn else None
+        if churn:  # the schedule as carried out (random_churn drawn), for the report
+            store.add_event(run_id, None, "churn_schedule", events=[e.model_dump(exclude_none=True) for e in churn])
+        late = self.churn.late_peers() if self.churn else set()
         first = self._spawn(run_id, 0, core_sets[0], initial, log_dir)
         if swarm and not initial:
             initial = self._wait_for_maddrs(store, run_id, first)
@@ -354,7 +382,9 @@ class LocalLauncher:
                       f"--strategy {cfg.strategy} --index {n_local} --peers {cfg.peers} --initial-peers {' '.join(initial)} "
                       f"--config <the same run config>", file=sys.stderr)
         for i in range(1, n_local):
-            self._spawn(run_id, i, core_sets[i], initial, log_dir)
+            if i not in late:
+                self._spawn(run_id, i, core_sets[i], initial, log_dir)
+        self._core_sets, self._log_dir = core_sets, log_dir
         return self._watch(store, run_id)
 
     def _wait_for_maddrs(self, store: ResultsStore, run_id: str, first: WorkerProcess) -> list[str]:
@@ -384,7 +414,7 @@ class LocalLauncher:
             StoreLostError: the store file was removed or replaced.
         """
         total = self.cfg.max_steps_per_peer()
-        n_bars = self.cfg.peers if self.cfg.distribution_model.launcher == "torchrun" else len(self.workers)
+        n_bars = self.cfg.peers if self.cfg.distribution_model.launcher == "torchrun" or self.churn else len(self.workers)
         bar = _ProgressBars(n_bars, total, self.cfg.run_label) if self.progress and self.nnodes == 1 else None
         store_id = _file_identity(self.db_path)
         try:
@@ -396,18 +426,94 @@ class LocalLauncher:
                 self._track_worker_pids(store, run_id)
                 if self.services is not None:
                     self.services.tick(store)
+                if self.churn is not None:
+                    self._churn_tick(store, run_id)
+                    codes = {w.index: w.popen.poll() for w in self.workers}
                 if bar:
                     bar.update(store.step_counts(run_id))
                 failed = [i for i, c in codes.items() if c not in (None, 0)]
                 if failed:  # one killed by a signal first: the others fail because of it
                     return self._failure(store, run_id, min(failed, key=lambda i: (codes[i] >= 0, i)))
                 if all(c == 0 for c in codes.values()):
-                    return "completed", None
+                    return ("completed", None) if self.churn is None else self._end_of_churn(store, run_id)
                 time.sleep(0.5)
         finally:
             if bar:
                 bar.update(store.step_counts(run_id))
                 bar.close()
+
+    # ------------------------------------------------------------------ churn
+    def _churn_tick(self, store: ResultsStore, run_id: str) -> None:
+        """Do the churn actions that are due (see :mod:`ddlscope.launch.churn`); the schedule's clock starts
+        at the swarm's first stored step, so that start-up time (joining the DHT) does not shift it."""
+        if self._churn_start is None:
+            if not store.step_counts(run_id):
+                return
+            self._churn_start = time.monotonic()
+        elapsed = time.monotonic() - self._churn_start
+        for action in self.churn.due(elapsed):
+            current = next((w for w in self.workers if w.index == action.peer), None)
+            alive = current is not None and current.popen.poll() is None
+            if action.kind in ("join", "rejoin"):
+                if alive:
+                    self._churn_event(store, run_id, action, "churn_skipped", why="the peer is still running")
+                    continue
+                initial = self._alive_maddrs(store, run_id)
+                if not initial:  # nobody to join: the swarm emptied, the watch ends the run
+                    self._churn_event(store, run_id, action, "churn_skipped", why="no peer alive to join")
+                    continue
+                if current is not None:
+                    self.workers.remove(current)
+                    self.departed.append(current)
+                self._spawn(run_id, action.peer, self._core_sets[action.peer], initial, self._log_dir)
+                self._churn_event(store, run_id, action, f"peer_{action.kind}", initial_peers=len(initial))
+            elif not alive:
+                self._churn_event(store, run_id, action, "churn_skipped", why="the peer had already ended")
+            elif action.kind == "leave":
+                row = next((r for r in store.workers(run_id) if r["worker_index"] == action.peer), None)
+                if row is None or row["status"] != "training":  # its handler is set up once it trains
+                    self.churn.defer(action)
+                    continue
+                os.kill(current.popen.pid, signal.SIGUSR1)
+                self._churn_event(store, run_id, action, "peer_leave")
+            else:  # kill: the peer's whole process group, as a crash or a pulled cable would
+                try:
+                    os.killpg(current.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                current.popen.wait()
+                self.workers.remove(current)
+                self.departed.append(current)
+                store.upsert_worker(run_id, action.peer, status="failed",
+                                    reason=f"killed with SIGKILL at {action.at_s:g} s, as scheduled (collaborative.churn)")
+                self._churn_event(store, run_id, action, "peer_kill")
+
+    def _churn_event(self, store: ResultsStore, run_id: str, action: ChurnAction, kind: str, **detail) -> None:
+        store.add_event(run_id, action.peer, kind, action=action.kind, at_s=action.at_s,
+                        elapsed_s=round(time.monotonic() - (self._churn_start or time.monotonic()), 3), **detail)
+
+    def _alive_maddrs(self, store: ResultsStore, run_id: str) -> list[str]:
+        """Multiaddrs of the peers whose processes run now (what a joining peer bootstraps from)."""
+        alive = {w.index for w in self.workers if w.popen.poll() is None}
+        found: list[str] = []
+        for row in store.workers(run_id):
+            if row["worker_index"] in alive and row["maddrs"]:
+                found += json.loads(row["maddrs"])
+        return found
+
+    def _end_of_churn(self, store: ResultsStore, run_id: str) -> tuple[str, str | None]:
+        """``(status, reason)`` of a churned swarm whose processes have all ended: ``completed`` when some
+        peer finished its budget, else ``failed`` (the swarm emptied); pending actions are cancelled."""
+        for action in self.churn.cancel():
+            self._churn_event(store, run_id, action, "churn_cancelled", why="no peer was running any more")
+        finished = [r["worker_index"] for r in store.workers(run_id)
+                    if r["status"] == "completed" and not str(r["reason"] or "").startswith("left the swarm")]
+        if finished:
+            return "completed", None
+        gone = [e for e in store.rows("events", run_id) if e["kind"] in ("peer_leave", "peer_kill")]
+        last = (f" (last: peer {gone[-1]['worker_index']}, {gone[-1]['kind'][5:]} at "
+                f"{json.loads(gone[-1]['detail_json'])['at_s']:g} s)") if gone else ""
+        return "failed", f"the swarm emptied: every peer left or was killed before finishing its budget{last}"
 
     def _track_worker_pids(self, store: ResultsStore, run_id: str) -> None:
         """Remember the pids the workers recorded (torchrun starts them in sessions of their own)."""
@@ -421,7 +527,7 @@ class LocalLauncher:
         1: <its recorded reason>"."""
         wp = next(w for w in self.workers if w.index == index)
         code = wp.popen.returncode
-        if index == -1:  # the torchrun agent: name the worker that failed first
+        if index < 0:  # a torchrun agent: name the worker that failed first
             if code < 0:
                 return "failed", f"torchrun agent (pid {wp.popen.pid}) {describe_exit(code)} (log: {wp.log_path})"
             return _first_failure(store.workers(run_id), self.workers_here, wp)
@@ -447,7 +553,7 @@ class LocalLauncher:
         """
         self._stopping = True  # a stop signal from now on changes nothing
         services = self.services.popens() if self.services is not None else []
-        stop_processes([w.popen for w in self.workers] + services, GRACE_S, other_groups=self.worker_pids)
+        stop_processes([w.popen for w in self.workers + self.departed] + services, GRACE_S, other_groups=self.worker_pids)
 
     def _mark_unfinished_workers(self, store: ResultsStore, run_id: str, status: str, reason: str | None) -> None:
         for row in store.workers(run_id):

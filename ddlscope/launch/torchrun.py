@@ -55,7 +55,7 @@ def preflight(cfg: RunConfig, check_port: bool = True) -> int | None:
 
 
 def torchrun_command(nproc_per_node: int, rdzv_endpoint: str, worker_args: list[str], nnodes: int = 1,
-                     rdzv_id: str = "ddlscope") -> list[str]:
+                     rdzv_id: str = "ddlscope", local_addr: str | None = None, is_host: bool | None = None) -> list[str]:
     """The command line that starts torchrun's agent for ``nproc_per_node`` ddlscope workers on this node.
 
     The agent runs under :mod:`ddlscope.launch.agent`, started by this process: it dies with it,
@@ -68,6 +68,10 @@ def torchrun_command(nproc_per_node: int, rdzv_endpoint: str, worker_args: list[
         worker_args: arguments of ``python -m ddlscope.train.worker``.
         nnodes: nodes taking part; each runs this same command.
         rdzv_id: the same on every node of one run.
+        local_addr: the address this node's agent is reached at (torchrun's ``--local-addr``);
+            default loopback for a loopback endpoint, else torchrun's choice (the host name's).
+        is_host: whether this node hosts the rendezvous store (torchrun's ``is_host``); default
+            torchrun's guess from the endpoint's host name, which cannot see a namespace's address.
     """
     from ddlscope.launch.network import LOOPBACK, is_loopback
 
@@ -76,5 +80,6 @@ def torchrun_command(nproc_per_node: int, rdzv_endpoint: str, worker_args: list[
              "--bind", "loopback" if local else "reached"]
     return [*agent, f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}", "--max-restarts=0",
-            *([f"--local-addr={LOOPBACK}"] if local else []),
+            *([f"--local-addr={local_addr or LOOPBACK}"] if local or local_addr else []),
+            *([f"--rdzv-conf=is_host={str(is_host).lower()}"] if is_host is not None else []),
             "--monitor-interval=0.2", "-m", "ddlscope.train.worker", *worker_args]

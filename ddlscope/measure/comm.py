@@ -61,6 +61,7 @@ class CommTimer:
         self._bytes = 0
         self._calls = 0
         self.last_launch: float | None = None  # perf_counter of the latest launch
+        self.last_done: float | None = None  # perf_counter of the latest completion
 
     def record(self, start: float, end: float, nbytes: int) -> None:
         """Add one finished transfer that ran from ``start`` to ``end`` (``time.perf_counter``)."""
@@ -68,6 +69,7 @@ class CommTimer:
             self._intervals.append((start, end))
             self._bytes += int(nbytes)
             self._calls += 1
+            self.last_done = end if self.last_done is None else max(self.last_done, end)
 
     def launch(self, nbytes: int):
         """Mark a collective as launched now; returns ``done()`` to call when it completes."""
@@ -79,9 +81,25 @@ class CommTimer:
 
         return done
 
+    def peek(self) -> CommStats:
+        """The stats since the previous :meth:`take`, without resetting them."""
+        with self._lock:
+            return CommStats(union_length_s(self._intervals), self._bytes, self._calls)
+
     def take(self) -> CommStats:
         """The stats since the previous call, and reset."""
         with self._lock:
             stats = CommStats(union_length_s(self._intervals), self._bytes, self._calls)
             self._intervals, self._bytes, self._calls = [], 0, 0
         return stats
+
+
+def exposed_comm_s(compute_end: float, last_launch: float, backward_s: float, comm_s: float) -> float:
+    """Seconds of a backward pass spent only waiting for communication: from the launch of the last
+    collective (when the last gradients were ready) to the end of the backward pass (``compute_end``,
+    ``time.perf_counter``), at most the backward pass and the time collectives were in flight.
+
+    >>> exposed_comm_s(10.0, 9.5, 2.0, 1.0)
+    0.5
+    """
+    return min(max(0.0, compute_end - last_launch), backward_s, comm_s)

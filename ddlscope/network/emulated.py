@@ -100,11 +100,13 @@ class NetworkConfig(BaseModel):
 
 def emulated_models() -> list[str]:
     """Distribution models whose runs can be placed on an emulated network: those whose workers the
-    launcher starts as swarm peers without services (collaborative). torchrun's models (one agent
-    starting every worker on one host) and dmoe's expert servers are not placed in namespaces yet."""
+    launcher starts as swarm peers without services (collaborative), and torchrun's models (each
+    worker started by an agent of its own in its namespace, as one node of a cluster). dmoe's
+    expert servers are not placed in namespaces yet."""
     from ddlscope import distribution
 
-    return [m for m in distribution.with_launcher("swarm") if distribution.get(m).services is None]
+    swarm = [m for m in distribution.with_launcher("swarm") if distribution.get(m).services is None]
+    return [*swarm, *distribution.with_launcher("torchrun")]
 
 
 def check_can_emulate(latency: bool = False) -> None:
@@ -174,6 +176,9 @@ class EmulatedNetwork:
         """The bridge's end of ``peer``'s veth (its egress is the peer's download)."""
         return f"{PREFIX}{self.tag}-h{peer}"
 
+    interface = "eth0"
+    """The name of each namespace's end of its veth (its only interface besides loopback)."""
+
     def address(self, peer: int) -> str:
         """``peer``'s IPv4 address (``10.201.0.<peer+2>``)."""
         return f"{SUBNET}.{peer + 2}"
@@ -215,12 +220,12 @@ class EmulatedNetwork:
         _ip("link", "set", ns_end, "netns", ns)
         _ip("link", "set", host_end, "master", self.bridge)
         _ip("link", "set", host_end, "up")
-        _ip("-n", ns, "link", "set", ns_end, "name", "eth0")
-        _ip("-n", ns, "addr", "add", f"{self.address(peer)}/24", "dev", "eth0")
-        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", ns, "link", "set", ns_end, "name", self.interface)
+        _ip("-n", ns, "addr", "add", f"{self.address(peer)}/24", "dev", self.interface)
+        _ip("-n", ns, "link", "set", self.interface, "up")
         _ip("-n", ns, "link", "set", "lo", "up")
         if up is not None or self.latency_ms is not None:
-            _shape(["ip", "netns", "exec", ns, "tc"], "eth0", up, self.latency_ms)
+            _shape(["ip", "netns", "exec", ns, "tc"], self.interface, up, self.latency_ms)
         if down is not None or self.latency_ms is not None:
             _shape(["tc"], host_end, down, self.latency_ms)
 

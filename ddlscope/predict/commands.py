@@ -1,7 +1,9 @@
 """CLI commands of the predictor: ``profile``, ``calibrate``, ``recommend``, ``validate``.
 
 :func:`register` adds them to the main ``ddlscope`` app (kept here so that the predictor's
-commands read together). User errors raise :class:`~ddlscope.errors.UserError`.
+commands read together). User errors raise :class:`~ddlscope.errors.UserError`. They follow the
+command line's conventions (:mod:`ddlscope.cli`): ``--json`` prints one strict JSON document on stdout
+and everything else on stderr; tables take the terminal's width.
 """
 
 from __future__ import annotations
@@ -41,15 +43,16 @@ def print_profile(profile, path: Path | None = None, console=None) -> None:
     data loading, the device, and the cache file.
     """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    console = console or Console(width=160)
+    console = console or Console()
     b = profile.batch_sizes[-1]
     layers = Table(title=f"{profile.network} on {profile.dataset} {profile.input_shape}, batch {b}: per layer")
     for col in ("layer", "fwd ms", "bwd ms", "params MB", "out KB/sample", "saved KB/sample", "MFLOP/sample"):
-        layers.add_column(col, justify="left" if col == "layer" else "right")
+        layers.add_column(col, justify="left" if col == "layer" else "right", overflow="fold", no_wrap=col == "layer")
     for layer in profile.layers:
-        layers.add_row(layer.name, f"{layer.forward_s[-1] * 1e3:.2f}", f"{layer.backward_s[-1] * 1e3:.2f}",
+        layers.add_row(escape(layer.name), f"{layer.forward_s[-1] * 1e3:.2f}", f"{layer.backward_s[-1] * 1e3:.2f}",
                        f"{layer.param_bytes / 1e6:.2f}", f"{layer.output_bytes_per_sample / 1e3:.1f}",
                        f"{layer.saved_bytes_per_sample / 1e3:.1f}", f"{layer.forward_flops_per_sample / 1e6:.1f}")
     console.print(layers)
@@ -57,7 +60,7 @@ def print_profile(profile, path: Path | None = None, console=None) -> None:
     steps = Table(title=f"training step ({trained}; median)")
     for col in ("batch", "fwd ms", "bwd ms", "optimizer ms", "step ms", "samples/s", "activations MB (fake)",
                 "activations MB (measured)"):
-        steps.add_column(col, justify="right")
+        steps.add_column(col, justify="right", overflow="fold")
     for s in profile.steps:
         measured = "-" if s.measured_activation_peak_bytes is None else f"{s.measured_activation_peak_bytes / 1e6:.1f}"
         steps.add_row(str(s.batch_size), f"{s.forward_s * 1e3:.1f}", f"{s.backward_s * 1e3:.1f}",
@@ -68,14 +71,15 @@ def print_profile(profile, path: Path | None = None, console=None) -> None:
     console.print(f"model: {profile.param_count:,} parameters, {profile.param_bytes / 1e6:.1f} MB; buffers "
                   f"{profile.buffer_bytes / 1e6:.2f} MB; optimizer state {profile.optimizer_state_bytes / 1e6:.1f} MB")
     for d in profile.data_loading:
-        console.print(f"data loading, {d.loader_workers} loader worker(s): {d.samples_per_s:,.0f} samples/s")
+        console.print(f"data loading, {d.loader_workers} loader worker(s): {d.samples_per_s:,.0f} samples/s",
+                      markup=False)
     dev = profile.device
     console.print(f"device: {dev.type} {dev.name}, {dev.threads} thread(s): {dev.peak_tflops * 1e3:.0f} GFLOP/s "
                   f"float32 matmul, {dev.memory_bandwidth_gb_per_s:.1f} GB/s copy, capacity "
-                  f"{dev.memory_bytes / 2**30:.1f} GiB, runtime {dev.runtime_bytes / 2**20:.0f} MiB")
-    console.print(f"torch {profile.torch_version}; measured in {profile.profile_s:.1f} s")
+                  f"{dev.memory_bytes / 2**30:.1f} GiB, runtime {dev.runtime_bytes / 2**20:.0f} MiB", markup=False)
+    console.print(f"torch {profile.torch_version}; measured in {profile.profile_s:.1f} s", markup=False)
     if path is not None:
-        console.print(f"cache: {path}")
+        console.print(f"cache: {path}", markup=False)
 
 
 OPTIMIZER_HELP = ("sgd, adam or adamw, with the run config's default hyperparameters (the optimizer's state, "
@@ -94,25 +98,28 @@ def register(app: typer.Typer) -> None:
         loader_workers: str = typer.Option("0,1", "--loader-workers", help="DataLoader worker counts to time"),
         device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
         refresh: bool = typer.Option(False, "--refresh", help="measure again even if a cached profile exists"),
-        json_: bool = typer.Option(False, "--json", help="print the profile as JSON only"),
+        json_: bool = typer.Option(False, "--json", help="print the profile as JSON only (progress goes to stderr)"),
         cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="profile cache (default ./ddlscope-results/profiles)"),
         data_root: Optional[Path] = typer.Option(None, "--data-root", help="where a local dataset copy is looked for"),
         optimizer: str = typer.Option("sgd", "--optimizer", help=OPTIMIZER_HELP),
     ):
         """Measure a workload on this device (per-layer times and bytes, steps, data loading); cached."""
+        from ddlscope.cli import echo_json, stdout_to_stderr
         from ddlscope.profiling.profile import load_or_profile, profile_path
 
         workers = parse_worker_counts(loader_workers)
-        prof = load_or_profile(model, dataset, batch_size, device, threads, workers, data_root=data_root,
-                               cache_dir=cache_dir, refresh=refresh, progress=not json_, optimizer=optimizer)
+        with stdout_to_stderr(json_):
+            prof = load_or_profile(model, dataset, batch_size, device, threads, workers, data_root=data_root,
+                                   cache_dir=cache_dir, refresh=refresh, progress=not json_, optimizer=optimizer)
         if json_:
-            typer.echo(prof.model_dump_json(indent=2))
+            echo_json(prof.model_dump(mode="json"))
         else:
             print_profile(prof, profile_path(model, dataset, batch_size, device, threads, workers, cache_dir, optimizer))
 
     # ---- calibrate (profiling/calibrate.py)
     @app.command("calibrate")
     def calibrate_cmd(
+        ctx: typer.Context,
         workers: int = typer.Option(2, "--workers", help="local worker processes (>= 2), one device each"),
         threads: int = typer.Option(1, "--threads", help="cores and intra-op threads per worker"),
         out: Path = typer.Option(Path("cluster.toml"), "--out", help="cluster file to write (TOML)"),
@@ -122,9 +129,11 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="print the measurements and the fit as JSON on stdout"),
         hivemind: bool = typer.Option(False, "--hivemind", help="also train ResNet-18 in a short local hivemind swarm "
                                       "(about a minute) to measure what hivemind adds per global epoch (collaborative)"),
-        matchmaking_time_s: float = typer.Option(1.0, "--matchmaking-time", min=0.01,
+        matchmaking_time_s: float = typer.Option(1.0, "--matchmaking-time-s", min=0.01,
                                                  help="--hivemind: the swarm's matchmaking time in seconds; use the "
                                                  "one you will predict for (overhead and overshoot depend on it)"),
+        old_matchmaking_time: Optional[float] = typer.Option(None, "--matchmaking-time", min=0.01, hidden=True,
+                                                             help="old name of --matchmaking-time-s"),
         dmoe: bool = typer.Option(False, "--dmoe", help="also time hivemind's beam searches and remote expert calls "
                                   "between an expert server and a client (about 30 s) to fit what they cost (dmoe)"),
     ):
@@ -133,9 +142,11 @@ def register(app: typer.Typer) -> None:
         Writes a cluster description (one node of WORKERS devices of kind 'local') that the
         predictor reads; thesis 002 used NVIDIA's p2pBandwidthLatencyTest for the same purpose.
         """
+        from ddlscope.cli import echo_json, renamed, stdout_to_stderr
         from ddlscope.profiling import calibrate as cal
         from ddlscope.modeling.cluster import write_cluster
 
+        matchmaking_time_s = renamed(ctx, "matchmaking_time_s", "old_matchmaking_time")
         if out.exists() and out.is_dir():
             raise UserError(f"--out {out} is a folder; allowed: a file path, e.g. {out / 'cluster.toml'}")
         if timeout_s <= 0:
@@ -143,9 +154,10 @@ def register(app: typer.Typer) -> None:
         sizes = cal.QUICK_SIZES_BYTES if quick else cal.DEFAULT_SIZES_BYTES
         reps = repeats if repeats is not None else (cal.QUICK_REPEATS if quick else cal.DEFAULT_REPEATS)
         try:
-            result = cal.calibrate(workers=workers, threads=threads, sizes_bytes=sizes, repeats=reps,
-                                   timeout_s=timeout_s, progress=lambda msg: typer.echo(msg, err=True),
-                                   hivemind=hivemind, matchmaking_time_s=matchmaking_time_s, dmoe=dmoe)
+            with stdout_to_stderr(json_out):
+                result = cal.calibrate(workers=workers, threads=threads, sizes_bytes=sizes, repeats=reps,
+                                       timeout_s=timeout_s, progress=lambda msg: typer.echo(msg, err=True),
+                                       hivemind=hivemind, matchmaking_time_s=matchmaking_time_s, dmoe=dmoe)
         except cal.CalibrationError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from None
@@ -154,7 +166,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(130) from None
         path = write_cluster(result.cluster, out, header=cal.header_comment(result))
         if json_out:
-            typer.echo(result.model_dump_json(indent=2))
+            echo_json(result.model_dump(mode="json"))
         else:
             cal.print_calibration(result)
         typer.echo(f"wrote {path}", err=True)
@@ -162,9 +174,10 @@ def register(app: typer.Typer) -> None:
     # ---- recommend (predict/recommend.py)
     @app.command("recommend")
     def recommend_cmd(
+        ctx: typer.Context,
         model: str = typer.Option("resnet18", "--model", help="zoo network"),
         dataset: str = typer.Option("cifar10", "--dataset", help="dataset shape (mnist, cifar10, imagenet, highres, digits)"),
-        cluster: Path = typer.Option(..., "--cluster", help="cluster TOML (see examples/cluster-*.toml, ddlscope calibrate)"),
+        cluster: Path = typer.Option(..., "--cluster", help="cluster TOML (`ddlscope examples` lists the shipped ones, e.g. examples/cluster-2x4xa100.toml; ddlscope calibrate writes one)"),
         batch_size: int = typer.Option(64, "--batch-size", min=1, help="global batch: samples per optimizer step"),
         workers: Optional[int] = typer.Option(None, "--workers", min=2, help="workers/peers (default: the cluster's devices or peers)"),
         strategies: str = typer.Option(",".join(m.name for m in distribution.all_models() if m.cost_model),
@@ -172,23 +185,27 @@ def register(app: typer.Typer) -> None:
         microbatches: Optional[int] = typer.Option(None, "--microbatches", min=1, help="gpipe/1f1b (default 2 x workers)"),
         target_batch_size: Optional[int] = typer.Option(None, "--target-batch-size", min=1, help="collaborative (default: the global batch)"),
         matchmaking_time_s: Optional[float] = typer.Option(
-            None, "--matchmaking-time", min=0.01,
+            None, "--matchmaking-time-s", min=0.01,
             help="collaborative: seconds (default: the matchmaking time the cluster's hivemind calibration was "
                  f"measured at, else a run's default, {DEFAULT_MATCHMAKING_TIME_S:g} s)"),
+        old_matchmaking_time: Optional[float] = typer.Option(None, "--matchmaking-time", min=0.01, hidden=True,
+                                                             help="old name of --matchmaking-time-s"),
         local_updates: bool = typer.Option(False, "--local-updates", help="collaborative: use_local_updates"),
         loader_workers: int = typer.Option(0, "--loader-workers", min=0),
         threads: int = typer.Option(1, "--threads", min=1, help="cores of the profiled device (CPU)"),
         cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="profile cache (default <results>/profiles)"),
-        as_json: bool = typer.Option(False, "--json", help="print JSON only"),
+        as_json: bool = typer.Option(False, "--json", help="print the ranking as JSON only (progress goes to stderr)"),
         optimizer: str = typer.Option("sgd", "--optimizer", help=OPTIMIZER_HELP),
     ):
         """Rank the distribution models for a job on a cluster and recommend the fastest that fits."""
+        from ddlscope.cli import echo_json, renamed, stdout_to_stderr
         from ddlscope.modeling.cluster import load_cluster
         from ddlscope.modeling.devices import compute_scale
         from ddlscope.modeling.recommend import candidate_settings, recommend
         from ddlscope.profiling.profile import load_or_profile
         from ddlscope.workloads.datasets import DATASETS
 
+        matchmaking_time_s = renamed(ctx, "matchmaking_time_s", "old_matchmaking_time")
         spec = load_cluster(cluster)
         if dataset not in DATASETS:
             raise UserError(f"unknown dataset {dataset!r}; allowed: {', '.join(sorted(DATASETS))}")
@@ -201,47 +218,55 @@ def register(app: typer.Typer) -> None:
                                       DATASETS[dataset].train_size, microbatches=microbatches,
                                       loader_workers=loader_workers, target_batch_size=target_batch_size,
                                       matchmaking_time_s=matchmaking_time_s, use_local_updates=local_updates)
-        profile = load_or_profile(model, dataset, batch_size, threads=threads, loader_workers=(loader_workers,),
-                                  cache_dir=cache_dir, progress=not as_json, optimizer=optimizer)
+        with stdout_to_stderr(as_json):
+            profile = load_or_profile(model, dataset, batch_size, threads=threads, loader_workers=(loader_workers,),
+                                      cache_dir=cache_dir, progress=not as_json, optimizer=optimizer)
         scale = compute_scale(profile, batch_size, spec.device.kind)
         rec = recommend(profile, spec, settings, scale.factor, (scale.low, scale.high))
         if spec.device.kind != "local":
             rec.notes.append(f"compute scaled from {profile.device.name} to {spec.device.kind}: x{scale.factor:.3g} "
                              f"(band x{scale.low:.3g} .. x{scale.high:.3g}; {scale.method})")
         if as_json:
-            typer.echo(json.dumps(rec.to_dict(), indent=2, default=str))
+            echo_json(rec.to_dict())
         else:
             print_recommendation(rec, f"{model} on {dataset}, global batch {batch_size}, cluster {spec.name}")
 
     # ---- validate (experiments/validate.py)
     @app.command("validate")
     def validate_cmd(
-        grid: str = typer.Argument("local", metavar="[GRID]", help="grid TOML ([validation] table) or preset: local, tiny"),
+        grid: str = typer.Argument("local", metavar="GRID", help="grid TOML ([validation] table) or preset: local, tiny"),
         cluster: Optional[Path] = typer.Option(None, "--cluster", help="cluster TOML of this machine (default: calibrate now, kept next to the database)"),
         out: Optional[Path] = typer.Option(None, "--out", help="report folder (default <results>/validation/<name>)"),
         rerun: bool = typer.Option(False, "--rerun", help="run cells again even if a completed run is stored"),
         predict_only: bool = typer.Option(False, "--predict-only", help="store and report predictions, run nothing"),
         db: Optional[Path] = typer.Option(None, "--db", help="results database (default ./ddlscope-results/ddlscope.db)"),
         progress: bool = typer.Option(True, "--progress/--no-progress"),
+        as_json: bool = typer.Option(False, "--json", help="print the validation (the report's validation.json and its "
+                                                           "path) as JSON on stdout; everything else goes to stderr"),
     ):
         """Predict every cell of a grid, run it for real here, and report error, recommendation correctness and regret."""
+        from ddlscope.cli import echo_json, stdout_to_stderr
         from ddlscope.experiments.validate import load_grid, run_validation
         from ddlscope.predict.validation_report import print_validation, write_validation_report
         from ddlscope.store.db import default_db_path
 
         spec = load_grid(grid)
         db_path = Path(db) if db else default_db_path()
-        cl = _local_cluster(cluster, db_path, spec.workers, spec.threads, spec.matchmaking_time_s)
-        try:
-            cells = run_validation(spec, cl, db_path, progress=progress, rerun=rerun, run_real=not predict_only)
-        except KeyboardInterrupt:
-            typer.echo("interrupted: finished cells are stored; run the same command again to resume", err=True)
-            raise typer.Exit(130)
-        folder = out or db_path.parent / "validation" / spec.name
-        path = write_validation_report(cells, folder, f"Predictor validation: {spec.name}",
-                                       extra={"cluster": cl.model_dump(), "grid": spec.model_dump()})
-        print_validation(cells)
-        typer.echo(f"report: {path}")
+        with stdout_to_stderr(as_json):
+            cl = _local_cluster(cluster, db_path, spec.workers, spec.threads, spec.matchmaking_time_s)
+            try:
+                cells = run_validation(spec, cl, db_path, progress=progress, rerun=rerun, run_real=not predict_only)
+            except KeyboardInterrupt:
+                typer.echo("interrupted: finished cells are stored; run the same command again to resume", err=True)
+                raise typer.Exit(130)
+            folder = out or db_path.parent / "validation" / spec.name
+            path = write_validation_report(cells, folder, f"Predictor validation: {spec.name}",
+                                           extra={"cluster": cl.model_dump(), "grid": spec.model_dump()})
+            if not as_json:
+                print_validation(cells)
+            typer.echo(f"report: {path}")
+        if as_json:
+            echo_json({"report": str(path), **json.loads(path.with_name("validation.json").read_text())})
 
 
 def _local_cluster(path: Path | None, db_path: Path, workers: int, threads: int, matchmaking_time_s: float):
@@ -262,27 +287,35 @@ def _local_cluster(path: Path | None, db_path: Path, workers: int, threads: int,
     return spec
 
 
-def print_recommendation(rec, title: str) -> None:
-    """The ranked candidates as a rich table, then the recommendation and why."""
+def print_recommendation(rec, title: str, console=None) -> None:
+    """The ranked candidates as a rich table, then the recommendation and why.
+
+    Args:
+        console: a :class:`rich.console.Console`; default one on stdout at the terminal's width
+            (columns wrap or fold when it is narrow).
+    """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=title)
+    table = Table(title=escape(title))
     for col in ("#", "distribution model", "batch/worker", "s/epoch", "step s", "memory/worker", "capacity",
                 "fits", "dominant cost", "thesis reference s/epoch"):
-        table.add_column(col, justify="right" if col not in ("distribution model", "dominant cost", "fits") else "left")
+        table.add_column(col, justify="right" if col not in ("distribution model", "dominant cost", "fits") else "left",
+                         overflow="fold")
     for i, c in enumerate(rec.candidates, 1):
         p, s = c.prediction, c.setting
         per = f"{s.batch_size}" + (f" ({s.microbatches} mb)" if s.microbatches else "")
         ref = ", ".join(f"{k} {v:.1f}" for k, v in (p.reference_epoch_s.items() if p else []))
         gib = lambda b: "-" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
-        table.add_row(str(i), f"{s.strategy} x{s.workers}", per, f"{p.epoch_s:.1f}" if p else "-",
-                      f"{p.step_s:.3f}" if p else "-", gib(c.memory_bytes), gib(c.capacity_bytes),
-                      "yes" if c.fits else ("no" if c.invalid_reason is None else "invalid"),
-                      p.dominant_cost if p else (c.invalid_reason or "")[:60], ref or "-")
-    console = Console()
+        table.add_row(*map(escape, (
+            str(i), f"{s.strategy} x{s.workers}", per, f"{p.epoch_s:.1f}" if p else "-",
+            f"{p.step_s:.3f}" if p else "-", gib(c.memory_bytes), gib(c.capacity_bytes),
+            "yes" if c.fits else ("no" if c.invalid_reason is None else "invalid"),
+            p.dominant_cost if p else (c.invalid_reason or "")[:60], ref or "-")))
+    console = console or Console()
     console.print(table)
     for note in rec.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", markup=False)
     head = f"recommended: {rec.best.label}" if rec.best else "no recommendation"
-    console.print(f"[bold]{head}[/bold] — {rec.why}")
+    console.print(f"[bold]{escape(head)}[/bold] — {escape(rec.why)}")

@@ -796,27 +796,32 @@ def write_validation_report(cells: list[ValidationCell], out_dir: Path, title: s
     return out_dir / "validation.md"
 
 
-def print_validation(cells: list[ValidationCell]) -> None:
+def print_validation(cells: list[ValidationCell], console=None) -> None:
     """Compact rich tables in the terminal: summary and targets, per-model errors, Table 8.1 layout, and
     each cell's step parts, predicted vs measured (:func:`parts_table`).
+
+    Args:
+        console: a :class:`rich.console.Console`; default one on stdout at the terminal's width
+            (columns wrap or fold when it is narrow).
 
     Raises:
         UserError: inconsistent records (:func:`check_cells`).
     """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     summary = summarize(cells)
-    console = Console(width=max(Console().width, 132))
+    console = console or Console()
 
     def show(title: str, rows: list[dict]) -> None:
         if not rows:
             return
-        table = Table(title=title)
+        table = Table(title=escape(title))
         for i, col in enumerate(rows[0]):
-            table.add_column(col, justify="left" if i == 0 else "right")
+            table.add_column(col, justify="left" if i == 0 else "right", overflow="fold")
         for r in rows:
-            table.add_row(*("-" if v is None else format(v, ".4g") if isinstance(v, float) else str(v)
+            table.add_row(*("-" if v is None else format(v, ".4g") if isinstance(v, float) else escape(str(v))
                             for v in r.values()))
         console.print(table)
 

@@ -148,7 +148,11 @@ def fit_alpha_beta(x: Sequence[float], t_s: Sequence[float]) -> tuple[float, flo
     First the non-negative least-squares fit of the relative errors ``(a + b x_i - t_i) / t_i``
     (:func:`scipy.optimize.nnls`); from there, as M-estimators usually start, the robust fit
     ``min sum rho(log(a + b x_i) - log t_i)`` with the Cauchy loss ``rho`` (scale
-    :data:`ROBUST_F_SCALE`; :func:`scipy.optimize.least_squares`). Log residuals make a size measured
+    :data:`ROBUST_F_SCALE`; :func:`scipy.optimize.least_squares`). The Cauchy loss is not convex:
+    from a start pulled flat by one wild small size it can settle on a flat line that writes the
+    largest sizes off as outliers, so the robust fit also starts from the line through the two
+    largest sizes and from the line through the smallest and the largest, and the fit with the
+    lowest robust cost wins. Log residuals make a size measured
     2x too slow and one 2x too fast count alike; the Cauchy loss keeps a few sizes disturbed by
     other load on the machine (a scheduler delay of milliseconds on a 40-microsecond message) from
     dragging the fit. When most sizes are disturbed no fit can tell; the residuals show it.
@@ -175,15 +179,19 @@ def fit_alpha_beta(x: Sequence[float], t_s: Sequence[float]) -> tuple[float, flo
         raise ValueError(f"sizes and times must be finite and > 0 (got sizes {xs.tolist()}, times {ts.tolist()})")
     scale = np.array([ts.min(), ts.max() / xs.max()])  # work in units where both parameters are ~1
     design = np.stack([np.ones_like(xs), xs], axis=1) * scale / ts[:, None]
-    start, _ = nnls(design, np.ones_like(ts))
-    start = np.maximum(start, 1e-6)
+    starts = [np.maximum(nnls(design, np.ones_like(ts))[0], 1e-6)]
+    order = np.argsort(xs)
+    for i, j in ((order[-2], order[-1]), (order[0], order[-1])):  # two-point lines (distinct x: sorted ends)
+        if xs[j] > xs[i]:
+            slope = max((ts[j] - ts[i]) / (xs[j] - xs[i]), 1e-12 * scale[1])
+            starts.append(np.maximum([max(ts[j] - slope * xs[j], 0.0) / scale[0], slope / scale[1]], 1e-6))
 
     def log_residuals(p: np.ndarray) -> np.ndarray:
         return np.log(p[0] * scale[0] + p[1] * scale[1] * xs) - np.log(ts)
 
-    fit = least_squares(log_residuals, start, bounds=([0.0, 1e-12], [np.inf, np.inf]), loss="cauchy",
-                        f_scale=ROBUST_F_SCALE)
-    a, b = fit.x * scale
+    fits = [least_squares(log_residuals, start, bounds=([0.0, 1e-12], [np.inf, np.inf]), loss="cauchy",
+                          f_scale=ROBUST_F_SCALE) for start in starts]
+    a, b = min(fits, key=lambda f: f.cost).x * scale
     return float(a), float(b)
 
 
@@ -928,21 +936,27 @@ def _rate(gb_per_s: float | None) -> str:
     return "not fitted" if gb_per_s is None else f"{gb_per_s:.3g} GB/s"
 
 
-def print_calibration(result: CalibrationResult) -> None:
-    """Print the measurements, the fits with their residuals, and the fitted description (rich)."""
+def print_calibration(result: CalibrationResult, console=None) -> None:
+    """Print the measurements, the fits with their residuals, and the fitted description (rich).
+
+    Args:
+        console: a :class:`rich.console.Console`; default one on stdout at the terminal's width
+            (columns wrap or fold when it is narrow).
+    """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     ar, p2p = result.allreduce, result.p2p
     table = Table(title=f"ddlscope calibrate: {result.workers} workers x {result.threads} thread(s), "
                         f"trimmed mean of {result.repeats}")
     for col in ("size", "all-reduce ms", "fit ms", "residual", "one-way p2p ms", "fit ms", "residual"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", overflow="fold")
     for i, size in enumerate(ar.table.sizes_bytes):
         table.add_row(_fmt_bytes(size), f"{ar.table.measured_s[i] * 1e3:.3f}", f"{ar.table.fitted_s[i] * 1e3:.3f}",
                       f"{ar.table.residuals[i]:+.0%}", f"{p2p.table.measured_s[i] * 1e3:.3f}",
                       f"{p2p.table.fitted_s[i] * 1e3:.3f}", f"{p2p.table.residuals[i]:+.0%}")
-    console = Console(width=160)
+    console = console or Console()
     console.print(table)
     c = result.cluster
     rows: list[tuple[str, str]] = [
@@ -973,9 +987,9 @@ def print_calibration(result: CalibrationResult) -> None:
     if c.dmoe is not None:
         rows.append(("dmoe", describe_dmoe(c.dmoe)))
     for label, text in rows:
-        console.print(f"[bold]{label}[/bold]: {text}")
+        console.print(f"[bold]{escape(label)}[/bold]: {escape(text)}")
     for note in result.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", markup=False)
     console.print(f"took {result.elapsed_s:.1f} s")
 
 

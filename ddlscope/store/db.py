@@ -42,10 +42,11 @@ import os
 import shutil
 import socket
 import sqlite3
+import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 
@@ -310,12 +311,45 @@ class ResultsStore:
                                 (status, reason, time.time(), run_id))
         return bool(cur.rowcount)
 
+    def update_run(self, run_id: str, *, strategy: str | None = None, config: dict[str, Any] | None = None) -> None:
+        """Change a running run's ``strategy`` and/or ``config_json`` (a recorder learns them while the run goes:
+        the distribution wrapper when the model is watched, the batch size at the first step)."""
+        if strategy is not None:
+            self.conn.execute("UPDATE runs SET strategy = ? WHERE run_id = ?", (strategy, run_id))
+        if config is not None:
+            self.conn.execute("UPDATE runs SET config_json = ? WHERE run_id = ?",
+                              (json.dumps(config, default=str), run_id))
+
+    def complete_run_if_workers_completed(self, run_id: str, workers: int) -> bool:
+        """Set a ``running`` run ``completed`` once ``workers`` of its worker rows are ``completed`` (the last
+        worker of a job to finish ends the run; one SQL statement, so two finishing at once cannot both miss
+        it). Returns whether this call ended it."""
+        cur = self.conn.execute(
+            "UPDATE runs SET status = 'completed', reason = NULL, ended_at = ? WHERE run_id = ? AND status = 'running' "
+            "AND (SELECT COUNT(*) FROM workers WHERE run_id = ? AND status = 'completed') >= ?",
+            (time.time(), run_id, run_id, workers))
+        return bool(cur.rowcount)
+
     def set_tmp_dir(self, run_id: str, path: Path | str) -> None:
         """Record the run's own temporary folder, removed when the run is found stale (:meth:`mark_stale_runs`)."""
         self.conn.execute("UPDATE runs SET tmp_dir = ? WHERE run_id = ?", (str(path), run_id))
 
     def run(self, run_id: str) -> sqlite3.Row | None:
         return self.conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+
+    def run_record(self, run_id: str) -> dict[str, Any]:
+        """A run as a JSON-ready dict: every ``runs`` column, ``config`` (parsed) and its ``workers`` rows.
+
+        Raises:
+            KeyError: no run with that id.
+        """
+        row = self.run(run_id)
+        if row is None:
+            raise KeyError(f"no run {run_id!r} in {self.path}")
+        record = {k: row[k] for k in row.keys() if k != "config_json"}
+        record["config"] = json.loads(row["config_json"])
+        record["workers"] = [dict(w) for w in self.workers(run_id)]
+        return record
 
     def run_config(self, run_id: str) -> dict[str, Any]:
         row = self.run(run_id)
@@ -501,6 +535,23 @@ class ResultsStore:
             f"VALUES (?, ?, {', '.join('?' * len(HOST_COLUMNS))})",
             (run_id, worker_index, *(sample.get(c) for c in HOST_COLUMNS)),
         )
+
+    def host_sample_writer(self, run_id: str, worker_index: int) -> Callable[[dict[str, Any]], None]:
+        """A sink for :class:`~ddlscope.measure.host.HostSampler` that may be called from any thread: a
+        thread other than this connection's own writes through a connection of its own (an SQLite
+        connection may only be used by the thread that opened it), opened on its first sample."""
+        owner = threading.get_ident()
+        local = threading.local()
+
+        def write(sample: dict[str, Any]) -> None:
+            if threading.get_ident() == owner:
+                self.add_host_sample(run_id, worker_index, sample)
+                return
+            if getattr(local, "store", None) is None:
+                local.store = ResultsStore(self.path)
+            local.store.add_host_sample(run_id, worker_index, sample)
+
+        return write
 
     def add_eval(self, run_id: str, worker_index: int, step: int, train_time_s: float, accuracy: float, loss: float,
                  samples: int) -> None:

@@ -228,6 +228,20 @@ class Strategy:
         if self.ctx.stop_requested is not None and self.ctx.stop_requested.is_set():
             raise StopRequested("stop requested")
 
+    @property
+    def assists_only(self) -> bool:
+        """True when this worker trains on no batch and only helps the others (hivemind's auxiliary
+        peers); the loop then calls :meth:`assist` instead of training."""
+        return False
+
+    def assist(self) -> str:
+        """Help the other workers until they are done (see :attr:`assists_only`); returns why it stopped.
+
+        Raises:
+            NotImplementedError: the strategy has no assisting role.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no assisting role")
+
     def should_stop(self) -> bool:
         """True when the strategy cannot go on (e.g. the swarm is gone); the loop then ends."""
         return False

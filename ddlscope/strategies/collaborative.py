@@ -18,12 +18,24 @@ What is measured per step, beyond the loop's timings:
   (:func:`ddlscope.measure.host.background_cpu_s`). On a peer whose cores training keeps busy
   this is time taken from training: the step's compute runs slower by about as much.
 
-Before training, every peer announces itself in the DHT and waits until all ``num_workers`` peers
-are there (or fails after ``join_timeout_s``), so that no peer trains alone by accident.
+Before training, every peer that starts with the run announces itself in the DHT and waits until
+all of them are there (or fails after ``join_timeout_s``), so that no peer trains alone by
+accident. A peer that joins later (``collaborative.churn``: ``join_at_s``, ``rejoin_at_s``) joins
+the running swarm through the peers alive then; hivemind's optimizer sees that it is behind the
+swarm's global epoch and loads the swarm's parameters and optimizer state
+(``load_state_from_peers``), which is timed and stored as a ``state_loaded`` event. A peer asked
+to leave (SIGUSR1 from the launcher, ``leave_at_s``) ends at its next step, as a finished one does.
+
+An **auxiliary peer** (``collaborative.auxiliary_peers``; hivemind's ``auxiliary=True``) trains on
+no batch: it calls the optimizer's step every :data:`AUX_POLL_S` seconds, which joins the swarm's
+averaging rounds as a reducer with no gradients of its own (its upload and CPU help the trainers),
+records each round it took part in as an ``averaging_round`` event, and stops once every training
+peer expected at the end is done.
 
 When a peer finishes, it says so in the DHT. A background thread of every other peer watches
-that record; once all other peers are done, it cancels the averaging round this peer may be
-waiting in, instead of letting it hang until ``averaging_timeout_s`` for peers that have left.
+that record; once all other peers expected at the end are done (those the churn schedule does not
+take away), it cancels the averaging round this peer may be waiting in, instead of letting it
+hang until ``averaging_timeout_s`` for peers that have left.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import signal
 import threading
 import time
 
@@ -45,6 +58,8 @@ _ALONE = ("Skipped averaging: there are no other peers", "Skipping pre-scheduled
 _FAILED = ("Averaging gradients failed", "Averaging failed with")
 _EPOCH = re.compile(r"Transitioning to epoch (\d+)")
 SHUTDOWN_S = 5.0
+AUX_POLL_S = 0.2
+"""Seconds between two optimizer steps of an auxiliary peer (each checks whether a round is due)."""
 STOP_SHUTDOWN_S = 1.0
 """Seconds hivemind's shutdown may take when the peer was asked to stop (SIGTERM/SIGINT)."""
 
@@ -176,6 +191,11 @@ class CollaborativeStrategy(Strategy):
         self._background_cpu_s: float | None = None
         self._daemons: list = []  # hivemind's processes (DHT, p2pd, averagers) as psutil.Process, watched while training
         self._daemon_lost: str | None = None
+        self._leave = threading.Event()
+        churn = cfg.collaborative.churn_of(ctx.worker_index, ctx.num_workers)
+        # a peer that comes after the start: its schedule says so, or it trained before (a rejoin)
+        self.joins_late = bool(churn and churn.join_at_s > 0) or bool(
+            ctx.store is not None and ctx.store.step_counts(ctx.run_id).get(ctx.worker_index))
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         import hivemind
@@ -186,6 +206,7 @@ class CollaborativeStrategy(Strategy):
         c = self.cfg.collaborative
         listen = self.ctx.listen_maddrs or [f"/ip4/{c.listen_host}/tcp/0"]
         client_mode = self.ctx.worker_index in c.client_mode_peers
+        auxiliary = self.assists_only
         try:
             self.dht = hivemind.DHT(initial_peers=self.ctx.initial_peers or None, host_maddrs=listen, start=True,
                                     startup_timeout=c.join_timeout_s, client_mode=client_mode,
@@ -206,7 +227,8 @@ class CollaborativeStrategy(Strategy):
         self.hm_opt = hivemind.Optimizer(
             dht=self.dht, run_id=f"ddlscope-{self.ctx.run_id}", optimizer=optimizer,
             target_batch_size=c.target_batch_size,
-            batch_size_per_step=self.cfg.batch_size * self.cfg.gradient_accumulation_steps,
+            batch_size_per_step=None if auxiliary else self.cfg.batch_size * self.cfg.gradient_accumulation_steps,
+            auxiliary=auxiliary,
             use_local_updates=c.use_local_updates, matchmaking_time=c.matchmaking_time_s,
             averaging_timeout=c.averaging_timeout_s, average_state_every=c.average_state_every,
             grad_compression=comp, state_averaging_compression=comp, verbose=True, client_mode=client_mode,
@@ -215,7 +237,10 @@ class CollaborativeStrategy(Strategy):
             averager_opts=groups, grad_averager_factory=functools.partial(GradientAverager, **groups),
         )
         self._time_global_update()
+        self._time_state_loading()
         self.optimizer = self.hm_opt
+        if threading.current_thread() is threading.main_thread():  # the launcher's "leave now" (leave_at_s)
+            signal.signal(signal.SIGUSR1, lambda signum, frame: self._leave.set())
         self._wait_for_swarm()
         self._background_cpu_s = background_cpu_s()
         self._daemons = _child_processes()
@@ -228,6 +253,13 @@ class CollaborativeStrategy(Strategy):
     def _count(self, what: str) -> int:
         found = self.dht.get(self._key(what), latest=True)
         return len(found.value) if found is not None and isinstance(found.value, dict) else 0
+
+    def _others_at_end(self) -> int:
+        """Other peers expected to say they are done: those the churn schedule does not take away."""
+        c = self.cfg.collaborative
+        mine = c.churn_of(self.ctx.worker_index, self.ctx.num_workers)
+        stays = (mine is None or not mine.ends_absent) and not self.assists_only
+        return c.peers_at_end(self.ctx.num_workers) - (1 if stays else 0)
 
     def _announce(self, what: str) -> None:
         from hivemind.utils import get_dht_time
@@ -245,7 +277,7 @@ class CollaborativeStrategy(Strategy):
                 self._cancel_rounds()
                 continue
             try:
-                if self._count("done") < self.ctx.num_workers - 1:
+                if self._count("done") < self._others_at_end():
                     continue
                 self.others_done.set()
                 self._cancel_rounds()
@@ -287,8 +319,62 @@ class CollaborativeStrategy(Strategy):
 
         self.hm_opt._update_global_epoch = timed_update
 
+    def _time_state_loading(self) -> None:
+        """Time hivemind's ``load_state_from_peers`` (a peer behind the swarm downloads its state) and
+        store a ``state_loaded`` event: seconds, local epoch before and after."""
+        inner = self.hm_opt.load_state_from_peers
+
+        def timed_load(*args, **kwargs):
+            before, t0 = self.hm_opt.local_epoch, time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if self.ctx.store is not None:
+                    self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, "state_loaded",
+                                             seconds=time.perf_counter() - t0, epoch_before=before,
+                                             epoch_after=self.hm_opt.local_epoch, at=time.time())
+
+        self.hm_opt.load_state_from_peers = timed_load
+
+    @property
+    def assists_only(self) -> bool:
+        """An auxiliary peer (``collaborative.auxiliary_peers``): it averages, it does not train."""
+        return self.ctx.worker_index in self.cfg.collaborative.auxiliary_peers
+
+    def assist(self) -> str:
+        """Step hivemind's auxiliary optimizer every :data:`AUX_POLL_S` s until the trainers are done (or
+        the peer is asked to leave or stop); store each averaging round it took part in."""
+        rounds = 0
+        while not (self.others_done.is_set() or self._leave.is_set()):
+            self.check_stop()
+            if self._daemon_lost:
+                raise RuntimeError(self._daemon_lost)
+            self._update_s = 0.0
+            self.hm_opt.step()
+            happened, group, ok, epoch = parse_round(self._log.take())
+            if happened:
+                rounds += 1
+                if self.ctx.store is not None:
+                    self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, "averaging_round", step=None,
+                                             group_size=group, succeeded=ok, averaging_s=self._update_s, epoch=epoch,
+                                             auxiliary=True)
+            time.sleep(AUX_POLL_S)
+        return f"auxiliary: helped average in {rounds} round(s)"
+
+    def should_stop(self) -> bool:
+        """True once the launcher asked this peer to leave the swarm (``leave_at_s``)."""
+        return self._leave.is_set()
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why :meth:`should_stop` ended training, for the worker's record."""
+        return "left the swarm as scheduled (collaborative.churn leave_at_s)" if self._leave.is_set() else None
+
     def _wait_for_swarm(self) -> None:
-        need, timeout = self.ctx.num_workers, self.cfg.collaborative.join_timeout_s
+        if self.joins_late:  # the swarm runs already: the DHT join through its peers was the join
+            return
+        need = self.cfg.collaborative.peers_at_start(self.ctx.num_workers)
+        timeout = self.cfg.collaborative.join_timeout_s
         deadline = time.monotonic() + timeout
         seen = 0
         while time.monotonic() < deadline:
@@ -323,7 +409,7 @@ class CollaborativeStrategy(Strategy):
 
     def close(self) -> None:
         self._stop_watch.set()
-        if self.dht is not None and self.hm_opt is not None:
+        if self.dht is not None and self.hm_opt is not None and not self._leave.is_set():
             try:
                 self._announce("done")
             except Exception:

@@ -131,16 +131,22 @@ def write_suite_report(results: list[CellResult], out_dir: Path, suite_name: str
     return out_dir / "suite.html"
 
 
-def print_suite(results: list[CellResult]) -> None:
-    """A rich table of the cells in the terminal."""
+def print_suite(results: list[CellResult], console=None) -> None:
+    """A rich table of the cells in the terminal.
+
+    Args:
+        console: a :class:`rich.console.Console`; default one on stdout at the terminal's width
+            (columns wrap or fold when it is narrow).
+    """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="benchmark suite")
     for col in ("cell", "status", "s/epoch", "speedup", "efficiency", "step ms", "comm ms", "bubble ms"):
-        table.add_column(col, justify="left" if col in ("cell", "status") else "right")
+        table.add_column(col, justify="left" if col in ("cell", "status") else "right", overflow="fold")
     for r in results:
         fmt = (lambda v, spec=".2f": "-" if v is None else format(v, spec))
-        table.add_row(r.label, r.status, fmt(r.epoch_s, ".1f"), fmt(r.speedup), fmt(r.scaling_efficiency),
+        table.add_row(escape(r.label), r.status, fmt(r.epoch_s, ".1f"), fmt(r.speedup), fmt(r.scaling_efficiency),
                       fmt(_ms(r.step_s), ".0f"), fmt(_ms(r.comm_s), ".0f"), fmt(_ms(r.breakdown_s.get("bubble_s")), ".0f"))
-    Console(width=max(Console().width, 132)).print(table)
+    (console or Console()).print(table)

@@ -16,6 +16,7 @@ wall-clock limit, or the strategy saying the swarm is gone.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass
@@ -28,12 +29,15 @@ from ddlscope.config import RunConfig
 from ddlscope.measure.host import HostSampler
 from ddlscope.measure.memory import peak_memory_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
 from ddlscope.measure.timeline import Stopwatch
+from ddlscope.measure.torch_profile import StepProfiler, profile_dir, record_profile
 from ddlscope.store.db import ResultsStore
 from ddlscope.strategies import WorkerContext, strategy_class
-from ddlscope.workloads.datasets import default_data_root, open_dataset
+from ddlscope.strategies.base import Strategy
+from ddlscope.workloads.datasets import USER, default_data_root, open_dataset
+from ddlscope.workloads.factories import build_loss, build_optimizer_from, is_import_string
 from ddlscope.workloads.models import build_model
 from ddlscope.workloads.preprocessing import eval_transform, train_transform
-from ddlscope.workloads.step import loss_function, optimizer_for
+from ddlscope.workloads.step import optimizer_for
 
 
 @dataclass
@@ -52,8 +56,11 @@ def build_workload(cfg: RunConfig, worker_index: int = 0, local_rank: int = 0,
     """Build the workload of one worker.
 
     ``build_model_fn(name, family, num_classes) -> nn.Module`` builds the network (default the
-    zoo's :func:`~ddlscope.workloads.models.build_model`; a strategy's :meth:`Strategy.build_model`
-    when it builds its own, e.g. remote experts).
+    zoo's :func:`~ddlscope.workloads.models.build_model`, which gives a user factory the dataset's
+    channels and image size; a strategy's :meth:`Strategy.build_model` when it builds its own, e.g.
+    remote experts). The optimizer is the config's (a user factory ``module:attribute`` is called as
+    ``factory(params, lr=learning_rate)``). A user dataset factory's items are used as they come (no
+    preprocessing).
 
     All workers initialise the model from the same seed (``cfg.seed``); each data-parallel
     worker shuffles its data with its own seed (``cfg.seed + worker_index``) so peers see
@@ -65,12 +72,17 @@ def build_workload(cfg: RunConfig, worker_index: int = 0, local_rank: int = 0,
     root = cfg.data_root or default_data_root()
     train_set, spec = open_dataset(cfg.dataset, root, "train")
     eval_set, _ = open_dataset(cfg.dataset, root, "test")
-    train_set = Transformed(train_set, train_transform(spec, augment=cfg.augment))
-    eval_set = Transformed(eval_set, eval_transform(spec))
+    if spec.format != USER:  # a user factory's items come preprocessed
+        train_set = Transformed(train_set, train_transform(spec, augment=cfg.augment))
+        eval_set = Transformed(eval_set, eval_transform(spec))
     device = torch.device(f"cuda:{local_rank}") if cfg.device == "cuda" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
-    model = (build_model_fn or build_model)(cfg.model, spec.family, num_classes=spec.num_classes).to(device)
-    optimizer = optimizer_for(cfg, model.parameters())
+    if build_model_fn is None:
+        model = build_model(cfg.model, spec.family, num_classes=spec.num_classes, input_shape=spec.image_shape)
+    else:
+        model = build_model_fn(cfg.model, spec.family, num_classes=spec.num_classes)
+    model = model.to(device)
+    optimizer = build_run_optimizer(cfg, model.parameters())
     gen = torch.Generator().manual_seed(cfg.seed + cfg.data_rank(worker_index))
     loader_kw = dict(num_workers=cfg.loader_workers, persistent_workers=cfg.loader_workers > 0,
                      pin_memory=device.type == "cuda")
@@ -83,6 +95,18 @@ def build_workload(cfg: RunConfig, worker_index: int = 0, local_rank: int = 0,
                         f"of dataset {cfg.dataset!r}; allowed: <= {len(train_set)}")
     eval_loader = DataLoader(eval_set, batch_size=max(cfg.batch_size, 64), shuffle=False, num_workers=0)
     return Workload(model, optimizer, train_loader, eval_loader, device)
+
+
+def build_run_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
+    """The run's optimizer: a built-in one (:func:`~ddlscope.workloads.step.optimizer_for`) or a user factory
+    ``module:attribute`` called as ``factory(params, lr=cfg.learning_rate)``.
+
+    Raises:
+        UserError: a user factory that cannot be imported, fails, or returns no optimizer.
+    """
+    if is_import_string(cfg.optimizer):
+        return build_optimizer_from(cfg.optimizer, params, cfg.learning_rate)
+    return optimizer_for(cfg, params)
 
 
 class Transformed(torch.utils.data.Dataset):
@@ -112,8 +136,8 @@ def run_worker(cfg: RunConfig, ctx: WorkerContext, store: ResultsStore) -> str:
     """Train one worker to its stop condition, storing every measurement as it goes.
 
     Returns:
-        why training stopped: ``"sample_budget"``, ``"target_accuracy"``, ``"time_limit"`` or
-        ``"strategy"``.
+        why training stopped: ``"sample_budget"``, ``"target_accuracy"``, ``"time_limit"``, or the
+        strategy's ``stop_reason`` (``"strategy"`` when it gives none).
 
     Raises:
         whatever the workload or strategy raises; the caller records the failure. Measurements
@@ -122,19 +146,30 @@ def run_worker(cfg: RunConfig, ctx: WorkerContext, store: ResultsStore) -> str:
     run_id, wi = ctx.run_id, ctx.worker_index
     torch.set_num_threads(max(1, len(ctx.cores)))
     strategy = strategy_class(cfg.strategy)(cfg, ctx)
+    profiler = StepProfiler(cfg.profile_steps, profile_dir(store.path, run_id), wi, cfg.device)
     try:
-        wl = build_workload(cfg, wi, ctx.local_rank, strategy.build_model)
+        own_builder = type(strategy).build_model is not Strategy.build_model  # e.g. dmoe's remote experts
+        wl = build_workload(cfg, wi, ctx.local_rank, strategy.build_model if own_builder else None)
         model = strategy.setup(wl.model, wl.optimizer)
-        sampler = HostSampler(lambda s: store.add_host_sample(run_id, wi, s), cfg.host_sample_interval_s,
+        sampler = HostSampler(store.host_sample_writer(run_id, wi), cfg.host_sample_interval_s,
                               network=strategy.uses_network)
         with sampler:
-            return _train(cfg, ctx, store, wl, model, strategy)
+            if strategy.assists_only:  # e.g. an auxiliary hivemind peer: it averages, it does not train
+                store.upsert_worker(run_id, wi, status="training", train_start_time=time.time())
+                reason = strategy.assist()
+                store.upsert_worker(run_id, wi, train_end_time=time.time())
+                return reason
+            return _train(cfg, ctx, store, wl, model, strategy, profiler)
     except BaseException:
         # when it failed, before closing connections: the peers it takes down fail after it
         store.upsert_worker(run_id, wi, failed_at=time.time())
         raise
     finally:
         strategy.close()
+        # a run that stopped early keeps the trace of the profiled steps it got to (done already when it
+        # completed); the error that stopped it is what is reported, not one writing the trace
+        with contextlib.suppress(Exception):
+            record_profile(store, run_id, wi, profiler)
 
 
 class _EvalClock:
@@ -159,10 +194,10 @@ class _EvalClock:
         return acc
 
 
-def _train(cfg, ctx, store, wl: Workload, model, strategy) -> str:
+def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfiler) -> str:
     run_id, wi, gas = ctx.run_id, ctx.worker_index, cfg.gradient_accumulation_steps
     max_steps = cfg.max_steps_per_peer()
-    loss_fn = loss_function()
+    loss_fn = build_loss(cfg.loss)
     watch = Stopwatch(wl.device)
     batches = batches_forever(wl.train_loader)
     train_start = time.time()
@@ -172,15 +207,17 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy) -> str:
     rss_peak_reset = train_rss is not None and reset_peak_rss()  # training-phase peak, see measure/memory.py
     clock = _EvalClock(store, run_id, wi, model, wl, strategy, cfg.eval_max_samples, train_start)
     reason, steps_done = "sample_budget", 0
-    for step in itertools.count():
+    first_step = store.step_counts(run_id).get(wi, 0)  # a peer that rejoins a swarm continues its count and budget
+    for step in itertools.count(first_step):
         if max_steps is not None and step >= max_steps:
             break
         if cfg.time_limit_s is not None and strategy.agree_to_stop(clock.train_time_s() >= cfg.time_limit_s):
             reason = "time_limit"
             break
         if strategy.should_stop():
-            reason = "strategy"
+            reason = getattr(strategy, "stop_reason", None) or "strategy"
             break
+        profiler.step_started(step)  # before the step's clock: starting the profiler is not the step's time
         wall = time.time()
         watch.start()
         x, y = next(batches)
@@ -194,6 +231,7 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy) -> str:
             outcome = strategy.step(res.samples * gas)
             strategy.zero_grad()
         optimizer_s = watch.lap()
+        profiler.step_ended(step)
         step_s = data_load_s + compute_s + optimizer_s
         store.add_step(run_id, wi, dict(
             step=step, wall_time=wall, samples=res.samples, data_load_s=data_load_s, forward_s=res.forward_s,
@@ -221,6 +259,7 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy) -> str:
                 break
     store.upsert_worker(run_id, wi, train_end_time=time.time(), eval_s=clock.eval_s,
                         peak_memory_bytes=peak_memory_bytes(wl.device))
+    record_profile(store, run_id, wi, profiler)  # writes the trace, outside the training time
     if rss_peak_reset:
         store.add_event(run_id, wi, "memory", rss_at_train_start_bytes=train_rss,
                         train_peak_rss_bytes=peak_rss_bytes())

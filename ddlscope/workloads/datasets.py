@@ -51,7 +51,10 @@ MNIST_IDX = "mnist-idx"
 CIFAR10_PYTHON = "cifar10-python"
 IMAGEFOLDER = "imagefolder"
 TEXT = "text"
-FORMATS = (MNIST_IDX, CIFAR10_PYTHON, IMAGEFOLDER, TEXT)
+USER = "user"
+"""A user's dataset factory ``"module:attribute"`` (:func:`ddlscope.workloads.factories.open_user_dataset`):
+items come preprocessed by the factory, ddlscope applies no transform."""
+FORMATS = (MNIST_IDX, CIFAR10_PYTHON, IMAGEFOLDER, TEXT, USER)
 SPLITS = ("train", "test")
 
 MARKER_NAME = ".ddlscope-complete.json"
@@ -148,7 +151,7 @@ def _check_split(split: str) -> None:
         raise UserError(f"unknown split {split!r}; allowed: {', '.join(SPLITS)}")
 
 
-def _family_for_geometry(height: int, width: int) -> str:
+def family_for_geometry(height: int, width: int) -> str:
     """Model family for a dataset that is not built in, chosen by image size."""
     side = max(height, width)
     if side <= 28:
@@ -454,8 +457,12 @@ def open_dataset(name_or_path: str, root: Path | None = None, split: str = "trai
     Args:
         name_or_path: a key of ``DATASETS`` (read from ``root/<name>`` in that dataset's format;
             ``digits`` is materialized there on first use; ``python-docs`` comes from the
-            standard library and ignores ``root``), or the path of a dataset folder whose
-            format is detected (``detect_format``). Names take precedence over same-named folders.
+            standard library and ignores ``root``), the path of a dataset folder whose
+            format is detected (``detect_format``), or a user factory ``"package.module:attribute"``
+            that is not an existing path (called as ``factory(split)``; its items are preprocessed
+            already, ``transform`` is not applied; format ``user``, see
+            :func:`ddlscope.workloads.factories.open_user_dataset`). Names take precedence over
+            same-named folders.
         root: data root for names; ``default_data_root()`` when None. Unused for paths.
         split: ``"train"`` or ``"test"``.
         transform: optional callable applied to each decoded image.
@@ -485,11 +492,17 @@ def open_dataset(name_or_path: str, root: Path | None = None, split: str = "trai
         _check_matches(folder, dataset, spec)
         return dataset, spec
     folder = Path(name_or_path).expanduser()
+    if not folder.exists():
+        from ddlscope.workloads.factories import is_import_string, open_user_dataset
+
+        if is_import_string(name_or_path):
+            return open_user_dataset(name_or_path, split)
     if not folder.is_dir():
         if os.sep in name_or_path or "/" in name_or_path or name_or_path.startswith("."):
             raise DatasetError(f"{folder}: no such dataset folder")
         raise UserError(f"unknown dataset {name_or_path!r}; allowed: {', '.join(sorted(DATASETS))}, "
-                        "or the path of a folder with MNIST idx, CIFAR-10 python or ImageFolder data")
+                        "the path of a folder with MNIST idx, CIFAR-10 python or ImageFolder data, "
+                        "or a factory 'package.module:factory'")
     fmt = detect_format(folder)
     if fmt == IMAGEFOLDER:
         spec = _imagefolder_spec(folder)
@@ -533,13 +546,13 @@ def _imagefolder_spec(folder: Path) -> DatasetSpec:
     except OSError as exc:
         raise DatasetError(f"{first_path}: cannot open image ({exc})") from exc
     return DatasetSpec(folder.name, IMAGEFOLDER, channels, height, width, len(listing.classes),
-                       len(listing), _family_for_geometry(height, width))
+                       len(listing), family_for_geometry(height, width))
 
 
 def _with_geometry(spec: DatasetSpec, height: int, width: int) -> DatasetSpec:
     if (height, width) == (spec.height, spec.width):
         return spec
-    return dataclasses.replace(spec, height=height, width=width, family=_family_for_geometry(height, width))
+    return dataclasses.replace(spec, height=height, width=width, family=family_for_geometry(height, width))
 
 
 # --------------------------------------------------------------------------------------------

@@ -308,16 +308,20 @@ def input_spec(family: str) -> InputSpec:
         ) from None
 
 
-def build_model(name: str, family: str, num_classes: int | None = None) -> nn.Module:
+def build_model(name: str, family: str, num_classes: int | None = None,
+                input_shape: tuple[int, int, int] | None = None) -> nn.Module:
     """Build a freshly initialised model for one dataset family.
 
     Args:
         name: a zoo network from ``NETWORKS``, or a user factory ``"package.module:function"``.
-            The factory is called as ``function(num_classes=<int>, in_channels=<int>)`` and must
-            return an ``nn.Module`` mapping ``(N, in_channels, H, W)`` to ``(N, num_classes)``;
-            exceptions raised inside it propagate unchanged.
+            The factory is called as ``function(num_classes=<int>, in_channels=<int>)``, plus
+            ``image_size=(height, width)`` when it takes an ``image_size`` parameter (or
+            ``**kwargs``), and must return an ``nn.Module`` mapping ``(N, in_channels, H, W)`` to
+            ``(N, num_classes)``; exceptions raised inside it propagate unchanged.
         family: a key of ``DATASET_FAMILIES``; picks the variant and the input geometry.
         num_classes: overrides the family's class count when given.
+        input_shape: ``(channels, height, width)`` of the dataset's samples, for a user factory
+            (default: the family's); zoo networks take the family's geometry.
 
     Returns:
         The model (zoo models are :class:`SequentialNet`) on the current default device, mapping
@@ -337,7 +341,8 @@ def build_model(name: str, family: str, num_classes: int | None = None) -> nn.Mo
     if isinstance(classes, bool) or not isinstance(classes, int) or classes < 1:
         raise UserError(f"num_classes must be a positive integer, got {num_classes!r}")
     if isinstance(name, str) and ":" in name:
-        return _build_user_model(name, spec.channels, classes)
+        channels, height, width = input_shape or (spec.channels, spec.height, spec.width)
+        return _build_user_model(name, channels, classes, (height, width))
     builder = _BUILDERS.get(name) if isinstance(name, str) else None
     if builder is None:
         raise UserError(
@@ -431,10 +436,16 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _build_user_model(target: str, in_channels: int, num_classes: int) -> nn.Module:
+def _build_user_model(target: str, in_channels: int, num_classes: int,
+                      image_size: tuple[int, int] | None = None) -> nn.Module:
+    from ddlscope.workloads.factories import ALLOWED, accepts_keyword
+
     module_name, _, attr = target.partition(":")
     if not module_name or not attr or ":" in attr:
         raise UserError(f"bad model factory {target!r}; expected 'package.module:function'")
+    if module_name == "__main__":
+        raise UserError(f"model factory {target!r} names the script being run (__main__): ddlscope's workers are "
+                        f"separate processes and cannot import it; {ALLOWED}")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any failure while importing user code is the user's to fix
@@ -442,7 +453,10 @@ def _build_user_model(target: str, in_channels: int, num_classes: int) -> nn.Mod
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise UserError(f"model factory {target!r}: module {module_name!r} has no callable {attr!r}")
-    model = factory(num_classes=num_classes, in_channels=in_channels)
+    kwargs: dict = dict(num_classes=num_classes, in_channels=in_channels)
+    if image_size is not None and accepts_keyword(factory, "image_size"):
+        kwargs["image_size"] = tuple(image_size)
+    model = factory(**kwargs)
     if not isinstance(model, nn.Module):
         raise UserError(f"model factory {target!r} returned {type(model).__name__}, not a torch.nn.Module")
     return model

@@ -1,0 +1,286 @@
+"""A swarm run peer by peer: what each peer contributed, and how the swarm changed under churn.
+
+For a ``collaborative`` run this module reads the steps, evaluations and events of every peer and
+gives:
+
+- **per peer** (:class:`PeerFigures`): samples contributed and their share of the swarm's, the
+  averaging rounds it took part in, the seconds it spent in them (its waits: matchmaking and the
+  all-reduce), the bytes it sent (its processes' TCP payload, :mod:`ddlscope.measure.host`; each
+  process of a peer that rejoined counted to its end) and their share of all peers' bytes, its
+  joins, leaves and kills, the samples lost when it was killed, and how long loading the swarm's
+  state took when it (re)joined (hivemind's ``load_state_from_peers``), and how many of those loads
+  were *futile* (its epoch did not advance: the swarm's progress record named a global epoch that
+  no live peer could give it — hivemind keeps a departed peer's progress for its
+  ``metadata_expiration``, 60 s, so a peer killed just after it moved on to a new epoch leaves the
+  others loading state at every step until the record expires);
+- **the swarm's size over time** (:func:`swarm_size_timeline`): peers training at each moment,
+  measured from the steps themselves — a peer trains from its first step to its last within one
+  *segment*; segments end where the peer left or was killed (``peer_leave``/``peer_kill``
+  events, :mod:`ddlscope.launch.churn`) or where it stored no step for :func:`gap_s` seconds;
+- a figure (:func:`plot_swarm`) of the swarm's size with each peer's held-out accuracy on the same
+  time axis (seconds since the swarm's first step, the clock of ``collaborative.churn``), and the
+  churn events marked.
+
+**Samples lost** with a killed peer are the samples of its steps after its last averaging round
+and before the kill: hivemind counted them toward the target batch size (the swarm's progress),
+but the gradients (or, with ``use_local_updates``, the local updates) they produced died with the
+process before any averaging carried them to the others.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GAP_FLOOR_S = 5.0
+"""Shortest pause, seconds, that splits a peer's steps into two training segments."""
+GAP_STEPS = 10
+"""...or this many median step times, if longer (an averaging round may pause a peer for a while)."""
+CHURN_KINDS = ("peer_join", "peer_rejoin", "peer_leave", "peer_kill")
+
+
+@dataclass
+class PeerFigures:
+    """One peer of a swarm run (see the module docstring for what each figure means)."""
+
+    peer: int
+    samples: int  # 0 for an auxiliary peer: it averages, it does not train
+    samples_share: float
+    averaging_rounds: int
+    averaging_s: float
+    sent_bytes: int | None
+    traffic_share: float | None
+    joins: int = 0
+    leaves: int = 0
+    kills: int = 0
+    samples_lost: int = 0
+    state_load_s: list[float] = field(default_factory=list)
+    futile_state_loads: int = 0
+
+
+@dataclass
+class SwarmAnalysis:
+    """The per-peer figures, training segments and swarm size of one run.
+
+    Attributes:
+        origin: wall time (Unix seconds) that the ``*_s`` times count from: the swarm's first step.
+        segments: per peer, ``(start_s, end_s)`` intervals in which it trained.
+        timeline: ``(times_s, sizes)``: the swarm's size from each time on (a step function).
+        churn: ``(peer, kind, at_s)`` of every churn event, in time order.
+        evals: per peer, ``(at_s, accuracy)`` of its held-out evaluations.
+    """
+
+    run_id: str
+    origin: float
+    peers: list[PeerFigures]
+    segments: dict[int, list[tuple[float, float]]]
+    timeline: tuple[list[float], list[int]]
+    churn: list[tuple[int, str, float]]
+    evals: dict[int, list[tuple[float, float]]]
+
+    @property
+    def has_churn(self) -> bool:
+        return bool(self.churn)
+
+
+def gap_s(steps: list[dict]) -> float:
+    """Pause between two stored steps of a peer, seconds, that ends a training segment:
+    ``max(GAP_FLOOR_S, GAP_STEPS x median step_s)``."""
+    durations = [s["step_s"] for s in steps if s.get("step_s")]
+    return max(GAP_FLOOR_S, GAP_STEPS * statistics.median(durations)) if durations else GAP_FLOOR_S
+
+
+def peer_segments(steps: list[dict], ends: list[float]) -> list[tuple[float, float]]:
+    """Training intervals of one peer, wall-clock seconds.
+
+    Args:
+        steps: the peer's step rows (``wall_time`` = step start, ``step_s``).
+        ends: wall times at which the peer left or was killed.
+
+    Returns:
+        ``(start, end)`` per segment: from a segment's first step start to its last step's end.
+    """
+    ordered = sorted(steps, key=lambda s: s["wall_time"])
+    limit, segments = gap_s(ordered), []
+    start = prev_end = None
+    for s in ordered:
+        t, end = s["wall_time"], s["wall_time"] + (s.get("step_s") or 0.0)
+        split = start is not None and (t - prev_end > limit or any(prev_end <= e <= t for e in ends))
+        if start is None or split:
+            if start is not None:
+                segments.append((start, prev_end))
+            start = t
+        prev_end = end
+    if start is not None:
+        segments.append((start, prev_end))
+    return segments
+
+
+def swarm_size_timeline(segments: dict[int, list[tuple[float, float]]]) -> tuple[list[float], list[int]]:
+    """The number of peers training from each change on: ``(times, sizes)``, times ascending,
+    ``sizes[i]`` holding from ``times[i]`` until ``times[i + 1]`` (0 after the last)."""
+    changes: dict[float, int] = {}
+    for intervals in segments.values():
+        for a, b in intervals:
+            changes[a] = changes.get(a, 0) + 1
+            changes[b] = changes.get(b, 0) - 1
+    times, sizes, size = [], [], 0
+    for t in sorted(changes):
+        size += changes[t]
+        times.append(t)
+        sizes.append(size)
+    return times, sizes
+
+
+def counter_total(values: list[int | None]) -> int | None:
+    """Total of a cumulative counter sampled in time order across processes that restart it (a
+    rejoined peer's new process counts from 0): the sum of each run of non-decreasing values' last
+    value. None when no value is known."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    total, prev = 0, known[0]
+    for v in known[1:]:
+        if v < prev:
+            total += prev
+        prev = v
+    return total + prev
+
+
+def samples_lost(steps: list[dict], killed_at: float) -> int:
+    """Samples of a peer's steps after its last averaging round before ``killed_at`` (wall time):
+    counted toward the swarm's target batch size, never averaged (module docstring)."""
+    before = sorted((s for s in steps if s["wall_time"] < killed_at), key=lambda s: s["wall_time"])
+    last_round = max((i for i, s in enumerate(before) if s.get("averaging_round")), default=-1)
+    return sum(int(s["samples"]) for s in before[last_round + 1:])
+
+
+def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
+    """Per-peer figures, segments and the swarm's size for run ``run_id`` of ``store``
+    (:class:`~ddlscope.store.db.ResultsStore`).
+
+    Raises:
+        ValueError: no such run.
+    """
+    run = store.run(run_id)
+    if run is None:
+        raise ValueError(f"no run {run_id!r} in {store.path}")
+    steps = store.rows("steps", run_id)
+    origin = min((float(s["wall_time"]) for s in steps), default=float(run["created_at"]))
+    events = store.rows("events", run_id)
+    by_peer: dict[int, list[dict]] = {}
+    for s in steps:
+        by_peer.setdefault(int(s["worker_index"]), []).append(s)
+    churn = [(int(e["worker_index"]), e["kind"], float(e["wall_time"])) for e in events if e["kind"] in CHURN_KINDS]
+    segments = {p: peer_segments(rows, [t for q, k, t in churn if q == p and k in ("peer_leave", "peer_kill")])
+                for p, rows in by_peer.items()}
+    total = sum(int(s["samples"]) for s in steps) or 1
+    host: dict[int, list[int | None]] = {}
+    for h in store.rows("host_samples", run_id):
+        host.setdefault(int(h["worker_index"]), []).append(h["net_sent_bytes"])
+    sent_by_peer = {p: counter_total(values) for p, values in host.items()}
+    known = [v for v in sent_by_peer.values() if v is not None]
+    total_bytes = sum(known) if known else None
+    aux_rounds: dict[int, list[dict]] = {}
+    for e in events:
+        if e["kind"] == "averaging_round" and json.loads(e["detail_json"] or "{}").get("auxiliary"):
+            aux_rounds.setdefault(int(e["worker_index"]), []).append(json.loads(e["detail_json"]))
+    figures = []
+    for p in sorted(set(by_peer) | set(aux_rounds)):
+        rows = by_peer.get(p, [])
+        rounds = [s for s in rows if s.get("averaging_round")] or [
+            dict(averaging_s=r.get("averaging_s")) for r in aux_rounds.get(p, [])]
+        sent = sent_by_peer.get(p)
+        mine = [(k, t) for q, k, t in churn if q == p]
+        loads = [json.loads(e["detail_json"] or "{}") for e in events
+                 if e["kind"] == "state_loaded" and e["worker_index"] == p]
+        figures.append(PeerFigures(
+            peer=p, samples=sum(int(s["samples"]) for s in rows),
+            samples_share=sum(int(s["samples"]) for s in rows) / total, averaging_rounds=len(rounds),
+            averaging_s=sum(s.get("averaging_s") or 0.0 for s in rounds),
+            sent_bytes=sent, traffic_share=sent / total_bytes if sent is not None and total_bytes else None,
+            joins=sum(k in ("peer_join", "peer_rejoin") for k, _ in mine), leaves=sum(k == "peer_leave" for k, _ in mine),
+            kills=sum(k == "peer_kill" for k, _ in mine),
+            samples_lost=sum(samples_lost(rows, t) for k, t in mine if k == "peer_kill"),
+            state_load_s=[d["seconds"] for d in loads if d.get("seconds") is not None],
+            futile_state_loads=sum(1 for d in loads if d.get("epoch_after") is not None
+                                   and d.get("epoch_before") is not None and d["epoch_after"] <= d["epoch_before"])))
+    times, sizes = swarm_size_timeline(segments)
+    evals: dict[int, list[tuple[float, float]]] = {}
+    for e in store.rows("evals", run_id):
+        evals.setdefault(int(e["worker_index"]), []).append((float(e["wall_time"]) - origin, float(e["accuracy"])))
+    return SwarmAnalysis(
+        run_id=run_id, origin=origin, peers=figures,
+        segments={p: [(a - origin, b - origin) for a, b in seg] for p, seg in segments.items()},
+        timeline=([t - origin for t in times], sizes), churn=[(p, k, t - origin) for p, k, t in churn], evals=evals)
+
+
+def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
+    """A Markdown section: the per-peer table, the churn events and the figure (``figure``: its file name)."""
+    lines = [f"### Run `{a.run_id}`", "",
+             "| peer | samples | share | averaging rounds | in rounds s | sent MB | traffic share | "
+             "joins / leaves / kills | samples lost | state loads (futile) | state load s, median |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in a.peers:
+        lines.append(
+            f"| {p.peer} | {p.samples:,} | {p.samples_share:.0%} | {p.averaging_rounds} | {p.averaging_s:.1f} | "
+            f"{'unknown' if p.sent_bytes is None else f'{p.sent_bytes / 1e6:.1f}'} | "
+            f"{'unknown' if p.traffic_share is None else f'{p.traffic_share:.0%}'} | {p.joins} / {p.leaves} / {p.kills} | "
+            f"{p.samples_lost:,} | {len(p.state_load_s)} ({p.futile_state_loads}) | "
+            f"{f'{statistics.median(p.state_load_s):.2f}' if p.state_load_s else '-'} |")
+    futile = [p for p in a.peers if p.futile_state_loads]
+    if futile:
+        lines += ["", "Futile state loads: " + ", ".join(f"peer {p.peer} {p.futile_state_loads} of "
+                                                        f"{len(p.state_load_s)}" for p in futile)
+                  + ". A peer loaded the swarm's state without its epoch advancing: the swarm's progress named an "
+                  "epoch no live peer had (a departed peer's record, kept by hivemind for 60 s); those steps "
+                  "trained nothing."]
+    if a.has_churn:
+        sizes = a.timeline[1]
+        lines += ["", "Churn: " + "; ".join(f"peer {p} {k[5:]} at {t:.1f} s" for p, k, t in a.churn) + ". "
+                  f"Peers training: at most {max(sizes, default=0)}, at least "
+                  f"{min((s for s in sizes[:-1]), default=0)} while the run went on."]
+    if figure:
+        lines += ["", f"![swarm size and accuracy of run {a.run_id}]({figure})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_swarm(a: SwarmAnalysis, path: Path) -> Path:
+    """Swarm size (top) and each peer's held-out accuracy (bottom) over seconds since the run was
+    created, churn events as vertical lines; written as PNG to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ddlscope.analyze.plots import DPI
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True, height_ratios=[1, 1.3])
+    times, sizes = a.timeline
+    if times:
+        top.step(times, sizes, where="post", color="tab:blue")
+    top.set_ylabel("peers training")
+    top.set_title(f"Swarm size and accuracy, run {a.run_id}")
+    top.yaxis.get_major_locator().set_params(integer=True)
+    for peer, points in sorted(a.evals.items()):
+        xs, ys = zip(*sorted(points))
+        bottom.plot(xs, ys, marker="o", ms=3, label=f"peer {peer}")
+    styles = {"peer_kill": ("tab:red", "--"), "peer_leave": ("tab:orange", ":"),
+              "peer_join": ("tab:green", "-."), "peer_rejoin": ("tab:green", "-.")}
+    for i, (peer, kind, t) in enumerate(a.churn):
+        color, style = styles[kind]
+        for ax in (top, bottom):
+            ax.axvline(t, color=color, linestyle=style, linewidth=1)
+        top.annotate(f"peer {peer} {kind[5:]}", (t, 0), xytext=(3, 3 + 10 * (i % 3)), textcoords="offset points",
+                     fontsize=7, color=color)
+    bottom.set_xlabel("seconds since the swarm's first step")
+    bottom.set_ylabel("held-out accuracy")
+    if a.evals:
+        bottom.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path

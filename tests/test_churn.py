@@ -1,0 +1,162 @@
+"""Churn in a swarm: peers that join late, leave, are killed and rejoin (collaborative.churn)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+
+from ddlscope.analyze.swarm import (analyze_swarm, counter_total, peer_segments, plot_swarm, samples_lost,
+                                    swarm_markdown, swarm_size_timeline)
+from ddlscope.config import validate_config
+from ddlscope.distribution.collaborative import ChurnEvent, RandomChurn
+from ddlscope.errors import UserError
+from ddlscope.launch.churn import ChurnSchedule
+from ddlscope.launch.local import run_local
+from ddlscope.store.db import ResultsStore
+from tests.conftest import tiny_run
+
+can_emulate = sys.platform.startswith("linux") and os.geteuid() == 0 and shutil.which("tc") is not None
+
+
+def _swarm(peers=3, run=None, **collaborative) -> dict:
+    table = dict(target_batch_size=160, matchmaking_time_s=1.0, averaging_timeout_s=10.0)
+    return tiny_run(strategy="collaborative", peers=peers, share_cores=True, **(run or {}),
+                    collaborative={**table, **collaborative})
+
+
+@pytest.mark.parametrize("event, words", [
+    (dict(peer=1, leave_at_s=5, kill_at_s=6), "leave_at_s and kill_at_s both given"),
+    (dict(peer=1, join_at_s=10, kill_at_s=5), "not after it joins"),
+    (dict(peer=1, rejoin_at_s=5), "needs an earlier leave_at_s or kill_at_s"),
+    (dict(peer=1, kill_at_s=9, rejoin_at_s=5), "needs an earlier"),
+])
+def test_a_schedule_out_of_order_is_refused(event, words):
+    with pytest.raises(ValueError, match=words):
+        ChurnEvent(**event)
+
+
+@pytest.mark.parametrize("collaborative, words", [
+    (dict(churn=[dict(peer=3, kill_at_s=5)]), r"peers \[3\] are not in the run; allowed: 0..2"),
+    (dict(churn=[dict(peer=1, kill_at_s=5), dict(peer=1, join_at_s=2)]), "more than one schedule"),
+    (dict(churn=[dict(peer=0, join_at_s=5)]), "peer 0 bootstraps the swarm"),
+    (dict(random_churn=dict(kills=2, leaves=2)), "need that many peers without a churn table"),
+    (dict(random_churn=dict(kills=1, window_s=[30, 10])), "earliest <= latest"),
+    (dict(churn=[dict(peer=1, kill_at_s=5, rejoin_at_s=60)], run=dict(sample_budget=None, time_limit_s=30)),
+     "rejoin_at_s = 60 s is at or after the run's end"),
+])
+def test_bad_churn_settings_get_one_message_before_anything_starts(collaborative, words):
+    with pytest.raises(UserError, match=words):
+        validate_config(_swarm(**collaborative))
+
+
+def test_random_churn_is_reproducible_and_keeps_peer_0_from_joining_late():
+    draw = RandomChurn(seed=3, joins=2, kills=1, leaves=1, window_s=(5, 50), rejoin_after_s=10)
+    first, again = draw.events(5, taken=set()), draw.events(5, taken=set())
+    assert first == again and len({e.peer for e in first}) == 4
+    assert all(5 <= t <= 50 for e in first for t in (e.join_at_s or 5, e.gone_at_s or 5))
+    assert all(e.peer != 0 for e in first if e.join_at_s > 0)
+    assert all(e.rejoin_at_s == pytest.approx(e.gone_at_s + 10) for e in first if e.gone_at_s is not None)
+    assert {e.peer for e in draw.events(5, taken={1})} <= {0, 2, 3, 4}
+    other = [RandomChurn(seed=s, kills=1, window_s=(5, 50)).events(5, set()) for s in range(6)]
+    assert len({(o[0].peer, o[0].kill_at_s) for o in other}) > 1  # the seed matters
+
+
+def test_the_schedule_hands_out_each_action_once_in_time_order():
+    schedule = ChurnSchedule([ChurnEvent(peer=1, kill_at_s=8, rejoin_at_s=12), ChurnEvent(peer=2, join_at_s=4, leave_at_s=8)])
+    assert schedule.late_peers() == {2}
+    assert [(a.peer, a.kind) for a in schedule.due(8.0)] == [(2, "join"), (2, "leave"), (1, "kill")]
+    assert schedule.due(9.0) == [] and schedule.pending
+    assert [(a.peer, a.kind) for a in schedule.cancel()] == [(1, "rejoin")] and not schedule.pending
+
+
+def _steps(times, step_s=0.1, rounds=()):
+    return [dict(wall_time=t, step_s=step_s, samples=16, averaging_round=int(i in rounds)) for i, t in enumerate(times)]
+
+
+def test_segments_split_at_a_kill_and_at_a_long_pause_and_the_swarm_size_follows():
+    times = [0.0, 0.1, 0.2, 0.3, 3.0, 3.1, 20.0, 20.1]
+    segments = peer_segments(_steps(times), ends=[1.0])
+    assert segments == [(0.0, pytest.approx(0.4)), (3.0, pytest.approx(3.2)), (20.0, pytest.approx(20.2))]
+    assert swarm_size_timeline({0: [(0.0, 10.0)], 1: [(2.0, 4.0), (6.0, 12.0)]}) == (
+        [0.0, 2.0, 4.0, 6.0, 10.0, 12.0], [1, 2, 1, 2, 1, 0])
+
+
+def test_samples_lost_are_those_after_the_last_averaging_round_before_the_kill():
+    steps = _steps([0, 1, 2, 3, 4, 5, 6], rounds={2})
+    assert samples_lost(steps, killed_at=5.5) == 3 * 16  # steps 3, 4, 5
+    assert samples_lost(_steps([0, 1, 2]), killed_at=10) == 3 * 16  # no round at all: everything
+    assert counter_total([None, 10, 50, 80, 5, 30, None]) == 80 + 30
+    assert counter_total([None, None]) is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not can_emulate, reason="needs root and iproute2 for the emulated links")
+def test_four_peers_with_a_slow_link_an_auxiliary_peer_and_churn_complete(env_data, db_path, tmp_path):
+    """Issue 14's whole swarm: peer 1 is killed and rejoins, peer 2 joins late over a slow link and leaves,
+    peer 3 is auxiliary (it averages, it trains on no batch)."""
+    # times in seconds since the swarm's first step; every peer trains 10 s (a rejoined one 10 s more)
+    cfg = validate_config(_swarm(
+        peers=4, run=dict(sample_budget=None, time_limit_s=10, eval_every_steps=20,
+                          network=dict(emulate=True, bandwidth_mbit_per_s=200, links=[dict(peer=2, bandwidth_mbit_per_s=20)])),
+        auxiliary_peers=[3], churn=[dict(peer=1, kill_at_s=3, rejoin_at_s=5), dict(peer=2, join_at_s=1, leave_at_s=8)]))
+    run_id = run_local(cfg, db_path, progress=False)
+    with ResultsStore(db_path) as store:
+        run, workers = store.run(run_id), {w["worker_index"]: w for w in store.workers(run_id)}
+        assert run["status"] == "completed", run["reason"]
+        kinds = [(e["worker_index"], e["kind"]) for e in store.rows("events", run_id)]
+        for expected in [(2, "peer_join"), (1, "peer_kill"), (1, "peer_rejoin"), (2, "peer_leave")]:
+            assert expected in kinds, kinds
+        assert (None, "churn_schedule") in kinds
+        assert workers[2]["status"] == "completed" and workers[2]["reason"].startswith("left the swarm"), dict(workers[2])
+        assert workers[1]["status"] == workers[0]["status"] == "completed"
+        assert workers[3]["reason"].startswith("auxiliary: helped average in"), dict(workers[3])
+        assert set(store.step_counts(run_id)) == {0, 1, 2}  # the auxiliary peer trained on no batch
+        # the rejoined peer 1 continued its step count: one row per step, none twice, steps on both sides of the kill
+        steps = store.rows("steps", run_id)
+        kill = next(e["wall_time"] for e in store.rows("events", run_id) if e["kind"] == "peer_kill")
+        numbers = [s["step"] for s in steps if s["worker_index"] == 1]
+        assert numbers == list(range(len(numbers)))
+        assert any(s["wall_time"] < kill for s in steps if s["worker_index"] == 1)
+        assert any(s["wall_time"] > kill for s in steps if s["worker_index"] == 1)
+        links = {r["worker_index"]: r for r in store.rows("network_links", run_id)}
+        assert links[2]["upload_mbit_per_s"] == 20 and links[0]["upload_mbit_per_s"] == 200
+        analysis = analyze_swarm(store, run_id)
+    by_peer = {p.peer: p for p in analysis.peers}
+    assert (by_peer[1].kills, by_peer[1].joins, by_peer[2].leaves) == (1, 1, 1)
+    assert by_peer[3].samples == 0 and by_peer[3].sent_bytes > 0
+    assert len(analysis.segments[1]) == 2  # before the kill, after the rejoin
+    sizes = analysis.timeline[1]
+    assert max(sizes) <= 3 and 1 in sizes[:-1]  # peer 0 trained alone for a while
+    text = swarm_markdown(analysis, "swarm.png")
+    assert "peer 1 kill at" in text and "| 3 | 0 |" in text
+    assert plot_swarm(analysis, tmp_path / "swarm.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_a_swarm_whose_last_peer_dies_fails(env_data, db_path):
+    cfg = validate_config(_swarm(peers=2, run=dict(sample_budget=None, time_limit_s=30), churn=[
+        dict(peer=1, kill_at_s=1), dict(peer=0, kill_at_s=3)]))
+    run_id = run_local(cfg, db_path, progress=False)
+    with ResultsStore(db_path) as store:
+        run = store.run(run_id)
+        assert run["status"] == "failed"
+        assert "the swarm emptied" in run["reason"] and "peer 0, kill at 3 s" in run["reason"], run["reason"]
+        assert {w["status"] for w in store.workers(run_id)} == {"failed"}
+
+
+@pytest.mark.parametrize("collaborative, words", [
+    (dict(auxiliary_peers=[3]), r"auxiliary_peers: \[3\] are not peers"),
+    (dict(auxiliary_peers=[1], client_mode_peers=[1]), "also client_mode_peers"),
+    (dict(auxiliary_peers=[0, 1, 2]), "every peer auxiliary leaves no one to train"),
+])
+def test_bad_auxiliary_peers_are_refused(collaborative, words):
+    with pytest.raises(UserError, match=words):
+        validate_config(_swarm(**collaborative))
+
+
+def test_auxiliary_peers_take_no_share_of_the_sample_budget():
+    cfg = validate_config(_swarm(run=dict(sample_budget=2 * 16 * 50), auxiliary_peers=[2]))
+    assert cfg.max_steps_per_peer() == 50 and cfg.collaborative.peers_at_end(3) == 2
