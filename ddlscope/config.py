@@ -107,6 +107,8 @@ class RunConfigBase(BaseModel):
 
     peers: int = Field(1, ge=1, le=MAX_PEERS, description="workers/peers trained at once (1 for single; stages for gpipe/1f1b)")
     vcpus_per_peer: int | None = Field(None, ge=1, description="CPU cores pinned to each peer; default all cores / peers")
+    peer_vcpus: list[int] | None = Field(None, description="cores of each peer in order, for peers of different "
+                                         "speeds (e.g. [2, 1, 1]: one fast, two slow); instead of vcpus_per_peer")
     share_cores: bool = Field(False, description="more peers than cores: peers share cores round-robin (their compute "
                                                  "contends, e.g. a many-peer swarm of tiny models); else refused")
 
@@ -173,6 +175,12 @@ class RunConfigBase(BaseModel):
         bad_workers = model.check_workers(self.peers)
         if bad_workers:
             raise ValueError(f"peers = {self.peers}: {bad_workers}")
+        if self.peer_vcpus is not None:
+            if len(self.peer_vcpus) != self.peers or min(self.peer_vcpus) < 1:
+                raise ValueError(f"peer_vcpus = {self.peer_vcpus}: allowed: one core count >= 1 per peer "
+                                 f"({self.peers} of them)")
+            if self.vcpus_per_peer is not None:
+                raise ValueError("peer_vcpus and vcpus_per_peer both given; allowed: one of them")
         if self.sample_budget is None and self.target_accuracy is None and self.time_limit_s is None:
             raise ValueError("no stop condition: set at least one of sample_budget, target_accuracy, time_limit_s")
         per_step = self.data_parallel_size * self.batch_size
@@ -224,7 +232,10 @@ class RunConfigBase(BaseModel):
         return f"{self.strategy}-{self.model}-{Path(self.dataset).name}{suffix}"
 
     def cores_per_peer(self, cores: list[int] | None = None, local_workers: int | None = None) -> int:
-        """Cores each peer gets: ``vcpus_per_peer`` or an equal share of the available cores."""
+        """Cores each peer gets: ``vcpus_per_peer`` or an equal share of the available cores (with
+        ``peer_vcpus``: the fewest any peer gets, the slowest peer's)."""
+        if self.peer_vcpus is not None:
+            return min(self.peer_vcpus)
         cores = cores if cores is not None else available_cores()
         return self.vcpus_per_peer or max(1, len(cores) // (local_workers or self.peers))
 
@@ -243,6 +254,8 @@ class RunConfigBase(BaseModel):
         """
         cores = cores if cores is not None else available_cores()
         n = local_workers or self.peers
+        if self.peer_vcpus is not None:
+            return self._uneven_core_sets(cores, self.peer_vcpus[:n])
         per_peer = self.cores_per_peer(cores, n)
         if per_peer * n > len(cores):
             if not self.share_cores or per_peer > len(cores):
@@ -252,6 +265,20 @@ class RunConfigBase(BaseModel):
                     f"or share_cores = true to let peers share cores (vcpus_per_peer <= {len(cores)})")
             return [sorted({cores[(i * per_peer + k) % len(cores)] for k in range(per_peer)}) for i in range(n)]
         return [cores[i * per_peer:(i + 1) * per_peer] for i in range(n)]
+
+    def _uneven_core_sets(self, cores: list[int], sizes: list[int]) -> list[list[int]]:
+        """Consecutive core sets of the given sizes (``peer_vcpus``); round-robin with ``share_cores``.
+
+        Raises:
+            UserError: they need more cores than there are (without ``share_cores``), or one peer
+                more cores than there are.
+        """
+        if max(sizes) > len(cores) or (sum(sizes) > len(cores) and not self.share_cores):
+            raise UserError(f"peer_vcpus = {sizes} needs {sum(sizes)} cores, but this machine gives ddlscope "
+                            f"{len(cores)} ({cores}); allowed: a sum <= {len(cores)}, or share_cores = true "
+                            f"(each at most {len(cores)})")
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [sorted({cores[(s + k) % len(cores)] for k in range(size)}) for s, size in zip(starts, sizes)]
 
     def max_steps_per_peer(self) -> int | None:
         """Steps (micro-batches) each peer runs under the sample budget: budget / (peers x batch_size).

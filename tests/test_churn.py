@@ -21,9 +21,9 @@ from tests.conftest import tiny_run
 can_emulate = sys.platform.startswith("linux") and os.geteuid() == 0 and shutil.which("tc") is not None
 
 
-def _swarm(peers=3, run=None, **collaborative) -> dict:
+def _swarm(peers=3, run=None, share_cores=True, **collaborative) -> dict:
     table = dict(target_batch_size=160, matchmaking_time_s=1.0, averaging_timeout_s=10.0)
-    return tiny_run(strategy="collaborative", peers=peers, share_cores=True, **(run or {}),
+    return tiny_run(strategy="collaborative", peers=peers, share_cores=share_cores, **(run or {}),
                     collaborative={**table, **collaborative})
 
 
@@ -131,7 +131,7 @@ def test_four_peers_with_a_slow_link_an_auxiliary_peer_and_churn_complete(env_da
     sizes = analysis.timeline[1]
     assert max(sizes) <= 3 and 1 in sizes[:-1]  # peer 0 trained alone for a while
     text = swarm_markdown(analysis, "swarm.png")
-    assert "peer 1 kill at" in text and "| 3 | 0 |" in text
+    assert "peer 1 kill at" in text and "| 3 | 1 | 0 |" in text  # peer 3: 1 core, no samples
     assert plot_swarm(analysis, tmp_path / "swarm.png").stat().st_size > 10_000
 
 
@@ -160,3 +160,17 @@ def test_bad_auxiliary_peers_are_refused(collaborative, words):
 def test_auxiliary_peers_take_no_share_of_the_sample_budget():
     cfg = validate_config(_swarm(run=dict(sample_budget=2 * 16 * 50), auxiliary_peers=[2]))
     assert cfg.max_steps_per_peer() == 50 and cfg.collaborative.peers_at_end(3) == 2
+
+
+def test_peers_of_different_speeds_get_their_own_core_counts():
+    fast_and_slow = validate_config(_swarm(peers=3, share_cores=True, run=dict(peer_vcpus=[2, 1, 1])))
+    assert fast_and_slow.core_sets(cores=[0, 1, 2, 3]) == [[0, 1], [2], [3]]
+    assert fast_and_slow.core_sets(cores=[0, 1]) == [[0, 1], [0], [1]]  # shared round-robin
+    assert fast_and_slow.cores_per_peer() == 1
+    with pytest.raises(UserError, match=r"peer_vcpus = \[2, 1\] needs 3 cores"):
+        validate_config(tiny_run(strategy="collaborative", peers=2, peer_vcpus=[2, 1])).core_sets(cores=[0, 1])
+    for bad, words in [([1], "one core count >= 1 per peer"), ([0, 1], "one core count >= 1 per peer")]:
+        with pytest.raises(UserError, match=words):
+            validate_config(tiny_run(strategy="collaborative", peers=2, peer_vcpus=bad))
+    with pytest.raises(UserError, match="peer_vcpus and vcpus_per_peer both given"):
+        validate_config(tiny_run(strategy="collaborative", peers=2, peer_vcpus=[1, 1], vcpus_per_peer=1))

@@ -46,6 +46,7 @@ class PeerFigures:
     """One peer of a swarm run (see the module docstring for what each figure means)."""
 
     peer: int
+    cores: int | None  # CPU cores it was pinned to (peer_vcpus); None when not recorded
     samples: int  # 0 for an auxiliary peer: it averages, it does not train
     samples_share: float
     averaging_rounds: int
@@ -187,6 +188,7 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
     for e in events:
         if e["kind"] == "averaging_round" and json.loads(e["detail_json"] or "{}").get("auxiliary"):
             aux_rounds.setdefault(int(e["worker_index"]), []).append(json.loads(e["detail_json"]))
+    pinned = {int(w["worker_index"]): len(w["cores"].split(",")) for w in store.workers(run_id) if w["cores"]}
     figures = []
     for p in sorted(set(by_peer) | set(aux_rounds)):
         rows = by_peer.get(p, [])
@@ -197,7 +199,7 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
         loads = [json.loads(e["detail_json"] or "{}") for e in events
                  if e["kind"] == "state_loaded" and e["worker_index"] == p]
         figures.append(PeerFigures(
-            peer=p, samples=sum(int(s["samples"]) for s in rows),
+            peer=p, cores=pinned.get(p), samples=sum(int(s["samples"]) for s in rows),
             samples_share=sum(int(s["samples"]) for s in rows) / total, averaging_rounds=len(rounds),
             averaging_s=sum(s.get("averaging_s") or 0.0 for s in rounds),
             sent_bytes=sent, traffic_share=sent / total_bytes if sent is not None and total_bytes else None,
@@ -220,12 +222,12 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
 def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
     """A Markdown section: the per-peer table, the churn events and the figure (``figure``: its file name)."""
     lines = [f"### Run `{a.run_id}`", "",
-             "| peer | samples | share | averaging rounds | in rounds s | sent MB | traffic share | "
+             "| peer | cores | samples | share | averaging rounds | in rounds s | sent MB | traffic share | "
              "joins / leaves / kills | samples lost | state loads (futile) | state load s, median |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in a.peers:
         lines.append(
-            f"| {p.peer} | {p.samples:,} | {p.samples_share:.0%} | {p.averaging_rounds} | {p.averaging_s:.1f} | "
+            f"| {p.peer} | {p.cores if p.cores is not None else '-'} | {p.samples:,} | {p.samples_share:.0%} | {p.averaging_rounds} | {p.averaging_s:.1f} | "
             f"{'unknown' if p.sent_bytes is None else f'{p.sent_bytes / 1e6:.1f}'} | "
             f"{'unknown' if p.traffic_share is None else f'{p.traffic_share:.0%}'} | {p.joins} / {p.leaves} / {p.kills} | "
             f"{p.samples_lost:,} | {len(p.state_load_s)} ({p.futile_state_loads}) | "

@@ -746,6 +746,7 @@ def measure(progress: Callable[[str], None] | None = None, timeout_s: float = DE
                 say(f"dmoe: the expert server did not start within {SERVER_SILENT_S:g} s; starting it once more")
                 signal_group(server.pid, signal.SIGKILL)
                 server.wait()
+                del roles[procs.index(server)], procs[procs.index(server)]  # its -9 is ours, not a failure
                 start("serve", server_core)
                 wait_for(os.path.join(tmp, "server.json"), "it served its experts")
             if server_core != client_core:  # the shared rounds need the server's core to differ from the client's

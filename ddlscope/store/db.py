@@ -548,6 +548,8 @@ class ResultsStore:
                 self.add_host_sample(run_id, worker_index, sample)
                 return
             if getattr(local, "store", None) is None:
+                if not self.path.exists():  # removed during the run: never make a new, empty store in its place
+                    return
                 local.store = ResultsStore(self.path)
             local.store.add_host_sample(run_id, worker_index, sample)
 
