@@ -462,15 +462,10 @@ def test_zoo_moe_networks_are_sequential_with_one_mixture_child():
 
 # ------------------------------------------------------------------------------------ real calibration
 @pytest.mark.slow
-def test_real_calibration_fits_positive_costs_and_leaves_nothing_running(monkeypatch):
+def test_real_calibration_fits_positive_costs_and_leaves_nothing_running():
     import psutil
 
-    import ddlscope.profiling.dmoe_rpc
     from ddlscope.profiling.dmoe_rpc import calibrate_dmoe
-
-    # no server is ready 50 ms after its start: the calibration kills it as silent and starts it once more,
-    # the path a rare hivemind start hang takes (the killed one must not count as a failure)
-    monkeypatch.setattr(ddlscope.profiling.dmoe_rpc, "SERVER_SILENT_S", 0.05)
 
     def ours() -> set[int]:  # the children, their forked task pools and DHTs carry the module in their command line
         found = set()
@@ -489,7 +484,6 @@ def test_real_calibration_fits_positive_costs_and_leaves_nothing_running(monkeyp
     assert fit.server_forward_cpu_s > 0 and fit.client_backward_cpu_s > 0
     assert len(cal.forward_residuals) == len(cal.backward_residuals) == 12
     assert any("beam search" in line for line in lines)
-    assert any("starting it once more" in line for line in lines), lines
     if cal.server_core != cal.client_core:  # the second client ran on the server's core
         assert cal.shared is not None and cal.shared["together_cpu_s"]["second"] > 0
         assert fit.colocated_cpu_ratio == pytest.approx(cal.shared["ratio"], rel=1e-3)

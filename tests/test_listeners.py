@@ -158,7 +158,8 @@ def test_every_socket_of_a_local_run_is_on_loopback(strategy, env_data, db_path)
             for p in _tree(proc.pid):
                 try:
                     for c in p.net_connections("inet"):
-                        if c.status == psutil.CONN_LISTEN or c.type == socket.SOCK_DGRAM:
+                        # a UDP socket connected to a peer (a DNS query's) receives from that peer only: not a listener
+                        if c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and not c.raddr):
                             seen[(c.type.name, c.laddr.ip, c.laddr.port)] = " ".join(p.cmdline()[:4])
                 except psutil.Error:
                     continue
