@@ -187,7 +187,8 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
             validation grid's fields), ``speed`` (``profile_and_predict_s``, ``further_cluster_s``,
             ``further_strategy_s``), ``validation_wall_s``, ``summary`` (``ValidationSummary.to_dict()``:
             ``per_model`` / ``per_reference`` of ``{count, median_abs_error, max_abs_error,
-            median_error}`` as fractions, ``targets`` of ``{name, value, threshold, comparison,
+            median_error}`` as fractions (and ``per_link`` / ``per_link_reference``, keyed
+            ``"<model> @ <link>"``, on emulated links), ``targets`` of ``{name, value, threshold, comparison,
             passed}``, ``top1_correct``, ``top1_determined``, ``median_regret``, ``tau_pooled``,
             ``cells``), ``measured_at`` and ``speed_targets_s`` (``{profile_and_predict_s, further_s}``).
         header: the line above the tables (default: :func:`provenance` of this machine, now).
@@ -232,14 +233,17 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
              f"{grid.get('matchmaking_time_s', '?')} s); {summary.get('cells', '?')} cells"
              + (f"; the real runs took {wall / 60:.1f} min." if wall else "."), ""]
     rows = []
-    for name, m in per_model.items():
-        refs = [f"{key.split(' ', 1)[1]}: {_pct(r.get('median_abs_error'))}" for key, r in per_ref.items()
-                if key.split(" ", 1)[0] == name]
+    per_link, per_link_ref = summary.get("per_link") or {}, summary.get("per_link_reference") or {}
+    for name, m in [*per_model.items(), *per_link.items()]:
+        model, _, link = name.partition(" @ ")
+        refs = [f"{key.split(' ', 1)[1].split(' @ ')[0]}: {_pct(r.get('median_abs_error'))}"
+                for key, r in (per_link_ref if link else per_ref).items()
+                if key.split(" ", 1)[0] == model and key.partition(" @ ")[2] == link]
         count = m.get("count")
         rows.append([name, "–" if count is None else str(count), _pct(m.get("median_abs_error")),
                      _pct(m.get("max_abs_error")), _pct(m.get("median_error"), signed=True), ", ".join(refs),
                      *target(f"median abs error {name}")])
-    lines += [markdown_table(["distribution model", "cells", "median abs error", "max abs error",
+    lines += [markdown_table(["distribution model (@ emulated link)", "cells", "median abs error", "max abs error",
                               "median error (signed)", "thesis reference: median abs error", "target", "met"],
                              rows), ""]
     top1 = f"{summary.get('top1_correct', '–')} / {summary.get('top1_determined', '–')}"
@@ -261,29 +265,34 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
 
 
 def overhead_markdown(result: Mapping[str, Any], header: str | None = None) -> str:
-    """The block of ``benchmarks/overhead.py``: ms per step plain vs. instrumented and the overhead.
+    """The block of ``benchmarks/overhead.py``: ms per step plain vs. instrumented and the overhead,
+    one row per workload.
 
     Args:
-        result: the dict written to ``benchmarks/results/overhead.json`` (``model``, ``dataset``,
-            ``batch_size``, ``timed_steps``, ``repeats``, ``plain_step_ms``, ``ddlscope_step_ms``,
-            ``overhead_fraction``, ``target_fraction``, ``meets_target``; ``measured_at`` optional).
+        result: the dict written to ``benchmarks/results/overhead.json``: ``workloads``, a list of
+            dicts with ``model``, ``dataset``, ``batch_size``, ``timed_steps``, ``repeats``,
+            ``plain_step_ms``, ``ddlscope_step_ms``, ``overhead_fraction``, ``target_fraction``,
+            ``meets_target`` (and ``device``), plus ``device`` and ``gpu`` of the run; or one such
+            dict alone (the format before ``--device``). ``measured_at`` optional.
         header: the line above the table (default: :func:`provenance` of this machine, now).
 
     Raises:
         UserError: ``result`` lacks one of those keys (not an overhead result).
     """
     try:
-        row = [f"{result['model']} / {result['dataset']}, batch {result['batch_size']}", str(result["timed_steps"]),
-               str(result["repeats"]), f"{result['plain_step_ms']:.1f}", f"{result['ddlscope_step_ms']:.1f}",
-               _pct(result["overhead_fraction"]), f"< {_pct(result['target_fraction'])}",
-               "yes" if result["meets_target"] else "**no**"]
+        rows = [[f"{w['model']} / {w['dataset']}, batch {w['batch_size']}", str(w["timed_steps"]), str(w["repeats"]),
+                 f"{w['plain_step_ms']:.1f}", f"{w['ddlscope_step_ms']:.1f}", _pct(w["overhead_fraction"]),
+                 f"< {_pct(w['target_fraction'])}", "yes" if w["meets_target"] else "**no**"]
+                for w in result.get("workloads", [result])]
     except (KeyError, TypeError) as e:
         raise UserError(f"not a benchmarks/overhead.py result: missing {e}; allowed: the dict it writes to "
                         "benchmarks/results/overhead.json") from None
     header = header or provenance("benchmarks/overhead.py", str(result.get("measured_at", ""))[:16] or None)
+    device = result.get("device")
+    where = f"\n\nDevice: {result.get('gpu') or device}." if device else ""
     table = markdown_table(["workload", "timed steps", "repeats", "plain ms/step", "ddlscope ms/step",
-                            "overhead (median)", "target", "met"], [row])
-    return f"{header}\n\n{table}"
+                            "overhead (median)", "target", "met"], rows)
+    return f"{header}{where}\n\n{table}"
 
 
 def dmoe_overhead_markdown(result: Mapping[str, Any], header: str | None = None) -> str:

@@ -10,6 +10,12 @@
    cells, median regret <= 5 %.
 
     python benchmarks/predictor.py [--grid local] [--cluster FILE] [--db DB]
+    sudo python benchmarks/predictor.py --grid links     # emulated links (root): every model that runs on them
+
+With ``--grid links`` (or ``moe-links``) the errors are also reported per distribution model and
+emulated link (``"ddp @ 50 Mbit/s"``), each such cell group against the same <= 10 % target, and
+the thesis references' errors there show where eq. 5.1 and eq. 6.1/6.2 break. Another grid than
+``local`` writes ``benchmarks/results/predictor-<grid>.json`` and the ``predictor-<grid>`` block.
 
 Prints a table, writes ``benchmarks/results/predictor.json`` (and the validation report next
 to the database) and rewrites the results block of ``docs/validation.md`` (``--docs``; ``--no-docs``
@@ -72,8 +78,9 @@ def main() -> None:
     ap.add_argument("--docs", type=Path, default=DOCS_PAGE, help="docs page whose 'predictor' block is rewritten")
     ap.add_argument("--no-docs", action="store_true", help="leave the docs page as it is")
     args = ap.parse_args()
+    block = "predictor" if args.grid == "local" else f"predictor-{Path(args.grid).stem}"
     if not args.no_docs:
-        check_docs_block(args.docs, "predictor")
+        check_docs_block(args.docs, block)
 
     grid = load_grid(args.grid)
     tmp = Path(tempfile.mkdtemp(prefix="ddlscope-predictor-"))
@@ -84,7 +91,11 @@ def main() -> None:
         from ddlscope.profiling.calibrate import calibrate
 
         cluster = calibrate(workers=grid.workers, threads=grid.threads, hivemind="collaborative" in grid.strategies,
-                            matchmaking_time_s=grid.matchmaking_time_s).cluster
+                            matchmaking_time_s=grid.matchmaking_time_s, dmoe="dmoe" in grid.strategies).cluster
+        from ddlscope.modeling.cluster import write_cluster
+
+        kept = write_cluster(cluster, db.parent / "cluster.toml", header="calibrated by benchmarks/predictor.py")
+        print(f"calibrated this machine: {kept} (pass it as --cluster to reuse)")
     data_root = db.parent / "suite-data"
     fast = speed(grid, cluster, load_cluster(args.other_cluster), tmp / "fresh-profiles", data_root)
     t0 = time.perf_counter()
@@ -111,13 +122,13 @@ def main() -> None:
            "summary": summary.to_dict(), "cells": [asdict(c) for c in cells], "db": str(db),
            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
            "speed_targets_s": {"profile_and_predict_s": SPEED_TARGET_S, "further_s": FURTHER_TARGET_S}}
-    result_file = HERE / "results" / "predictor.json"
+    result_file = HERE / "results" / ("predictor.json" if block == "predictor" else f"{block}.json")
     result_file.parent.mkdir(exist_ok=True)
     result_file.write_text(json.dumps(out, indent=2, default=str))
     print(f"wrote {result_file}")
     if not args.no_docs:           # the docs show what the JSON holds, read back
-        update_docs_block(args.docs, "predictor", predictor_markdown(json.loads(result_file.read_text())))
-        print(f"rewrote the 'predictor' block of {args.docs}")
+        update_docs_block(args.docs, block, predictor_markdown(json.loads(result_file.read_text())))
+        print(f"rewrote the {block!r} block of {args.docs}")
 
 
 if __name__ == "__main__":

@@ -267,6 +267,9 @@ def run(
                                               "torchrun, see 'ddlscope models')"),
     rdzv_endpoint: Optional[str] = typer.Option(None, help="cluster: HOST:PORT of the rendezvous on the first node"),
     run_id: Optional[str] = typer.Option(None, help="cluster: the same run id on every node"),
+    local_addr: Optional[str] = typer.Option(None, help="cluster: this node's address as the other nodes reach it "
+                                                         "(its rendezvous role and gloo's interface follow; default: "
+                                                         "what the host name resolves to)"),
     progress: bool = typer.Option(True),
     as_json: bool = typer.Option(False, "--json", help="print the stored run (as 'ddlscope runs --json' does) as JSON "
                                                        "on stdout; progress and the outcome line go to stderr"),
@@ -282,6 +285,9 @@ def run(
     if nnodes > 1 and not (rdzv_endpoint and run_id):
         raise UserError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (the first node) and --run-id NAME, "
                         f"the same on every node")
+    if local_addr is not None and nnodes == 1:
+        raise UserError(f"--local-addr {local_addr} is for a cluster: it needs --nnodes >= 2 (with --rdzv-endpoint "
+                        f"and --run-id)")
     if config is None and not set_:
         raise UserError("give a run config file or --set fields, e.g. ddlscope run --set model='\"tiny_cnn\"' "
                         "--set dataset='\"digits\"' (every field: docs/config.md; the main job: ddlscope quickstart)")
@@ -290,9 +296,13 @@ def run(
     _check_local_peers(cfg, local_peers, nnodes)
     db_path = _writable_db(db)
     check_runnable(cfg, local_peers or cfg.peers // nnodes)
+    if local_addr is not None:
+        from ddlscope.launch.local import interface_of
+
+        interface_of(local_addr)  # an address of this host, before anything starts
     with stdout_to_stderr(as_json), _interruptible():
         run_id = run_local(cfg, db_path, group, progress, local_peers, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
-                           run_id=run_id)
+                           run_id=run_id, local_addr=local_addr)
     if as_json:
         from ddlscope.store.db import ResultsStore
 

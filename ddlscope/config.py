@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from ddlscope import distribution
 from ddlscope.errors import UserError
 from ddlscope.measure.torch_profile import check_profile_steps
-from ddlscope.network.emulated import NetworkConfig, emulated_models
+from ddlscope.network.emulated import NetworkConfig, emulated_models, run_rates
 
 
 MAX_BATCH_SIZE = 1 << 20
@@ -121,6 +121,9 @@ class RunConfigBase(BaseModel):
     final_eval: bool = Field(True, description="evaluate once more after the last step (benchmarks that time steps only turn it off)")
     warmup_steps: int = Field(2, ge=0, description="first steps are recorded but flagged and excluded from rates")
     host_sample_interval_s: float = Field(1.0, gt=0, le=60)
+    store_flush_interval_s: float = Field(
+        1.0, gt=0, le=3600, description="seconds between commits of the training loop's step rows (a thread writes "
+                                        "them); a worker killed with SIGKILL loses at most this much of its steps")
     profile_steps: list[int] | None = Field(
         None, description="[a, b]: record torch.profiler traces of each worker's steps a..b (0-based, both "
                           "included); `ddlscope export --to trace` merges them")
@@ -191,11 +194,14 @@ class RunConfigBase(BaseModel):
             )
         if model.check_config is not None:
             model.check_config(self)
+        if model.launcher == "torchrun" and self.distributed.backend == "nccl" and self.device != "cuda":
+            raise ValueError(f'distributed.backend = "nccl" with device = "{self.device}": nccl runs collectives on '
+                             f'CUDA tensors only; allowed: device = "cuda", or backend "gloo" or "auto"')
         if self.network.emulate:
             emulated = emulated_models()
             if self.strategy not in emulated:
                 raise ValueError(f"network.emulate: not built yet for {self.strategy}; allowed: {', '.join(emulated)}")
-            self.network.rates(self.peers)  # a link of a peer that does not exist
+            run_rates(self)  # a link of a peer or expert server that does not exist
         if self.profile_steps is not None:
             check_profile_steps(self.profile_steps, self.max_steps_per_peer())  # b beyond the steps trained
         if self.target_accuracy is not None and self.eval_every_steps is None:
@@ -525,7 +531,8 @@ def check_runnable(cfg: RunConfigBase, local_workers: int | None = None) -> None
     before any run row or process exists (what :func:`validate_config` cannot tell from the values).
 
     - ``device = "cuda"``: CUDA is available, with a GPU per worker this host starts for models
-      launched by torchrun (``local_workers``, default ``peers``), else at least one;
+      launched by torchrun (``local_workers``, default ``peers``), else at least one
+      (:func:`check_device`); ``distributed.backend = "nccl"``: torch has NCCL;
     - ``data_root``: when it exists, a folder;
     - the dataset's train and test splits open (``digits`` is written there on first use) and are
       not empty, and ``batch_size`` is at most the training split (each step takes a full batch);
@@ -631,19 +638,66 @@ def _check_labels(train_set, y, classes: int, spec, cfg: RunConfigBase, what: st
                         f"(labels {span}); allowed: {expected}")
 
 
-def _check_device(cfg: RunConfigBase, local_workers: int | None) -> None:
-    if cfg.device != "cuda":
-        return
+DEVICE_FORMS = "cpu, cuda, cuda:N (N a visible GPU's index), mps"
+"""The device strings :func:`check_device` accepts."""
+
+
+def _visible_devices_note() -> str:
+    """``CUDA_VISIBLE_DEVICES=...`` as this process has it (``unset`` when it is not set), for messages about GPUs."""
+    return f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}"
+
+
+def check_device(device: str, workers_on_host: int = 1, what: str | None = None) -> None:
+    """Pre-flight check that ``device`` is there, before anything starts.
+
+    Args:
+        device: ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
+        workers_on_host: processes this host starts that each need a GPU of their own (torchrun's
+            models: ddp, fsdp, gpipe, 1f1b, ...); 1 for a device shared by all of them.
+        what: how the message names the job, e.g. ``ddp with peers = 2``; default ``device = "..."``.
+
+    Raises:
+        UserError: one line naming the device and what torch sees: an unknown device string; CUDA
+            asked for where torch has none (built without CUDA, or no GPU visible); ``cuda:N`` beyond
+            the visible GPUs; fewer visible GPUs than ``workers_on_host``; ``mps`` where it is not
+            available. Messages about GPUs quote ``CUDA_VISIBLE_DEVICES``.
+    """
     import torch
 
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda", "mps") or (index and (kind != "cuda" or not index.isdigit())):
+        raise UserError(f"unknown device {device!r}; allowed: {DEVICE_FORMS}")
+    job = what or f'device = "{device}"'
+    if kind == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise UserError(f"{job}: torch sees no MPS (Apple GPU) device here; allowed here: cpu")
+    if kind != "cuda":
+        return
     if not torch.cuda.is_available():
-        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
-        raise UserError(f"device = \"cuda\" but {why}; allowed here: device = \"cpu\"")
-    needed = (local_workers or cfg.peers) if cfg.distribution_model.launcher == "torchrun" else 1
+        why = "this torch is built without CUDA" if torch.version.cuda is None else f"torch sees no CUDA GPU ({_visible_devices_note()})"
+        raise UserError(f"{job} needs CUDA, but {why}; allowed here: device = \"cpu\"")
     count = torch.cuda.device_count()
-    if count < needed:
-        raise UserError(f"device = \"cuda\" with {needed} {cfg.strategy} workers on this host needs {needed} GPUs, "
-                        f"this host has {count}; allowed: peers <= {count} here (or more nodes)")
+    gpus = f"torch sees {count} GPU{'s' if count != 1 else ''} ({_visible_devices_note()})"
+    if index and int(index) >= count:
+        raise UserError(f"{job}: there is no {device}, {gpus}; allowed: cuda:0..cuda:{count - 1}")
+    if workers_on_host > count:
+        raise UserError(f"{job} needs {workers_on_host} GPUs on this host (one per worker); {gpus}; allowed: "
+                        f"at most {count} workers on this host (fewer peers, --local-peers, or more nodes)")
+
+
+def _check_device(cfg: RunConfigBase, local_workers: int | None) -> None:
+    """:func:`check_device` for a run: torchrun's models need a GPU per worker this host starts
+    (``local_workers``, default ``peers``), other models one; ``distributed.backend = "nccl"`` needs
+    torch's NCCL (the value check, nccl with device cpu, is :class:`RunConfigBase`'s)."""
+    torchrun = cfg.distribution_model.launcher == "torchrun"
+    workers = (local_workers or cfg.peers) if torchrun and cfg.device == "cuda" else 1
+    peers = f"peers = {cfg.peers}" if workers in (1, cfg.peers) else f"{workers} of its peers = {cfg.peers} on this host"
+    check_device(cfg.device, workers, f"{cfg.strategy} with {peers} on device {cfg.device}" if torchrun
+                 else f"{cfg.strategy} on device {cfg.device}")
+    if torchrun and cfg.distributed.backend == "nccl":
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_nccl_available()):
+            raise UserError('distributed.backend = "nccl", but this torch has no NCCL; allowed here: "gloo" or "auto"')
 
 
 def _open_splits(cfg: RunConfigBase):

@@ -157,6 +157,24 @@ def test_bad_auxiliary_peers_are_refused(collaborative, words):
         validate_config(_swarm(**collaborative))
 
 
+def test_declared_bandwidths_come_from_the_list_or_the_emulated_links():
+    from ddlscope.network.emulated import NetworkConfig
+
+    listed = validate_config(_swarm(declared_bandwidths_mbit_per_s=[100.0, 20.0, 5.0])).collaborative
+    assert [listed.declared_bandwidth_mbit_per_s(i, NetworkConfig()) for i in range(3)] == [100.0, 20.0, 5.0]
+    net = NetworkConfig(emulate=True, bandwidth_mbit_per_s=100.0,
+                        links=[dict(peer=1, upload_mbit_per_s=10.0), dict(peer=2, bandwidth_mbit_per_s=None)])
+    from ddlscope.distribution.collaborative import CollaborativeConfig
+
+    from_links = CollaborativeConfig(declared_bandwidths_mbit_per_s="network")
+    assert [from_links.declared_bandwidth_mbit_per_s(i, net) for i in range(3)] == [100.0, 10.0, 100.0]
+    assert validate_config(_swarm()).collaborative.declared_bandwidth_mbit_per_s(0, net) is None
+    for bad, words in [([1.0, 2.0], "one value per peer"), ([1.0, 0.0, 2.0], "each > 0"),
+                       ("network", "needs network.emulate = true")]:
+        with pytest.raises(UserError, match=words):
+            validate_config(_swarm(declared_bandwidths_mbit_per_s=bad))
+
+
 def test_auxiliary_peers_take_no_share_of_the_sample_budget():
     cfg = validate_config(_swarm(run=dict(sample_budget=2 * 16 * 50), auxiliary_peers=[2]))
     assert cfg.max_steps_per_peer() == 50 and cfg.collaborative.peers_at_end(3) == 2

@@ -10,7 +10,7 @@ from ddlscope.errors import UserError
 from ddlscope.distribution.ddp import ddp_buckets, eq_5_1_epoch_s
 from ddlscope.distribution.pipeline import pipeline_ops, simulate_pipeline
 from ddlscope.modeling.cluster import ClusterSpec, CollectiveFit, DeviceSpec, HivemindFit, LinkSpec, PeerSpec
-from ddlscope.modeling.collectives import butterfly_allreduce_s, ring_allreduce_s
+from ddlscope.modeling.collectives import butterfly_allreduce_s, ring_allgather_s, ring_allreduce_s
 from ddlscope.modeling.prediction import Setting, predict
 from ddlscope.modeling.profile import DeviceProfile, LayerProfile, StepProfile, WorkloadProfile
 from ddlscope.profiling.calibrate import fit_in_step_rates
@@ -165,6 +165,21 @@ def test_in_step_rates_make_cpu_communication_serial_at_the_measured_rate():
     assert not predict(prof, gpu, ddp_s).inputs["serial_comm"] and not predict(prof, gpu, fsdp_s).inputs["in_step_rate"]
 
 
+def test_rates_measured_on_loopback_never_beat_a_slower_link():
+    prof = make_profile()  # 4 layers of 4 MiB
+    fits = {"ddp_step_gb_per_s": 0.1, "fsdp_step_gb_per_s": 0.05,
+            "all_gather": CollectiveFit(fixed_s=0.0, bandwidth_gb_per_s=0.1)}
+    slow_link = make_cluster(bw=0.001, overlap=1.0).model_copy(update=fits)  # 8 Mbit/s, 100x slower than the rates
+    ddp = predict(prof, slow_link, Setting("ddp", 2, 8, epoch_samples=3200))
+    # each bucket pays its ring all-reduce over the 1 MB/s link: 2(W-1)/W x 16 MiB in all
+    assert ddp.breakdown_s["comm_wait_s"] == pytest.approx(16 * MIB / 0.001e9, rel=1e-3)
+    fsdp = predict(prof, slow_link, Setting("fsdp", 2, 8, epoch_samples=3200))
+    assert fsdp.breakdown_s["comm_wait_s"] == pytest.approx(3 * 0.5 * 16 * MIB / 0.001e9, rel=1e-3)
+    link = LinkSpec(bandwidth_gb_per_s=0.001, latency_s=0.0)
+    assert ring_allgather_s(4 * MIB, 2, link, 0.0, CollectiveFit(fixed_s=0.0, bandwidth_gb_per_s=0.1)) == \
+        pytest.approx(0.5 * 4 * MIB / 0.001e9)
+
+
 def test_fit_in_step_rates_divides_the_traffic_by_the_extra_step_time():
     notes: list[str] = []
     # fsdp: 2 units of 16 MiB (2048x2048 + bias), 0.1 s per unit beyond 4 ms fixed -> 1.5 x bytes / 0.096 s
@@ -251,6 +266,30 @@ def test_butterfly_allreduce_matches_ring_for_equal_peers_and_favours_fast_peers
     near = [1.0, 1.0, 0.8, 0.7]
     assert butterfly_allreduce_s(g, near, [0.0] * n) < butterfly_allreduce_s(g, near, [0.0] * n, balanced=False)
     assert butterfly_allreduce_s(g, [1.0], [0.0]) == 0.0
+
+
+def test_butterfly_allreduce_with_auxiliary_and_client_peers():
+    g, bw = 1e9, 1.0
+    three = butterfly_allreduce_s(g, [bw] * 3, [0.0] * 3, balanced=False)
+    assert three == pytest.approx(g * (1 + 1 / 3) / 1e9, rel=1e-6)
+    # an auxiliary peer takes a quarter to reduce and sends no vector: the trainers send less
+    with_aux = butterfly_allreduce_s(g, [bw] * 4, [0.0] * 4, balanced=False, roles=["trainer"] * 3 + ["auxiliary"])
+    assert with_aux == pytest.approx(g * (1 + 1 / 4) / 1e9, rel=1e-6)
+    # the auxiliary peer's own load: 3 trainers' quarter in and out; on a slow link it is the bottleneck
+    slow_aux = butterfly_allreduce_s(g, [bw] * 3 + [0.1], [0.0] * 4, balanced=False,
+                                     roles=["trainer"] * 3 + ["auxiliary"])
+    assert slow_aux == pytest.approx(3 * g / 4 / 0.1e9, rel=1e-6)
+    # declared bandwidths: the LP gives the slow auxiliary peer a smaller part than equal parts do
+    assert butterfly_allreduce_s(g, [bw] * 3 + [0.1], [0.0] * 4, roles=["trainer"] * 3 + ["auxiliary"]) < slow_aux
+    # a client reduces nothing: it sends everything, then receives everything
+    client = butterfly_allreduce_s(g, [bw] * 3, [0.0] * 3, balanced=False, roles=["trainer", "trainer", "client"])
+    assert client == pytest.approx(2 * g / 1e9, rel=1e-6)
+    # one sender and an auxiliary peer average nothing
+    assert butterfly_allreduce_s(g, [bw] * 2, [0.0] * 2, roles=["trainer", "auxiliary"]) == 0.0
+    with pytest.raises(ValueError, match="allowed"):
+        butterfly_allreduce_s(g, [bw] * 2, [0.0] * 2, roles=["trainer"])
+    with pytest.raises(ValueError, match="nobody can reduce"):
+        butterfly_allreduce_s(g, [bw] * 2, [0.0] * 2, roles=["client", "client"])
 
 
 def test_collaborative_accumulates_the_target_batch_from_the_peers_throughputs():
@@ -349,3 +388,65 @@ def test_collaborative_groups_average_within_the_slowest_group():
     assert pairs.inputs["grad_round_s"] - pairs.inputs["matchmaking_wait_s"] == pytest.approx(
         prof.param_bytes / 0.01e9 + 2 * 0.0 + cl.collective_fixed_s, rel=1e-6)
     assert pairs.inputs["grad_round_s"] < whole.inputs["grad_round_s"]
+
+
+def test_collaborative_auxiliary_and_client_peers_and_declared_bandwidths():
+    prof = make_profile()
+    peers = [PeerSpec(compute_share=1.0, bandwidth_gb_per_s=0.01) for _ in range(3)] + \
+        [PeerSpec(compute_share=1.0, bandwidth_gb_per_s=0.02)]
+    cl = make_cluster(peers=peers)
+
+    def setting(**options):
+        return Setting("collaborative", 4, 8, epoch_samples=3200, target_batch_size=256, matchmaking_time_s=0.01,
+                       options=options)
+
+    trainers = predict(prof, cl, setting())
+    aux = predict(prof, cl, setting(auxiliary_peers=[3]))
+    # the auxiliary peer trains on nothing: 3 peers accumulate the target batch, slower than 4
+    assert aux.inputs["trainers"] == 3 and aux.inputs["accumulate_s"] == pytest.approx(
+        trainers.inputs["accumulate_s"] * 4 / 3)
+    rnd = butterfly_allreduce_s(float(prof.param_bytes), [0.01, 0.01, 0.01, 0.02], [0.0] * 4, balanced=False,
+                                roles=["trainer"] * 3 + ["auxiliary"])
+    assert aux.inputs["grad_round_s"] == pytest.approx(rnd + aux.inputs["matchmaking_wait_s"])
+    # declared bandwidths: hivemind's LP gives the faster auxiliary peer more, so the round is shorter (a peer much
+    # faster than the others would get everything, and the others' delayed results make the round longer)
+    balanced = predict(prof, cl, setting(auxiliary_peers=[3], declared_bandwidths_mbit_per_s="network"))
+    assert balanced.inputs["load_balanced"] and balanced.inputs["grad_round_s"] < aux.inputs["grad_round_s"]
+    client = predict(prof, cl, setting(client_mode_peers=[2]))
+    assert client.inputs["peer_roles"] == ["trainer", "trainer", "client", "trainer"]
+    assert client.inputs["grad_round_s"] > trainers.inputs["grad_round_s"]  # the client sends, then receives
+
+
+def test_collaborative_churn_is_predicted_stretch_by_stretch():
+    prof = make_profile()
+    cl = make_cluster(bw=1.0, peers=[PeerSpec(compute_share=1.0, bandwidth_gb_per_s=1.0) for _ in range(3)])
+
+    def setting(churn, run_s=100.0):
+        return Setting("collaborative", 3, 8, epoch_samples=3200, target_batch_size=256, matchmaking_time_s=0.01,
+                       options={"churn": churn, "run_s": run_s})
+
+    steady = predict(prof, cl, Setting("collaborative", 3, 8, epoch_samples=3200, target_batch_size=256,
+                                       matchmaking_time_s=0.01))
+    two = predict(prof, cl, Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=256,
+                                    matchmaking_time_s=0.01))
+    # peer 2 leaves half-way and never comes back: the run's mean epoch is between the 3- and 2-peer epochs
+    left = predict(prof, cl, setting([{"peer": 2, "leave_at_s": 50.0}]))
+    rate3 = steady.inputs["samples_per_global_epoch"] / steady.step_s
+    rate2 = two.inputs["samples_per_global_epoch"] / two.step_s
+    assert left.inputs["samples_trained"] == pytest.approx(50 * rate3 + 50 * rate2)
+    assert left.step_s == pytest.approx(100 * 256 / (50 * rate3 + 50 * rate2))
+    assert [st["peers"] for st in left.inputs["churn_stretches"]] == [[0, 1, 2], [0, 1]]
+    # killed instead: the same stretches, minus half of the peer's share of an epoch
+    killed = predict(prof, cl, setting([{"peer": 2, "kill_at_s": 50.0}]))
+    assert 0 < killed.inputs["samples_lost_to_kills"] < steady.inputs["samples_per_global_epoch"] / 3
+    assert killed.step_s > left.step_s
+    # a rejoining peer trains again after loading the state (parameters + optimizer state over its link)
+    back = predict(prof, cl, setting([{"peer": 2, "kill_at_s": 30.0, "rejoin_at_s": 60.0}]))
+    load = (prof.param_bytes + prof.optimizer_state_bytes) / 1e9
+    assert back.inputs["state_load_s"][2] == pytest.approx(load)
+    assert [st["from_s"] for st in back.inputs["churn_stretches"]] == pytest.approx([0.0, 30.0, 60.0 + load])
+    assert steady.step_s < back.step_s < killed.step_s
+    with pytest.raises(UserError, match="run_s"):
+        predict(prof, cl, setting([{"peer": 2, "leave_at_s": 50.0}], run_s=None))
+    with pytest.raises(UserError, match="allowed: 0..2"):
+        predict(prof, cl, setting([{"peer": 5, "leave_at_s": 50.0}]))

@@ -34,7 +34,11 @@ def test_rates_default_and_per_peer_overrides():
     ({"emulate": True, "bandwidth_mbit_per_s": -3}, "greater than 0"),
     ({"bandwidth_mbit_per_s": 10}, "need network.emulate = true"),
     ({"emulate": True, "links": [{"peer": 0, "upload_mbit_per_s": 1}, {"peer": 0, "download_mbit_per_s": 1}]},
-     "names a peer twice"),
+     "names a peer or server twice"),
+    ({"emulate": True, "links": [{"server": 1, "upload_mbit_per_s": 1}, {"server": 1, "download_mbit_per_s": 1}]},
+     "names a peer or server twice"),
+    ({"emulate": True, "links": [{"peer": 0, "server": 0, "upload_mbit_per_s": 1}]}, "exactly one of peer and server"),
+    ({"emulate": True, "links": [{"upload_mbit_per_s": 1}]}, "exactly one of peer and server"),
     ({"emulate": True, "links": [{"peer": 0, "speed": 1}]}, "speed"),
 ])
 def test_bad_network_config_names_the_problem(values, words):
@@ -143,10 +147,27 @@ def test_latency_without_netem_is_one_clear_error():
         check_can_emulate(latency=True)
 
 
-def test_emulation_of_expert_servers_or_a_missing_peer_is_refused_before_anything_starts(tmp_path):
-    with pytest.raises(UserError, match="not built yet for dmoe; allowed: collaborative, ddp, fsdp"):
-        validate_config(tiny_run(strategy="dmoe", model="moe_cnn", peers=1, network=dict(emulate=True)))
+def test_a_missing_peer_or_server_or_servers_out_of_reach_are_refused_before_anything_starts(tmp_path):
+    with pytest.raises(UserError, match="not built yet for single; allowed: collaborative, dmoe, ddp"):
+        validate_config(tiny_run(strategy="single", peers=1, network=dict(emulate=True)))
     with pytest.raises(UserError, match="peer 5 does not exist"):
         validate_config(tiny_run(strategy="collaborative", peers=2,
                                  network=dict(emulate=True, links=[dict(peer=5, bandwidth_mbit_per_s=1)])))
+    with pytest.raises(UserError, match=r"server 2 does not exist; allowed: 0\.\.1 \(2 expert servers\)"):
+        validate_config(tiny_run(strategy="dmoe", model="moe_cnn", peers=1,
+                                 network=dict(emulate=True, links=[dict(server=2, bandwidth_mbit_per_s=1)])))
+    with pytest.raises(UserError, match="server 0 does not exist; allowed: none: this run starts no servers"):
+        validate_config(tiny_run(strategy="dmoe", model="moe_cnn", peers=1, dmoe=dict(placement="local"),
+                                 network=dict(emulate=True, links=[dict(server=0, bandwidth_mbit_per_s=1)])))
+    with pytest.raises(UserError, match="the trainers could not reach those servers"):
+        validate_config(tiny_run(strategy="dmoe", model="moe_cnn", peers=1, network=dict(emulate=True),
+                                 dmoe=dict(initial_peers=["/ip4/10.0.0.1/tcp/5000/p2p/QmX"])))
     assert not list(tmp_path.iterdir())
+
+
+def test_expert_servers_get_namespaces_after_the_peers_with_their_own_links():
+    from ddlscope.network.emulated import run_rates
+
+    cfg = validate_config(tiny_run(strategy="dmoe", model="moe_cnn", peers=2, dmoe=dict(servers=3), network=dict(
+        emulate=True, bandwidth_mbit_per_s=50, links=[dict(server=1, upload_mbit_per_s=5), dict(peer=1, bandwidth_mbit_per_s=10)])))
+    assert run_rates(cfg) == [(50, 50), (10, 10), (50, 50), (5, 50), (50, 50)]

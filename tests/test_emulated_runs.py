@@ -1,7 +1,9 @@
 """Runs on an emulated network: collaborative peers in namespaces of their own, links rate-limited.
 
 Real processes: a 2-peer hivemind swarm, each peer in its own network namespace, one peer's link
-limited; then the launcher SIGKILLed in the middle of such a run. Needs root (skipped otherwise).
+limited; then the launcher SIGKILLed in the middle of such a run (and of a dmoe run); a dmoe run
+whose trainer and expert servers each have a namespace, one server killed and restarted. Needs
+root (skipped otherwise).
 """
 
 from __future__ import annotations
@@ -38,13 +40,19 @@ def _ddl_links() -> list[str]:
 
 def test_a_collaborative_run_trains_through_limited_links_and_records_what_they_carried(env_data, db_path):
     before = (set(namespaces()), set(_ddl_links()))
-    cfg = validate_config(tiny_run(sample_budget=4 * 1200, **COLLAB,
+    # the peers tell hivemind's load balancing their links ("network": the smaller of upload and download)
+    collab = {**COLLAB, "collaborative": {**COLLAB["collaborative"], "declared_bandwidths_mbit_per_s": "network"}}
+    cfg = validate_config(tiny_run(sample_budget=4 * 1200, **collab,
                                    network=dict(emulate=True, bandwidth_mbit_per_s=200,
                                                 links=[dict(peer=1, upload_mbit_per_s=20)])))
     run_id = run_local(cfg, db_path, progress=False)
     with ResultsStore(db_path) as store:
         run = store.run(run_id)
         assert run["status"] == "completed", run["reason"]
+        details = {e["worker_index"]: json.loads(e["detail_json"]) for e in store.rows("events", run_id)
+                   if e["kind"] == "strategy_details"}
+        assert {i: d["declared_bandwidth_mbit_per_s"] for i, d in details.items()} == {0: 200.0, 1: 20.0}
+        assert {i: set(d["averager_bandwidths"]) for i, d in details.items()} == {0: {200.0}, 1: {20.0}}
         # the peers listened on their namespaces' addresses, not loopback
         maddrs = json.loads(next(w for w in store.workers(run_id) if w["worker_index"] == 0)["maddrs"])
         assert maddrs and all("/ip4/10.201.0.2/" in m for m in maddrs), maddrs
@@ -59,10 +67,7 @@ def test_a_collaborative_run_trains_through_limited_links_and_records_what_they_
     assert (set(namespaces()), set(_ddl_links())) == before
 
 
-def test_a_killed_launcher_leaves_no_namespace_link_or_process(env_data, tmp_path):
-    db = tmp_path / "r.db"
-    config = tmp_path / "run.toml"
-    config.write_text("""[run]
+KILLED_COLLABORATIVE = """[run]
 strategy = "collaborative"
 model = "tiny_cnn"
 dataset = "mnist"
@@ -77,28 +82,66 @@ matchmaking_time_s = 1.0
 [network]
 emulate = true
 bandwidth_mbit_per_s = 50
-""")
-    before = (set(namespaces()), set(_ddl_links()))
+"""
+
+DMOE = """[run]
+strategy = "dmoe"
+model = "moe_cnn"
+dataset = "digits"
+peers = 1
+batch_size = 16
+sample_budget = {budget}
+eval_every_steps = 20
+loader_workers = 0
+[dmoe]
+update_period_s = 2.0
+{events}
+[network]
+emulate = true
+bandwidth_mbit_per_s = 50
+links = [{{ server = 1, upload_mbit_per_s = 20 }}]
+"""
+"""1 dmoe trainer and 2 expert servers, each in a namespace of its own; server 1 uploads at 20 Mbit/s."""
+
+
+def _left_behind(db, launcher_pid: int) -> tuple[set[str], set[str], list[int]]:
+    """The namespaces and links of the network the launcher ``launcher_pid`` owns (its tag is the pid in
+    hex; other runs on the machine may have networks of their own), and processes of the run (they
+    carry the store's path)."""
+    tag = f"{launcher_pid:x}"
+    procs = [p.pid for p in psutil.process_iter(["cmdline"]) if str(db) in " ".join(p.info["cmdline"] or [])]
+    return ({n for n in namespaces() if n.startswith(f"ddl-{tag}-")},
+            {d for d in _ddl_links() if d.startswith(f"ddl{tag}-")}, procs)
+
+
+@pytest.mark.parametrize("config_text, steps_first, namespaces_made", [
+    (KILLED_COLLABORATIVE, 10, 2),
+    (DMOE.format(budget=1_000_000, events=""), 5, 3),  # the trainer's and both expert servers'
+], ids=["collaborative", "dmoe"])
+def test_a_killed_launcher_leaves_no_namespace_link_or_process(env_data, tmp_path, config_text, steps_first,
+                                                              namespaces_made):
+    db = tmp_path / "r.db"
+    config = tmp_path / "run.toml"
+    config.write_text(config_text)
     launcher = subprocess.Popen([sys.executable, "-m", "ddlscope", "run", str(config), "--db", str(db), "--no-progress"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         steps = 0
-        while time.monotonic() < deadline and steps < 10 and launcher.poll() is None:
+        while time.monotonic() < deadline and steps < steps_first and launcher.poll() is None:
             time.sleep(0.5)
             if db.exists():
                 with ResultsStore(db) as store:
                     runs = store.runs()
                     steps = sum(store.step_counts(runs[0]["run_id"]).values()) if runs else 0
-        assert steps >= 10, launcher.stderr.read() if launcher.poll() is not None else "no progress"
-        assert len(set(namespaces()) - before[0]) == 2
+        assert steps >= steps_first, launcher.stderr.read() if launcher.poll() is not None else "no progress"
+        assert len(_left_behind(db, launcher.pid)[0]) == namespaces_made
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
         deadline = time.monotonic() + 20
         left = None
         while time.monotonic() < deadline:
-            procs = [p.pid for p in psutil.process_iter(["cmdline"]) if str(db) in " ".join(p.info["cmdline"] or [])]
-            left = (set(namespaces()) - before[0], set(_ddl_links()) - before[1], procs)
+            left = _left_behind(db, launcher.pid)
             if left == (set(), set(), []):
                 break
             time.sleep(0.2)
@@ -106,6 +149,42 @@ bandwidth_mbit_per_s = 50
     finally:
         launcher.kill()
         launcher.wait()
+
+
+def test_a_dmoe_run_reaches_its_servers_through_their_namespaces_and_survives_a_restart(tmp_path):
+    """Run as a user runs it, in a process of its own (see tests/test_dmoe_runs.py); about 45 s on 2 cores."""
+    db, config = tmp_path / "r.db", tmp_path / "run.toml"
+    # the trainer trains from about 6 s to 35 s after the launch; server 1 is killed at 10 s and back at 13 s,
+    # in time to serve (it starts in 3-10 s on a busy machine) before the trainer's 80 steps end
+    config.write_text(DMOE.format(budget=1280, events="server_events = [{ server = 1, kill_at_s = 10.0, "
+                                                     "restart_at_s = 13.0 }]"))
+    launcher = subprocess.Popen([sys.executable, "-m", "ddlscope.cli", "run", str(config), "--db", str(db),
+                                 "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stderr = launcher.communicate(timeout=300)[1]
+    assert launcher.returncode == 0, stderr[-2000:]
+    with ResultsStore(db) as store:
+        run_id = store.runs()[0]["run_id"]
+        assert store.run(run_id)["status"] == "completed", store.run(run_id)["reason"]
+        assert store.step_counts(run_id) == {0: 80}
+        services = {(s["service_index"], s["generation"]): s for s in store.services(run_id)}
+        # each server listened on its own namespace's address (after the trainer's 10.201.0.2), every
+        # generation of server 1 in the same namespace
+        addresses = {k: {m.split("/")[2] for m in json.loads(s["maddrs"] or "[]")} for k, s in services.items()}
+        assert addresses[(0, 0)] == {"10.201.0.3"} and addresses[(1, 0)] == addresses[(1, 1)] == {"10.201.0.4"}, addresses
+        status = {k: (s["status"], s["reason"]) for k, s in services.items()}
+        assert services[(1, 0)]["status"] == "killed" and services[(1, 1)]["status"] == "stopped", status
+        restarted = services[(1, 1)]["peer_id"]
+        assert sum(c["calls"] - c["failed"] for c in store.rows("moe_calls", run_id) if c["peer_id"] == restarted) > 0
+        links = {r["worker_index"]: r for r in store.rows("network_links", run_id)}
+        assert [links[i]["namespace"][-2:] for i in range(3)] == ["-0", "-1", "-2"]
+        assert [(links[i]["upload_mbit_per_s"], links[i]["download_mbit_per_s"]) for i in range(3)] == \
+            [(50, 50), (50, 50), (20, 50)]
+        # the trainer's inputs crossed to the servers and their outputs came back, over the links: all the
+        # trainer sent, the servers received (with what the servers sent each other: the DHT)
+        trainer, servers = links[0], [links[1], links[2]]
+        assert trainer["bytes_sent"] > 1_000_000 and all(s["bytes_sent"] > 100_000 for s in servers), links
+        assert sum(s["bytes_received"] for s in servers) >= 0.98 * trainer["bytes_sent"], links
+    assert _left_behind(db, launcher.pid) == (set(), set(), [])
 
 
 def test_two_hosts_as_namespaces_train_one_swarm_through_the_commands_a_user_types(env_data, tmp_path):
@@ -161,6 +240,38 @@ listen_host = "10.201.0.2"
         assert full, f"no averaging round gathered both hosts: {rounds}"
     # the hosts talked over the emulated link
     assert counters[0]["bytes_sent"] > 50_000 and counters[1]["bytes_sent"] > 50_000
+
+
+def test_two_torchrun_nodes_as_namespaces_train_one_ddp_run_through_the_commands_a_user_types(env_data, tmp_path):
+    """Each "host" runs `ddlscope run CONFIG --nnodes 2 --rdzv-endpoint A:PORT --run-id ID --local-addr ITS_ADDRESS`
+    in a namespace of its own: the rendezvous, the agents' store and gloo's pairs go over the emulated link (the
+    hosts' addresses are not loopback), and each node stores its own worker in its own database."""
+    from ddlscope.network.emulated import EmulatedNetwork
+
+    config = tmp_path / "run.toml"
+    config.write_text('[run]\nstrategy = "ddp"\nmodel = "tiny_cnn"\ndataset = "mnist"\npeers = 2\n'
+                      'vcpus_per_peer = 1\nbatch_size = 16\nsample_budget = 960\nloader_workers = 0\n')
+    with EmulatedNetwork([(100.0, 100.0), (100.0, 100.0)]) as net:
+        addresses = [net.address(0), net.address(1)]
+        nodes = []
+        for i, addr in enumerate(addresses):
+            (tmp_path / f"node{i}").mkdir()
+            cmd = [sys.executable, "-m", "ddlscope", "run", str(config), "--nnodes", "2",
+                   "--rdzv-endpoint", f"{addresses[0]}:29531", "--run-id", "two-hosts", "--local-addr", addr,
+                   "--db", str(tmp_path / f"node{i}" / "r.db"), "--no-progress"]
+            nodes.append(subprocess.Popen(net.wrap(i, cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True, cwd=tmp_path / f"node{i}"))
+        outs = [n.communicate(timeout=240) for n in nodes]
+        assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+        counters = net.counters()
+    for i in range(2):
+        with ResultsStore(tmp_path / f"node{i}" / "r.db") as store:
+            run = store.run("two-hosts")
+            assert run["status"] == "completed", run["reason"]
+            # 960 samples / (2 workers x 16) = 30 steps, each worker on its own node
+            assert store.step_counts("two-hosts") == {i: 30}
+    # the gradients crossed the emulated link: 30 all-reduces of the tiny CNN's gradients each way
+    assert counters[0]["bytes_sent"] > 30 * 10_000 and counters[1]["bytes_sent"] > 30 * 10_000
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

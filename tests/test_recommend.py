@@ -128,3 +128,34 @@ def test_recommend_cli_bad_cluster_is_one_error_line(tmp_path, text, words):
     res = _cli("recommend", "--model", "tiny_cnn", "--dataset", "mnist", "--cluster", str(path))
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert all(w in res.stderr for w in words), res.stderr
+
+
+def test_a_swarm_run_config_is_predicted_with_its_roles_links_and_churn():
+    from ddlscope.config import load_config
+    from ddlscope.distribution.collaborative import swarm_options
+    from ddlscope.examples import resolve_example
+    from ddlscope.experiments.validate import over_links
+    from ddlscope.modeling.prediction import predict
+
+    cfg = load_config(resolve_example("examples/swarm-churn.toml"))
+    opts = swarm_options(cfg)
+    assert opts["auxiliary_peers"] == [3] and opts["run_s"] == 60 and [e["peer"] for e in opts["churn"]] == [1, 2]
+    cluster = over_links(ClusterSpec(name="t", nodes=1, devices_per_node=2, device=DeviceSpec(kind="local"),
+                                     intra_node=LinkSpec(bandwidth_gb_per_s=1.0, latency_s=1e-5)),
+                         [100.0, 100.0, 20.0, 100.0], 4)
+    s, = candidate_settings(["collaborative"], 4, 32, 1000, model_options=opts)
+    assert s.target_batch_size == 256 and s.options["churn"] == opts["churn"]
+    p = predict(make_profile(), cluster, s)
+    assert p.inputs["trainers"] == 3 and p.inputs["peer_roles"][3] == "auxiliary"
+    # peer 2 joins at 10 s and trains once it loaded the state over its 20 Mbit/s link; peer 1 is killed at 20 s
+    # and trains again at 30 s plus its load
+    load = p.inputs["state_load_s"]
+    assert load[2] == pytest.approx(load[1] * 5)
+    starts = [st["from_s"] for st in p.inputs["churn_stretches"]]
+    assert starts == pytest.approx(sorted([0.0, 20.0, 10.0 + load[2], 30.0 + load[1]]))
+    assert p.inputs["samples_lost_to_kills"] > 0
+    stretches = p.inputs["churn_stretches"]
+    trained = sum(st["samples"] for st in stretches) - p.inputs["samples_lost_to_kills"]
+    assert p.inputs["samples_trained"] == pytest.approx(trained) and p.step_s == pytest.approx(60 * 256 / trained)
+    # without the slow peer 2 (before it joined) the rounds are far shorter than with it
+    assert stretches[0]["epoch_s"] < stretches[-1]["epoch_s"]

@@ -115,15 +115,22 @@ def _check_worker(trace: dict, pid: int, wi: int, profiled: list[int], steps: in
     for step, mark in marks.items():
         mine = [e for e in spans if e["args"]["step"] == step]
         start_us, end_us = min(e["ts"] for e in mine), max(e["ts"] + e["dur"] for e in mine)
-        # the mark opens right before the step's start time is read and closes right after its last lap
-        assert abs(mark["ts"] - start_us) < 1000, (step, mark["ts"], start_us)
-        assert abs(mark["ts"] + mark["dur"] - end_us) < 1000, (step, mark["ts"] + mark["dur"], end_us)
+        # the mark opens right before the step's start time is read and closes right after its last lap: on the
+        # run's clock it lies on its own step, nearer to the step's start and end than to any other step's (a
+        # bound in microseconds fails on a loaded machine, where a preempted thread can take milliseconds)
+        starts = {k: min(e["ts"] for e in spans if e["args"]["step"] == k) for k in range(steps)}
+        ends = {k: max(e["ts"] + e["dur"] for e in spans if e["args"]["step"] == k) for k in range(steps)}
+        assert min(starts, key=lambda k: abs(starts[k] - mark["ts"])) == step, (step, mark["ts"], starts)
+        assert min(ends, key=lambda k: abs(ends[k] - mark["ts"] - mark["dur"])) == step, (step, mark, ends)
         convs = [e for e in profiler_events if e["name"] == "aten::conv2d" and start_us <= e["ts"] <= end_us]
         assert convs  # the step's forward pass lies within the step's ddlscope spans
     info = trace["otherData"]["torch_profiles"][wi]
     assert info["worker"] == wi and info["steps"] == [profiled[0], profiled[-1]]
     assert info["events"] == len(profiler_events)
-    assert 0 <= info["alignment_spread_us"] < 1000
+    # the profiled steps' clock shifts agree to well within a step (the merged events land on their own step)
+    shortest_us = min(max(e["ts"] + e["dur"] for e in spans if e["args"]["step"] == k)
+                      - min(e["ts"] for e in spans if e["args"]["step"] == k) for k in profiled)
+    assert 0 <= info["alignment_spread_us"] < shortest_us / 2
 
 
 def test_a_run_that_stops_between_a_and_b_keeps_its_steps_and_one_before_a_writes_nothing(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 
 from ddlscope import distribution
 from ddlscope.errors import UserError
-from ddlscope.experiments.validate import ValidationGrid, load_grid, predicted_models, run_validation, validation_cell
+from ddlscope.experiments.validate import over_links, ValidationGrid, load_grid, predicted_models, run_validation, validation_cell
 from ddlscope.modeling.prediction import Setting
 from ddlscope.store.db import ResultsStore
 from tests.test_costs import make_cluster, make_profile
@@ -90,13 +90,14 @@ def test_validation_stores_predictions_links_runs_and_resumes(tmp_path, monkeypa
     assert {o.status for o in not_run[0].outcomes} == {"not-run"}
 
 
-def test_link_rates_add_emulated_cells_predicted_over_those_links(tmp_path, monkeypatch):
+def _validate_links(tmp_path, monkeypatch, strategies, **grid_fields):
+    """run_validation of tiny_cnn with a stand-in profile and runs: (cells, {run label: run config})."""
     import ddlscope.profiling.profile
 
     monkeypatch.setattr(ddlscope.profiling.profile, "load_or_profile", lambda *a, **k: make_profile())
-    grid = ValidationGrid(name="v", datasets=["mnist"], networks=["tiny_cnn"], strategies=["ddp", "collaborative", "dmoe"],
+    grid = ValidationGrid(name="v", datasets=["mnist"], networks=["tiny_cnn"], strategies=strategies,
                           workers=2, batch_size=16, warmup_batches=1, measured_batches=2, threads_per_device=1,
-                          synthetic_train_size=16, bandwidths_mbit_per_s=[10.0])
+                          synthetic_train_size=16, **grid_fields)
     fake, _ = fake_run_fn(step_s=0.5)
     configs = {}
 
@@ -104,20 +105,45 @@ def test_link_rates_add_emulated_cells_predicted_over_those_links(tmp_path, monk
         configs[cfg.run_label] = cfg
         return fake(cfg, *args, **kwargs)
 
-    loopback, emulated = run_validation(grid, make_cluster(), tmp_path / "r.db", progress=False, run_fn=run)
+    return run_validation(grid, make_cluster(), tmp_path / "r.db", progress=False, run_fn=run), configs
+
+
+def test_link_rates_add_emulated_cells_predicted_over_those_links(tmp_path, monkeypatch):
+    (loopback, emulated), configs = _validate_links(tmp_path, monkeypatch, ["ddp", "collaborative", "dmoe"],
+                                                    bandwidths_mbit_per_s=[10.0])
     assert [o.strategy for o in loopback.outcomes] == ["ddp", "collaborative", "dmoe"]
-    # dmoe's expert servers are not placed in namespaces: no emulated cell of it
-    assert emulated.network == "tiny_cnn @ 10 Mbit/s" and [o.strategy for o in emulated.outcomes] == ["ddp", "collaborative"]
+    # every model but single runs on emulated links (dmoe's expert servers in namespaces of their own)
+    assert emulated.network == "tiny_cnn @ 10 Mbit/s" and [o.strategy for o in emulated.outcomes] == \
+        ["ddp", "collaborative", "dmoe"]
     # 10 Mbit/s makes the averaging round and the all-reduce dearer than loopback's link
     assert emulated.outcome("collaborative").predicted_parts_s["averaging_s"] > \
         loopback.outcome("collaborative").predicted_parts_s["averaging_s"]
     assert emulated.outcome("ddp").predicted_parts_s["comm_wait_s"] > loopback.outcome("ddp").predicted_parts_s["comm_wait_s"]
     keys = [k for k in configs if k.endswith("-10mbit")]
-    assert len(keys) == 2 and all(configs[k].network.emulate and configs[k].network.bandwidth_mbit_per_s == 10.0
+    assert len(keys) == 3 and all(configs[k].network.emulate and configs[k].network.bandwidth_mbit_per_s == 10.0
                                   for k in keys)
     assert not any(c.network.emulate for k, c in configs.items() if k not in keys)
     with pytest.raises(ValueError, match="rates in Mbit/s, > 0"):
         ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], bandwidths_mbit_per_s=[0.0])
+
+
+def test_uneven_links_give_each_worker_its_rate_and_loopback_can_be_left_out(tmp_path, monkeypatch):
+    (uneven, even), configs = _validate_links(tmp_path, monkeypatch, ["ddp", "collaborative"],
+                                              bandwidths_mbit_per_s=[[100.0, 10.0], 100.0], loopback=False)
+    assert (uneven.link, even.link) == ("100/10 Mbit/s", "100 Mbit/s") and uneven.network == "tiny_cnn @ 100/10 Mbit/s"
+    assert sorted(configs) == sorted(f"{m}-tiny_cnn-mnist-2w-b{b}-{link}" for m, b in (("ddp", 16), ("collaborative", 16))
+                                     for link in ("100+10mbit", "100mbit"))
+    cfg = configs["ddp-tiny_cnn-mnist-2w-b16-100+10mbit"]
+    assert cfg.network.rates(2) == [(100.0, 100.0), (10.0, 10.0)]
+    # the ring is as fast as its slowest link: the uneven pair predicts like 10 Mbit/s links, slower than 100
+    assert uneven.outcome("ddp").predicted_parts_s["comm_wait_s"] > even.outcome("ddp").predicted_parts_s["comm_wait_s"]
+    cl = over_links(make_cluster(), [100.0, 10.0], 2)
+    assert [p.bandwidth_gb_per_s for p in cl.peers] == [100 / 8e3, 10 / 8e3]
+    assert cl.intra_node.bandwidth_gb_per_s == 10 / 8e3
+    with pytest.raises(ValueError, match="one rate per worker"):
+        ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], workers=2, bandwidths_mbit_per_s=[[1.0, 2.0, 3.0]])
+    with pytest.raises(ValueError, match="leaves no cell"):
+        ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], loopback=False)
 
 
 @pytest.mark.slow

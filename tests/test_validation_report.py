@@ -226,3 +226,20 @@ def test_recommended_is_the_recommenders_rule():
                 out("gpipe", 1.0, 1.0, fits=False)]
     assert recommended(cell(outcomes)) == fastest_that_fits(outcomes, lambda o: o.predicted_epoch_s,
                                                             lambda o: o.fits).strategy == "ddp"  # a tie: the first
+
+
+def test_cells_on_emulated_links_get_error_groups_and_targets_of_their_own():
+    loopback = cell([out("ddp", 1.0, 1.0, refs={"eq5.1": 1.0})])
+    slow = [ValidationCell(dataset="mnist", network=f"{net} @ 50 Mbit/s", workers=2, link="50 Mbit/s",
+                           outcomes=[out("ddp", 1.0, meas, refs={"eq5.1": 0.5})])
+            for net, meas in (("resnet18", 1.25), ("vgg11", 1.5))]
+    s = summarize([loopback, *slow])
+    # the model's pooled error hides what the slow link does; its group there shows it
+    assert s.per_model["ddp"].median_abs_error == pytest.approx(0.2)
+    assert s.per_link["ddp @ 50 Mbit/s"].median_abs_error == pytest.approx((0.2 + 1 / 3) / 2)
+    assert s.per_link_reference["ddp eq5.1 @ 50 Mbit/s"].count == 2
+    passed = {t.name: t.passed for t in s.targets}
+    assert passed["median abs error ddp @ 50 Mbit/s"] is False and "median abs error ddp" in passed
+    # the link survives the report's JSON
+    from ddlscope.predict.validation_report import cell_from_dict, cell_to_dict
+    assert cell_from_dict(json.loads(json.dumps(cell_to_dict(slow[0])))).link == "50 Mbit/s"

@@ -5,7 +5,9 @@ Comparison rules (thesis 000, final version; seeds README):
 - a run's **runtime** is the maximum over its workers of their training time (first step start
   to last step end, minus the time spent in held-out evaluations);
 - its **accuracy** is the maximum over its peers of their final held-out accuracy;
-- **system metrics** (CPU %, RSS, network bytes) are averaged over its peers;
+- **system metrics** (CPU %, RSS, network bytes) are averaged over its peers; network bytes per
+  peer are unknown (None, with the reason) when any peer's could not be counted
+  (:mod:`ddlscope.measure.host`) or a peer stored no host sample, never 0;
 - **speedup** = baseline runtime / run runtime (the same sample budget, so the same work);
 - **accuracy decrease** = baseline accuracy - run accuracy (fraction; > 0 means worse);
 - **time-to-accuracy**: training seconds (evaluations excluded) until any peer's held-out
@@ -41,6 +43,7 @@ those of one stage (the slowest), not the sum over workers.
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -48,6 +51,7 @@ from typing import Any
 from ddlscope import distribution
 from ddlscope.analyze.moe import MoESummary, summarize_moe
 from ddlscope.analyze.swarm import SwarmAnalysis, analyze_swarm
+from ddlscope.measure.host import UNKNOWN_EVENT
 from ddlscope.measure.parts import STEP_PARTS, measured_parts
 from ddlscope.store.db import ResultsStore
 
@@ -66,8 +70,9 @@ class WorkerSummary:
     final_accuracy: float | None
     mean_cpu_percent: float | None
     peak_rss_bytes: int | None
-    net_sent_bytes: int
-    net_recv_bytes: int
+    #: TCP bytes of the worker's last host sample; None when they could not be counted (``net_unknown_reason``)
+    net_sent_bytes: int | None
+    net_recv_bytes: int | None
     averaging_rounds: int
     averaging_rounds_failed: int
     mean_group_size: float | None
@@ -77,6 +82,8 @@ class WorkerSummary:
     #: CPU seconds per step of the worker's background work (collaborative: hivemind's processes
     #: and threads); None when not measured
     mean_background_cpu_s: float | None = None
+    #: why ``net_sent_bytes``/``net_recv_bytes`` are unknown; None when they were counted
+    net_unknown_reason: str | None = None
 
 
 @dataclass
@@ -105,7 +112,8 @@ class RunSummary:
     accuracy: float | None
     samples: int
     mean_cpu_percent: float | None
-    mean_net_bytes_per_peer: float
+    #: mean over peers of sent + received TCP bytes; None when any peer's are unknown (``net_unknown_reason``)
+    mean_net_bytes_per_peer: float | None
     workers: list[WorkerSummary]
     verdict: Verdict | None
     #: (training seconds, accuracy) of every peer's evaluations, sorted by time: for time-to-accuracy only
@@ -118,6 +126,8 @@ class RunSummary:
     swarm: SwarmAnalysis | None = None  # per-peer figures and churn (ddlscope.analyze.swarm), collaborative runs
     #: accuracy of guessing, 1 / classes of the run's dataset; None when the dataset is not a known name
     chance_accuracy: float | None = None
+    #: why ``mean_net_bytes_per_peer`` is unknown (the peers' reasons); None when it was counted
+    net_unknown_reason: str | None = None
 
     @property
     def label(self) -> str:
@@ -164,9 +174,13 @@ def _mean(values: list[float]) -> float | None:
 
 
 def summarize_worker(index: int, status: str, start: float | None, end: float | None, eval_s: float,
-                     steps: list[dict], evals: list[dict], host: list[dict], peak_memory_bytes: int | None = None
-                     ) -> WorkerSummary:
-    """Reduce one worker's stored rows to a :class:`WorkerSummary`."""
+                     steps: list[dict], evals: list[dict], host: list[dict], peak_memory_bytes: int | None = None,
+                     net_unknown_reason: str | None = None) -> WorkerSummary:
+    """Reduce one worker's stored rows to a :class:`WorkerSummary`.
+
+    ``net_unknown_reason``: the reason the worker's sampler stored for not counting TCP bytes
+    (:data:`ddlscope.measure.host.UNKNOWN_EVENT`), used when its last host sample has none.
+    """
     timed = [s for s in steps if not s["warmup"]]
     parts = measured_parts(timed)
     phases = {p: parts.get(p, 0.0) for p in STEP_PARTS}
@@ -175,6 +189,12 @@ def summarize_worker(index: int, status: str, start: float | None, end: float | 
     rounds = [s for s in steps if s["averaging_round"]]
     sizes = [s["averaging_group_size"] for s in rounds if s["averaging_group_size"] is not None]
     last = host[-1] if host else {}
+    sent, received = last.get("net_sent_bytes"), last.get("net_recv_bytes")
+    net_reason = None
+    if not host:
+        net_reason = "no host sample stored"
+    elif sent is None or received is None:
+        net_reason = net_unknown_reason or "not counted (no reason stored)"
     return WorkerSummary(
         worker_index=index, status=status,
         runtime_s=(end - start - eval_s) if start is not None and end is not None else None,
@@ -184,13 +204,14 @@ def summarize_worker(index: int, status: str, start: float | None, end: float | 
         final_accuracy=evals[-1]["accuracy"] if evals else None,
         mean_cpu_percent=_mean([h["cpu_percent"] for h in host[1:] if h["cpu_percent"] is not None]),
         peak_rss_bytes=max((h["rss_bytes"] or 0 for h in host), default=None),
-        net_sent_bytes=int(last.get("net_sent_bytes") or 0), net_recv_bytes=int(last.get("net_recv_bytes") or 0),
+        net_sent_bytes=None if net_reason else int(sent), net_recv_bytes=None if net_reason else int(received),
         averaging_rounds=len(rounds), averaging_rounds_failed=sum(1 for s in rounds if s["averaging_succeeded"] == 0),
         mean_group_size=_mean(sizes),
         mean_comm_s=_mean([s["comm_s"] or 0.0 for s in timed]) or 0.0,
         mean_comm_bytes=_mean([s["comm_bytes"] or 0 for s in timed]) or 0.0,
         peak_memory_bytes=peak_memory_bytes,
         mean_background_cpu_s=_mean([s["background_cpu_s"] for s in timed if s.get("background_cpu_s") is not None]),
+        net_unknown_reason=net_reason,
     )
 
 
@@ -265,6 +286,16 @@ def bottleneck(workers: list[WorkerSummary]) -> Verdict | None:
     return Verdict(label, shares, explanation)
 
 
+def _unknown_metric_reasons(events: list[dict]) -> dict[tuple[int, str], str]:
+    """``{(worker index, metric): reason}`` from a run's :data:`ddlscope.measure.host.UNKNOWN_EVENT` events (first reason kept)."""
+    out: dict[tuple[int, str], str] = {}
+    for e in events:
+        if e["kind"] == UNKNOWN_EVENT and e["worker_index"] is not None:
+            detail = json.loads(e["detail_json"] or "{}")
+            out.setdefault((int(e["worker_index"]), str(detail.get("metric"))), str(detail.get("reason")))
+    return out
+
+
 def summarize_run(store: ResultsStore, run_id: str) -> RunSummary:
     """Reduce a stored run with the comparison rules. Works on failed/interrupted runs too.
 
@@ -276,6 +307,7 @@ def summarize_run(store: ResultsStore, run_id: str) -> RunSummary:
         raise KeyError(f"no run {run_id!r} in {store.path}")
     cfg = store.run_config(run_id)
     steps, evals, host = (store.rows(t, run_id) for t in ("steps", "evals", "host_samples"))
+    unknown = _unknown_metric_reasons(store.rows("events", run_id))
     workers, eval_curves, loss_curves = [], {}, {}
     for w in store.rows("workers", run_id):
         i = w["worker_index"]
@@ -285,7 +317,8 @@ def summarize_run(store: ResultsStore, run_id: str) -> RunSummary:
         if end is None and w_steps:  # killed mid-way: training time up to its last stored step
             end = w_steps[-1]["wall_time"] + (w_steps[-1]["step_s"] or 0.0)
         workers.append(summarize_worker(i, w["status"], w["train_start_time"], end, w["eval_s"] or 0.0, w_steps,
-                                        w_evals, [h for h in host if h["worker_index"] == i], w["peak_memory_bytes"]))
+                                        w_evals, [h for h in host if h["worker_index"] == i], w["peak_memory_bytes"],
+                                        unknown.get((i, "net_sent_bytes")) or unknown.get((i, "net_recv_bytes"))))
         if w_evals:
             eval_curves[i] = sorted((e["train_time_s"], e["accuracy"]) for e in w_evals)
         losses = loss_curve(w_steps, w_evals, w["train_start_time"])
@@ -296,6 +329,7 @@ def summarize_run(store: ResultsStore, run_id: str) -> RunSummary:
     throughputs = [w.throughput_samples_per_s for w in workers if w.throughput_samples_per_s]
     pipeline = not distribution.get(run["strategy"]).data_parallel  # stages share the batches: count them once
     curve = sorted((e["train_time_s"], e["accuracy"]) for e in evals)
+    net_unknown = [f"peer {w.worker_index}: {w.net_unknown_reason}" for w in workers if w.net_unknown_reason]
     return RunSummary(
         run_id=run_id, name=run["name"], strategy=run["strategy"], status=run["status"], reason=run["reason"],
         peers=int(cfg.get("peers", 1)), config=cfg,
@@ -304,7 +338,9 @@ def summarize_run(store: ResultsStore, run_id: str) -> RunSummary:
         accuracy=max(accs) if accs else None,
         samples=(max((w.samples for w in workers), default=0) if pipeline else sum(w.samples for w in workers)),
         mean_cpu_percent=_mean([w.mean_cpu_percent for w in workers if w.mean_cpu_percent is not None]),
-        mean_net_bytes_per_peer=_mean([w.net_sent_bytes + w.net_recv_bytes for w in workers]) or 0.0,
+        mean_net_bytes_per_peer=None if net_unknown or not workers else _mean(
+            [w.net_sent_bytes + w.net_recv_bytes for w in workers]),
+        net_unknown_reason="; ".join(net_unknown) or None,
         workers=workers, verdict=bottleneck(workers), eval_curve=curve, eval_curves=eval_curves,
         loss_curves=loss_curves, moe=summarize_moe(store, run_id), chance_accuracy=chance_accuracy(cfg),
         swarm=analyze_swarm(store, run_id) if distribution.get(run["strategy"]).per_peer_report and steps else None,
@@ -315,7 +351,7 @@ def summarize_run(store: ResultsStore, run_id: str) -> RunSummary:
 class Comparison:
     """A run against the baseline. ``speedup`` > 1 means faster than the baseline; ``speedup`` and
     ``accuracy_decrease`` are None without a baseline run (:func:`is_baseline_run`); ``notes`` are
-    warnings on the figures (near-chance accuracy)."""
+    warnings on the figures (near-chance accuracy, network bytes that could not be counted)."""
 
     run: RunSummary
     speedup: float | None
@@ -364,6 +400,8 @@ def compare(baseline: RunSummary | None, runs: list[RunSummary], accuracy_thresh
                              f"({r.chance_accuracy:.3f}): not used")
             else:
                 tta = r.time_to_accuracy_s(accuracy_threshold)
+        if r.net_unknown_reason:
+            notes.append(f"network bytes per peer unknown ({r.net_unknown_reason})")
         out.append(Comparison(r, speedup, dec, tta, notes))
     return out
 

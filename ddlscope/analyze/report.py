@@ -117,6 +117,11 @@ def _fmt(value, spec: str = ".2f", none: str = "-") -> str:
     return none if value is None else format(value, spec)
 
 
+def _mb(value: float | None) -> float | None:
+    """Bytes in MB (1e6 bytes); None stays None (unknown)."""
+    return None if value is None else value / 1e6
+
+
 def _threshold_near_chance(run: RunSummary, threshold: float | None) -> bool:
     return threshold is not None and run.chance_accuracy is not None and threshold <= near_chance_level(run.chance_accuracy)
 
@@ -143,7 +148,7 @@ def summary_rows(comparisons: list[Comparison], threshold: float | None = None) 
             "accuracy": _fmt(r.accuracy, ".3f") + (" (near chance)" if r.near_chance else ""),
             "acc. decrease": _fmt(c.accuracy_decrease, "+.3f", no_base),
             "time-to-acc s": tta,
-            "net MB/peer": f"{r.mean_net_bytes_per_peer / 1e6:.1f}",
+            "net MB/peer": _fmt(_mb(r.mean_net_bytes_per_peer), ".1f"),  # "-": unknown, the reason is in c.notes
             "bottleneck": r.verdict.kind if r.verdict else "-",
         })
     return rows
@@ -330,14 +335,18 @@ def plot_curves(summaries: list[RunSummary], attr: str, path: Path, threshold: f
 
 
 def plot_network(summaries: list[RunSummary], path: Path) -> None:
-    """TCP bytes sent and received: per peer, or per run (mean per peer) when there are many."""
+    """TCP bytes sent and received: per peer, or per run (mean per peer) when there are many. Peers and
+    runs whose bytes are unknown have no bar (not a 0 bar); the title counts them, the warnings say why."""
+    counted = [s for s in summaries if s.workers and s.net_unknown_reason is None]
     bars = [(_bar_label(s, w.worker_index), w.net_sent_bytes / 1e6, w.net_recv_bytes / 1e6)
-            for s in summaries for w in s.workers]
-    title = "Network bytes per peer"
+            for s in summaries for w in s.workers if w.net_unknown_reason is None]
+    unknown = sum(1 for s in summaries for w in s.workers if w.net_unknown_reason is not None)
+    title = "Network bytes per peer" + (f"\n({unknown} peer(s) not shown: bytes unknown, see the warnings)"
+                                        if unknown else "")
     if len(bars) > MAX_BARS:
         runs = [(_bar_label(s), sum(w.net_sent_bytes for w in s.workers) / len(s.workers) / 1e6,
-                 sum(w.net_recv_bytes for w in s.workers) / len(s.workers) / 1e6) for s in summaries if s.workers]
-        baseline = runs[0] if runs and summaries[0].workers else None
+                 sum(w.net_recv_bytes for w in s.workers) / len(s.workers) / 1e6) for s in counted]
+        baseline = runs[0] if counted and counted[0] is summaries[0] else None
         shown, others = top_with_others(runs, lambda r: r[1] + r[2], MAX_BARS - 1, first=baseline)
         bars = shown + ([(f"others\n({len(others)} runs)", sum(r[1] for r in others) / len(others),
                           sum(r[2] for r in others) / len(others))] if others else [])
@@ -439,8 +448,8 @@ def _markdown(comparisons: list[Comparison], threshold: float | None, plots: lis
                 f"| {_cell(c.run.name)} | {c.run.run_id} | {w.worker_index} | {w.status} | {w.steps} | {phases} | "
                 f"{_fmt(w.throughput_samples_per_s, '.1f')} | {_fmt(w.mean_cpu_percent, '.0f')} | "
                 f"{_fmt(w.mean_background_cpu_s * 1000 if w.mean_background_cpu_s is not None else None, '.0f')} | "
-                f"{_fmt(w.peak_rss_bytes / 1e6 if w.peak_rss_bytes else None, '.0f')} | {w.net_sent_bytes / 1e6:.1f} | "
-                f"{w.net_recv_bytes / 1e6:.1f} | {w.averaging_rounds} ({w.averaging_rounds_failed}) | "
+                f"{_fmt(w.peak_rss_bytes / 1e6 if w.peak_rss_bytes else None, '.0f')} | {_fmt(_mb(w.net_sent_bytes), '.1f')} | "
+                f"{_fmt(_mb(w.net_recv_bytes), '.1f')} | {w.averaging_rounds} ({w.averaging_rounds_failed}) | "
                 f"{_fmt(w.mean_group_size, '.1f')} |")
     lines += swarm_section([c.run for c in comparisons])
     lines += config_markdown([c.run for c in comparisons])

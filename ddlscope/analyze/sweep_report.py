@@ -150,11 +150,13 @@ def optimizer_time_table(summaries: list[RunSummary], steps_by_run: dict[str, li
 
 
 def network_table(summaries: list[RunSummary]) -> Table:
-    """Per run: TCP bytes sent and received per peer (mean over peers) and their sum."""
+    """Per run: TCP bytes sent and received per peer (mean over peers) and their sum; all three None,
+    and ``net_unknown_reason`` saying why, when any peer's bytes could not be counted."""
     return [{"run": s.name, "run_id": s.run_id, "peers": s.peers,
-             "sent_bytes_per_peer": _mean([w.net_sent_bytes for w in s.workers]),
-             "recv_bytes_per_peer": _mean([w.net_recv_bytes for w in s.workers]),
-             "net_bytes_per_peer": s.mean_net_bytes_per_peer} for s in summaries]
+             "sent_bytes_per_peer": None if s.net_unknown_reason else _mean([w.net_sent_bytes for w in s.workers]),
+             "recv_bytes_per_peer": None if s.net_unknown_reason else _mean([w.net_recv_bytes for w in s.workers]),
+             "net_bytes_per_peer": s.mean_net_bytes_per_peer, "net_unknown_reason": s.net_unknown_reason}
+            for s in summaries]
 
 
 def step_time_table(summaries: list[RunSummary]) -> Table:
@@ -247,17 +249,20 @@ def _plot_optimizer_time(summaries: list[RunSummary], steps_by_run: dict[str, li
 
 
 def _plot_network(rows: Table, path: Path) -> None:
-    """Bytes per peer per run; with more runs than MAX_BARS, those sending most and one bar for the others' mean."""
-    shown, others = top_with_others(rows, lambda r: r["net_bytes_per_peer"] or 0.0, MAX_BARS - 1)
-    bars = [(f"{r['run']}\n{r['run_id']}", (r["net_bytes_per_peer"] or 0.0) / 1e6) for r in shown]
+    """Bytes per peer per run; with more runs than MAX_BARS, those sending most and one bar for the others' mean.
+    Runs whose bytes are unknown have no bar (not a 0 bar); the title counts them and the table says why."""
+    unknown = [r for r in rows if r["net_bytes_per_peer"] is None]
+    rows = [r for r in rows if r["net_bytes_per_peer"] is not None]
+    shown, others = top_with_others(rows, lambda r: r["net_bytes_per_peer"], MAX_BARS - 1)
+    bars = [(f"{r['run']}\n{r['run_id']}", r["net_bytes_per_peer"] / 1e6) for r in shown]
     if others:
-        bars.append((f"others ({len(others)} runs)", sum((r["net_bytes_per_peer"] or 0.0) for r in others) / len(others) / 1e6))
+        bars.append((f"others ({len(others)} runs)", sum(r["net_bytes_per_peer"] for r in others) / len(others) / 1e6))
     fig, ax = plt.subplots(figsize=(bar_figure_width_in(len(bars)), 4))
     ax.bar(range(len(bars)), [b[1] for b in bars])
     ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=7, rotation=30, ha="right")
     ax.set_ylabel("TCP bytes per peer (MB, sent + received)")
-    ax.set_title(TITLES["network"] + (f"\n(the {len(shown)} runs sending most; 'others' = their mean)" if others else ""),
-                 fontsize=10)
+    ax.set_title(TITLES["network"] + (f"\n(the {len(shown)} runs sending most; 'others' = their mean)" if others else "")
+                 + (f"\n({len(unknown)} run(s) not shown: bytes unknown, see the table)" if unknown else ""), fontsize=10)
     _save(fig, path)
 
 

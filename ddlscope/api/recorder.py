@@ -27,11 +27,16 @@ in FSDP2's ``fully_shard`` (timed all-gathers and reduce-scatters) is measured: 
 flight), ``comm_bytes`` and ``comm_wait_s`` (the exposed tail after the backward compute). Anything else
 (FSDP1, a hook the script registered itself, DeepSpeed) is "not hooked": an event says why, and those
 columns stay NULL (unknown), never 0.
+
+Step rows are committed by a writer thread every :attr:`Recorder.store_flush_interval_s` (1 s) and when
+the recorder finishes (also on SIGTERM/SIGHUP, see ``handle_signals``); a process killed with SIGKILL
+loses at most the steps of the last second.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import os
 import signal
@@ -48,10 +53,10 @@ import torch
 
 from ddlscope.errors import UserError
 from ddlscope.measure.comm import CommTimer, exposed_comm_s
-from ddlscope.measure.host import HostSampler
+from ddlscope.measure.host import UNKNOWN_EVENT, HostSampler
 from ddlscope.measure.memory import peak_memory_bytes
 from ddlscope.measure.timeline import Stopwatch
-from ddlscope.store.db import ResultsStore, default_db_path
+from ddlscope.store.db import BatchedWriter, ResultsStore, default_db_path
 
 PHASES: dict[str, str] = {"data_load": "data_load_s", "forward": "forward_s", "backward": "backward_s",
                           "comm_wait": "comm_wait_s", "optimizer": "optimizer_s"}
@@ -190,7 +195,13 @@ class Recorder:
     Use as a context manager (``with ddlscope.record(...) as rec:``), or call :meth:`start` and
     :meth:`finish`; a recorder still open when the interpreter exits is finished then (``failed`` with the
     uncaught exception, else ``completed``).
+
+    Steps are queued to a :class:`~ddlscope.store.db.BatchedWriter` that commits them every
+    :attr:`store_flush_interval_s` seconds and on :meth:`finish`.
     """
+
+    store_flush_interval_s: float = 1.0
+    """Seconds between commits of step rows; a SIGKILL loses at most this much of the steps."""
 
     def __init__(self, name: str | None = None, db: str | Path | None = None, *, model: str = "user-model",
                  dataset: str = "user-data", batch_size: int | None = None, strategy: str | None = None,
@@ -243,6 +254,7 @@ class Recorder:
         self._timer = CommTimer()
         self._watch: Stopwatch | None = None
         self._sampler: HostSampler | None = None
+        self._writer: BatchedWriter | None = None
         self._profiler = None
         self._current: StepRecord | None = None  # explicit step in progress
         self._auto: StepRecord | None = None  # automatic step in progress
@@ -281,10 +293,12 @@ class Recorder:
         self._train_start = time.time()
         self.store.upsert_worker(self.run_id, self.rank, hostname=socket.gethostname(), pid=os.getpid(),
                                  cores=",".join(map(str, cores)), status="training", train_start_time=self._train_start)
+        self._writer = self.store.batched_writer(self.store_flush_interval_s)
         self._watch = Stopwatch(self.device or "cpu")
         self._mark, self._mark_wall = time.perf_counter(), time.time()
         self._sampler = HostSampler(self.store.host_sample_writer(self.run_id, self.rank), self.host_sample_interval_s,
-                                    network=self.world > 1)
+                                    network=self.world > 1,
+                                    note=lambda **why: self.store.add_event(self.run_id, self.rank, UNKNOWN_EVENT, **why))
         self._sampler.__enter__()
         if self.profile_steps is not None:
             from ddlscope.measure.torch_profile import StepProfiler, profile_dir
@@ -355,6 +369,7 @@ class Recorder:
                     record_profile(self.store, self.run_id, self.rank, self._profiler)
                 except OSError as err:
                     self.store.add_event(self.run_id, self.rank, "torch_profile_failed", error=str(err))
+            self._writer.close()  # every step committed before the worker's end is
             self.store.upsert_worker(self.run_id, self.rank, train_end_time=time.time(), eval_s=self._eval_s,
                                      peak_memory_bytes=peak_memory_bytes(self.device or torch.device("cpu")),
                                      status=status, reason=reason)
@@ -368,6 +383,8 @@ class Recorder:
                 hook.remove()
             self._hooks = []
             self._restore_exit_handlers()
+            with contextlib.suppress(Exception):  # after an error above: still commit the steps queued
+                self._writer.close()
             self.store.close()
 
     def __enter__(self) -> "Recorder":
@@ -447,7 +464,7 @@ class Recorder:
         Raises:
             UserError: the recorder is not running, steps are nested, or no sample count is known.
         """
-        store = self._started()
+        self._started()
         if self._current is not None:
             raise UserError("rec.step() blocks cannot be nested; allowed: one step at a time")
         self._flush_auto(end_open=True)
@@ -476,7 +493,7 @@ class Recorder:
         if self.comm_hooked:
             stats = self._timer.take()
             st.comm_s, st.comm_bytes = stats.comm_s, stats.comm_bytes
-        self._write(st, step_s, store)
+        self._write(st, step_s)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -522,7 +539,7 @@ class Recorder:
         Raises:
             UserError: an unknown part, or a negative or non-finite time.
         """
-        store = self._started()
+        self._started()
         allowed = set(PHASES.values())
         for key, value in {"step_s": step_s, **parts}.items():
             if key != "step_s" and key not in allowed:
@@ -536,7 +553,7 @@ class Recorder:
         if self.comm_hooked:
             stats = self._timer.take()
             st.comm_s, st.comm_bytes = stats.comm_s, stats.comm_bytes
-        self._write(st, float(step_s), store)
+        self._write(st, float(step_s))
 
     def note(self, loss: Any = None, accuracy: float | None = None) -> None:
         """Attach the training ``loss`` (float or 0-dim tensor) and/or batch ``accuracy`` (0..1) to the step in
@@ -724,7 +741,7 @@ class Recorder:
         st, self._pending = self._pending, None
         if st is not None and self.store is not None:
             self.steps -= 1  # _write counts it
-            self._write(st, st.step_s, self.store)
+            self._write(st, st.step_s)
 
     # ------------------------------------------------------------------ communication
     def _hook_comm(self, model: torch.nn.Module) -> None:
@@ -799,7 +816,7 @@ class Recorder:
         return fut.then(finished)
 
     # ------------------------------------------------------------------ rows
-    def _write(self, st: StepRecord, step_s: float, store: ResultsStore) -> None:
+    def _write(self, st: StepRecord, step_s: float) -> None:
         samples = st.samples if st.samples is not None else self.batch_size
         if samples is None or isinstance(samples, bool) or int(samples) < 0:
             raise UserError(f"step {st.index}: samples = {samples!r}; allowed: rec.step(samples) with the samples of "
@@ -817,7 +834,7 @@ class Recorder:
             comm_wait = 0.0 if self.world == 1 or self.comm_hooked else None
         if self.world == 1 and self.comm_hooked is None:
             st.comm_s, st.comm_bytes = 0.0, 0
-        store.add_step(self.run_id, self.rank, dict(
+        self._writer.add_step(self.run_id, self.rank, dict(
             step=st.index, wall_time=st.wall_time, samples=samples, data_load_s=parts.get("data_load_s"),
             forward_s=parts.get("forward_s"), backward_s=parts.get("backward_s"), comm_wait_s=comm_wait,
             bubble_s=0.0, optimizer_s=parts.get("optimizer_s"), averaging_s=0.0, comm_s=st.comm_s,

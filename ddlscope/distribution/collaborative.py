@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ddlscope.distribution import DistributionModel, register
+from ddlscope.errors import UserError
 from ddlscope.modeling.cluster import ClusterSpec
 from ddlscope.modeling.collectives import butterfly_allreduce_s, contention, serial_comm
 from ddlscope.modeling.memory import MemoryEstimate, replicas
@@ -21,6 +22,7 @@ from ddlscope.modeling.prediction import Prediction, Setting, make_prediction, s
 from ddlscope.modeling.profile import WorkloadProfile
 
 if TYPE_CHECKING:
+    from ddlscope.network.emulated import NetworkConfig
     from ddlscope.config import RunConfig
 
 DEFAULT_MATCHMAKING_TIME_S = 10.0
@@ -155,11 +157,27 @@ class CollaborativeConfig(BaseModel):
     auxiliary_peers: list[int] = Field(default_factory=list, description="peers that train on no batch and only "
                                        "help average (hivemind's auxiliary peers: their upload and CPU, e.g. "
                                        "a CPU-only machine beside GPU trainers)")
+    declared_bandwidths_mbit_per_s: list[float] | Literal["network"] = Field(
+        default_factory=list, description="each peer's bandwidth told to hivemind's averagers (DecentralizedAverager's "
+        "bandwidth), so that its load balancing gives slow peers smaller parts of a round (DeDLOC's LP): one value "
+        "per peer in Mbit/s, or \"network\" for each peer's emulated link (the smaller of its upload and download; "
+        "an unlimited link declares none); default: none declared, equal parts")
     churn: list[ChurnEvent] = Field(default_factory=list, description="peers that join late, leave, are killed and "
                                     "rejoin, at given times ([[collaborative.churn]] tables, one per peer)")
 
     random_churn: RandomChurn | None = Field(None, description="churn drawn at random with a seed "
                                              "([collaborative.random_churn])")
+
+    def declared_bandwidth_mbit_per_s(self, peer: int, network: "NetworkConfig") -> float | None:
+        """What ``peer`` tells hivemind's averagers its bandwidth is, Mbit/s (None: nothing declared;
+        see ``declared_bandwidths_mbit_per_s``)."""
+        if self.declared_bandwidths_mbit_per_s == "network":
+            peers = max([peer, *(link.peer for link in network.links if link.peer is not None)]) + 1
+            servers = max([-1, *(link.server for link in network.links if link.server is not None)]) + 1
+            up, down = network.rates(peers, servers)[peer]
+            return None if up is None or down is None else min(up, down)
+        values = self.declared_bandwidths_mbit_per_s
+        return values[peer] if peer < len(values) else None
 
     def churn_events(self, peers: int) -> list[ChurnEvent]:
         """Every peer's churn schedule in a swarm of ``peers``: the ``churn`` tables, then the drawn ones.
@@ -224,6 +242,13 @@ def check_target_batch(cfg: "RunConfig") -> None:
         raise ValueError("collaborative.client_mode_peers: every peer in client mode leaves no one to aggregate; "
                          "allowed: at most peers - 1 of them")
     _check_churn(cfg)
+    declared = c.declared_bandwidths_mbit_per_s
+    if declared == "network" and not cfg.network.emulate:
+        raise ValueError('collaborative.declared_bandwidths_mbit_per_s = "network" needs network.emulate = true; '
+                         "allowed on real hosts: one value per peer in Mbit/s")
+    if declared != "network" and declared and (len(declared) != cfg.peers or not all(0 < b <= 400_000 for b in declared)):
+        raise ValueError(f"collaborative.declared_bandwidths_mbit_per_s = {declared}: allowed: one value per peer "
+                         f"({cfg.peers}), each > 0 and <= 400000 Mbit/s, or \"network\"")
     per_step = cfg.batch_size * cfg.gradient_accumulation_steps
     if cfg.collaborative.target_batch_size < per_step:
         raise ValueError(
@@ -291,13 +316,32 @@ HIVEMIND_PART_SIZE_BYTES = 2**19
 """hivemind 1.1.12 ``averaging.partition.DEFAULT_PART_SIZE_BYTES``: all-reduce chunk size."""
 
 
+SWARM_OPTIONS: tuple[str, ...] = ("target_group_size", "auxiliary_peers", "client_mode_peers",
+                                   "declared_bandwidths_mbit_per_s", "churn", "run_s")
+"""Options of a collaborative candidate that describe the swarm (:func:`predict_collaborative`)."""
+
+
 def collaborative_candidate(s: Setting, global_batch_size: int, options: dict[str, Any]) -> Setting:
     """A collaborative candidate for a job: the peers accumulate the global batch as their target
     batch size (unless ``options["target_batch_size"]`` is given), at ``options["matchmaking_time_s"]``
-    (default :data:`DEFAULT_MATCHMAKING_TIME_S`), with ``options["use_local_updates"]``."""
+    (default :data:`DEFAULT_MATCHMAKING_TIME_S`), with ``options["use_local_updates"]``; the swarm's
+    options (:data:`SWARM_OPTIONS`) that are set go to the setting's ``options``."""
+    swarm = {k: options[k] for k in SWARM_OPTIONS if options.get(k) not in (None, [], "")}
     return replace(s, target_batch_size=options.get("target_batch_size") or global_batch_size,
                    matchmaking_time_s=options.get("matchmaking_time_s") or DEFAULT_MATCHMAKING_TIME_S,
-                   use_local_updates=bool(options.get("use_local_updates")))
+                   use_local_updates=bool(options.get("use_local_updates")), options={**s.options, **swarm})
+
+
+def swarm_options(cfg: "RunConfig") -> dict[str, Any]:
+    """A run config's swarm as prediction options: its ``[collaborative]`` table's target batch size,
+    matchmaking time, local updates and :data:`SWARM_OPTIONS` (churn as drawn, ``run_s`` from
+    ``time_limit_s``), for predicting that run before it starts (``recommend --swarm``)."""
+    c = cfg.collaborative
+    return {"target_batch_size": c.target_batch_size, "matchmaking_time_s": c.matchmaking_time_s,
+            "use_local_updates": c.use_local_updates, "target_group_size": c.target_group_size,
+            "auxiliary_peers": c.auxiliary_peers, "client_mode_peers": c.client_mode_peers,
+            "declared_bandwidths_mbit_per_s": c.declared_bandwidths_mbit_per_s,
+            "churn": [e.model_dump() for e in c.churn_events(cfg.peers)], "run_s": cfg.time_limit_s}
 
 
 def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scale: float = 1.0) -> Prediction:
@@ -343,18 +387,65 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     the slowest peer's step is made: its data loading into ``data_load_s``, its local optimizer
     steps (``use_local_updates``) into ``optimizer_s``, and its compute into ``forward_s`` and
     ``backward_s`` in the profiled forward : backward proportion.
+
+    **Peer roles** (the ``[collaborative]`` table's ``auxiliary_peers`` and ``client_mode_peers``
+    as options): an auxiliary peer trains on nothing and takes part in the rounds as a reducer; a
+    client-mode peer trains and reduces nothing (:func:`butterfly_allreduce_s` with roles). With
+    ``declared_bandwidths_mbit_per_s`` set the peers declare their links and the round's parts come
+    from hivemind's LP (taken to declare the cluster's link rates); otherwise equal parts.
+
+    **Churn** (the option ``churn``: :class:`ChurnEvent` tables; ``run_s``: the run's length in
+    seconds from the swarm's first step, needed with churn): the run is cut where a peer joins,
+    leaves, dies or rejoins, and each stretch is predicted for the peers present in it (a global
+    epoch of that swarm). A peer that joins or rejoins first loads the swarm's state
+    (``load_state_from_peers``: parameters and optimizer state over its link, plus the collective's
+    fixed cost) and trains only after it; a killed peer loses on average half of what it
+    contributes to a global epoch (its samples since the last round). The prediction is then the
+    run's mean global epoch: ``run_s x TBS / samples trained``; ``inputs["churn_stretches"]`` lists
+    each stretch.
+
+    Raises:
+        UserError: churn without ``run_s``, churn naming a peer outside the setting, or a schedule
+            that leaves no trainer.
     """
+    churn = [e if isinstance(e, ChurnEvent) else ChurnEvent(**e) for e in s.options.get("churn") or []]
+    if not churn:
+        return _predict_swarm(profile, cluster, s, scale, list(range(s.workers)))
+    run_s = s.options.get("run_s")
+    if not run_s or run_s <= 0:
+        raise UserError("collaborative prediction with churn needs the run's length: option run_s > 0 (seconds from "
+                        "the swarm's first step)")
+    bad = sorted({e.peer for e in churn if e.peer >= s.workers})
+    if bad:
+        raise UserError(f"churn names peers {bad}; allowed: 0..{s.workers - 1} ({s.workers} peers)")
+    return _predict_churn(profile, cluster, s, scale, churn, float(run_s))
+
+
+def _peer_roles(s: Setting) -> list[str]:
+    """Each peer's role (:data:`PEER_ROLES`) from the setting's ``auxiliary_peers`` and ``client_mode_peers``."""
+    aux, clients = set(s.options.get("auxiliary_peers") or []), set(s.options.get("client_mode_peers") or [])
+    return ["auxiliary" if i in aux else "client" if i in clients else "trainer" for i in range(s.workers)]
+
+
+def _peer_links(cluster: ClusterSpec, s: Setting) -> tuple[list[float], list[float], list[float]]:
+    """Every peer's (compute share, bandwidth GB/s, latency s): ``cluster.peers`` or the cluster's devices."""
     peers = cluster.peers[: s.workers] if cluster.peers else []
+    if peers:
+        return [p.compute_share for p in peers], [p.bandwidth_gb_per_s for p in peers], [p.latency_s for p in peers]
+    link = cluster.ring_link(s.workers)
+    return [1.0] * s.workers, [link.bandwidth_gb_per_s] * s.workers, [link.latency_s] * s.workers
+
+
+def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scale: float,
+                   present: list[int]) -> Prediction:
+    """A global epoch of the swarm made of the peers ``present`` (indices), see :func:`predict_collaborative`."""
+    roles_all = _peer_roles(s)
+    trainers = [i for i in present if roles_all[i] != "auxiliary"]
     busy = s.workers if not cluster.peers else 1
     slow = contention(cluster, min(busy, cluster.devices_per_node)) * scale
     step = profile.step_at(s.batch_size)
-    if peers:
-        shares = [p.compute_share for p in peers]
-        bws = [p.bandwidth_gb_per_s for p in peers]
-        lats = [p.latency_s for p in peers]
-    else:
-        link = cluster.ring_link(s.workers)
-        shares, bws, lats = [1.0] * s.workers, [link.bandwidth_gb_per_s] * s.workers, [link.latency_s] * s.workers
+    shares_all, bws_all, lats_all = _peer_links(cluster, s)
+    shares = [shares_all[i] for i in trainers]
     compute = step.forward_s + step.backward_s
     local_opt = step.optimizer_s if s.use_local_updates else 0.0
     load = profile.data_load_s(s.batch_size, s.loader_workers)
@@ -366,11 +457,15 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     on_cpu = serial_comm(profile, cluster)
     fixed = cluster.collective_fixed_s
     # Moshpit-style groups (target_group_size): a round averages within groups; the slowest group sets its time
-    group = min(len(bws), s.options.get("target_group_size") or len(bws))
-    order = sorted(range(len(bws)), key=lambda i: bws[i])[:group]
-    bws, lats = [bws[i] for i in order], [lats[i] for i in order]
-    # the peers declare no bandwidth to their averagers: hivemind splits the vector equally
-    one_round = 0.0 if alone else butterfly_allreduce_s(float(profile.param_bytes), bws, lats, fixed, balanced=False)
+    group = min(len(present), s.options.get("target_group_size") or len(present))
+    order = sorted(present, key=lambda i: bws_all[i])[:group]
+    bws, lats, roles = [bws_all[i] for i in order], [lats_all[i] for i in order], [roles_all[i] for i in order]
+    balanced = bool(s.options.get("declared_bandwidths_mbit_per_s"))
+
+    def round_s(nbytes: float) -> float:
+        return butterfly_allreduce_s(nbytes, bws, lats, fixed, balanced=balanced, roles=roles)
+
+    one_round = 0.0 if alone else round_s(float(profile.param_bytes))
     wait = 0.0 if alone else max(0.0, s.matchmaking_time_s - max(0.0, t_acc - max(peer_steps)))
     grad_round = 0.0 if s.use_local_updates or alone else wait + one_round
     state_round = one_round / s.average_state_every
@@ -378,12 +473,12 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     averaging = grad_round + state_exposed
     overhead = 0.0
     if hm and not alone:  # measured on these devices: replaces the two rounds
-        reference = butterfly_allreduce_s(float(hm.reference_param_bytes), bws, lats, fixed, balanced=False)
+        reference = round_s(float(hm.reference_param_bytes))
         beyond = 2 * max(0.0, one_round - reference)
         # while a peer waits for matchmaking its cores are free for hivemind's own work: they overlap
         overhead = hm.epoch_overhead_s + hm.overhead_steps * max(peer_steps)
         averaging = (max(wait, overhead) if not s.use_local_updates else overhead) \
-            + beyond + (one_round if peers else 0.0)
+            + beyond + (one_round if cluster.peers else 0.0)
     notes = []
     if hm is None and not alone:
         notes.append("collaborative: no hivemind fit in the cluster file (calibrate --hivemind), so hivemind's own "
@@ -401,7 +496,8 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
         + (0.0 if s.use_local_updates else step.optimizer_s * slow / min(shares))
     parts["averaging_s"] = averaging
     return make_prediction(s, parts, throughput * t_acc,
-                           inputs={"peers": len(shares), "averaging_group_size": group, "compute_shares": shares,
+                           inputs={"peers": len(present), "trainers": len(trainers), "averaging_group_size": group,
+                                   "peer_roles": roles_all, "load_balanced": int(balanced), "compute_shares": shares,
                                    "peer_step_s": peer_steps,
                                    "swarm_samples_per_s": throughput, "accumulate_s": t_acc,
                                    "samples_per_global_epoch": throughput * t_acc, "matchmaking_wait_s": wait,
@@ -409,6 +505,62 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
                                    "state_round_on_cores": on_cpu, "hivemind_epoch_overhead_s": overhead,
                                    "hivemind_fit_matchmaking_time_s": (hm.matchmaking_time_s or 0.0) if hm else 0.0,
                                    "contention": slow / scale, "compute_scale": scale}, notes=notes)
+
+
+def _predict_churn(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scale: float,
+                   churn: list[ChurnEvent], run_s: float) -> Prediction:
+    """The run's mean global epoch under ``churn`` (see :func:`predict_collaborative`)."""
+    roles = _peer_roles(s)
+    _, bws, _ = _peer_links(cluster, s)
+    state_bytes = float(profile.param_bytes + profile.optimizer_state_bytes)
+    events = {e.peer: e for e in churn}
+    # when each peer trains: [start, end) spans, a (re)join's start moved past its state load
+    spans: dict[int, list[tuple[float, float]]] = {}
+    load_s: list[float] = []
+    kills: list[tuple[float, int]] = []
+    for i in range(s.workers):
+        e = events.get(i)
+        load_s.append(cluster.collective_fixed_s + state_bytes / (bws[i] * 1e9))
+        if e is None:
+            spans[i] = [(0.0, run_s)]
+            continue
+        mine = [(e.join_at_s + (load_s[i] if e.join_at_s > 0 else 0.0), e.gone_at_s if e.gone_at_s is not None else run_s)]
+        if e.rejoin_at_s is not None:
+            mine.append((e.rejoin_at_s + load_s[i], run_s))
+        if e.kill_at_s is not None and e.kill_at_s < run_s:
+            kills.append((e.kill_at_s, i))
+        spans[i] = [(a, min(b, run_s)) for a, b in mine if a < min(b, run_s)]
+    cuts = sorted({0.0, run_s, *(t for w in spans.values() for span in w for t in span if 0.0 < t < run_s)})
+    stretches: list[dict[str, Any]] = []
+    swarms: list[Prediction | None] = []
+    for a, b in zip(cuts, cuts[1:]):
+        present = [i for i in range(s.workers) if any(x <= a and b <= y for x, y in spans[i])]
+        p = _predict_swarm(profile, cluster, s, scale, present) if any(roles[i] != "auxiliary" for i in present) \
+            else None
+        per_s = p.inputs["samples_per_global_epoch"] / p.step_s if p else 0.0
+        swarms.append(p)
+        stretches.append({"from_s": a, "to_s": b, "peers": present, "epoch_s": p.step_s if p else None,
+                          "samples": (b - a) * per_s})
+    samples = sum(st["samples"] for st in stretches)
+    lost = 0.0
+    for t, i in kills:  # the killed peer's samples since the last round: half an epoch's share on average
+        k = next((k for k, st in enumerate(stretches) if st["from_s"] < t <= st["to_s"] and i in st["peers"]), None)
+        p = swarms[k] if k is not None else None
+        if p is not None and roles[i] != "auxiliary":
+            trainers = [j for j in stretches[k]["peers"] if roles[j] != "auxiliary"]
+            lost += 0.5 * s.batch_size / p.inputs["peer_step_s"][trainers.index(i)] * p.inputs["accumulate_s"]
+    trained = samples - lost
+    if trained <= 0:
+        raise UserError(f"the churn schedule leaves no peer training in {run_s:g} s; allowed: at least one trainer "
+                        f"present for part of the run")
+    full = _predict_swarm(profile, cluster, s, scale, list(range(s.workers)))
+    epoch_s = run_s * s.target_batch_size / trained
+    parts = {k: v * epoch_s / full.step_s for k, v in full.breakdown_s.items() if v}
+    inputs = {**full.inputs, "run_s": run_s, "churn_stretches": stretches, "state_load_s": load_s,
+              "samples_trained": trained, "samples_lost_to_kills": lost, "epoch_s_without_churn": full.step_s}
+    return make_prediction(s, parts, s.target_batch_size, inputs=inputs, notes=full.notes + [
+        f"collaborative: churn over {run_s:g} s: {len(stretches)} stretches of constant swarm, {lost:.0f} samples "
+        f"lost to kills; the step is the run's mean global epoch"])
 
 
 def memory_collaborative(profile: WorkloadProfile, s: Setting) -> list[MemoryEstimate]:

@@ -62,7 +62,9 @@ def predict_ddp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scal
     ``collective_fixed_s + ddp_step_traffic_bytes / ddp_step_gb_per_s``, the rate measured inside
     real DDP steps (bucket copies and gloo's work sharing the core with autograd), and all of
     it adds to the step as ``comm_wait_s`` (measured on this machine: a DDP step of 32 MiB of
-    gradients behind 0.16 s of compute was 40 ms slower than plain, 1.5x the same all-reduce alone).
+    gradients behind 0.16 s of compute was 40 ms slower than plain, 1.5x the same all-reduce alone);
+    a bucket never costs less than its ring all-reduce over the cluster's link (the in-step rate
+    was measured on loopback; over an emulated slow network the wire is the bound).
     """
     w = s.workers
     slow = contention(cluster, busy_per_node(cluster, w)) * scale
@@ -79,10 +81,11 @@ def predict_ddp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scal
     buckets = ddp_buckets([layer.param_bytes for layer in profile.layers], s.bucket_cap_mb * 1024 * 1024)
     in_step = cluster.ddp_step_gb_per_s if serial_comm(profile, cluster) else None
     for ready_after, nbytes in buckets:
-        if in_step:  # measured inside DDP steps on these workers: the bucket's share of the step
-            d = cluster.collective_fixed_s + ddp_step_traffic_bytes(nbytes, w) / (in_step * 1e9)
+        wire = ring_allreduce_s(nbytes, w, link, cluster.collective_fixed_s)
+        if in_step:  # measured inside DDP steps on these workers: the bucket's share of the step, at least the wire's
+            d = max(cluster.collective_fixed_s + ddp_step_traffic_bytes(nbytes, w) / (in_step * 1e9), wire)
         else:
-            d = ring_allreduce_s(nbytes, w, link, cluster.collective_fixed_s)
+            d = wire
         free = max(free, done_at[ready_after]) + d
         comm_total += d
     exposed = max(0.0, free - backward_end)

@@ -190,8 +190,8 @@ def check_dmoe(cfg: "RunConfig") -> None:
     """Checks of a dmoe run that involve the run's other fields.
 
     Raises:
-        ValueError: a server event after the run's time limit, or a schedule that leaves a sample
-            no expert server at the start.
+        ValueError: a server event after the run's time limit, a schedule that leaves a sample
+            no expert server at the start, or servers outside an emulated network.
     """
     d = cfg.dmoe
     limit = cfg.time_limit_s
@@ -200,6 +200,10 @@ def check_dmoe(cfg: "RunConfig") -> None:
         if limit is not None and latest >= limit:
             raise ValueError(f"dmoe.server_events: server {ev.server} has an event at {latest:g} s, after the run's "
                              f"time_limit_s = {limit:g}; allowed: times < time_limit_s")
+    if d.placement == "remote" and d.initial_peers and cfg.network.emulate:
+        raise ValueError("dmoe.initial_peers with network.emulate = true: the emulated network's namespaces have no "
+                         "route out, so the trainers could not reach those servers; allowed: leave initial_peers "
+                         "empty (ddlscope starts dmoe.servers, each in a namespace of its own)")
     if d.placement == "remote" and not d.initial_peers and d.server_events:
         late = {ev.server for ev in d.server_events if ev.start_at_s > 0}
         if len(late) == d.servers:
@@ -496,8 +500,9 @@ def predict_dmoe(profile: "WorkloadProfile", cluster: "ClusterSpec", setting: "S
     and the contention of the busy devices, :func:`~ddlscope.modeling.collectives.contention`),
     ``data_load_s``, and ``comm_wait_s`` = beam search + remote forward + remote backward (what
     the strategy stores there). Their sum is the trainer's critical path ``L``. On a cluster whose
-    device is another kind than ``local`` the calls also cross its link: ``2 x latency + C x bytes
-    / bandwidth`` per round. Without a fit (:attr:`~ddlscope.modeling.cluster.ClusterSpec.dmoe`,
+    device is another kind than ``local``, or that lists its peers' links (an emulated network's),
+    the calls also cross that link: ``2 x latency + max(C, N) x bytes / bandwidth`` per round, ``C``
+    the trainer's own calls and ``N`` those the busiest server gets from all trainers on its link. Without a fit (:attr:`~ddlscope.modeling.cluster.ClusterSpec.dmoe`,
     ``calibrate --dmoe``) the client side is that link term alone and a beam search ``rounds x 2 x
     latency``, with a note.
 
@@ -585,9 +590,12 @@ def predict_dmoe(profile: "WorkloadProfile", cluster: "ClusterSpec", setting: "S
     colocated = placement is not None and placement.shared
     ratio = fit.colocated_cpu_ratio if fit is not None and colocated else 1.0
     wire_f = wire_b = 0.0
-    if fit is None or cluster.device.kind != "local":  # the calls cross the cluster's link (loopback is in the fit)
-        wire_f = 2 * link.latency_s + calls * fwd_bytes / (link.bandwidth_gb_per_s * 1e9)
-        wire_b = 2 * link.latency_s + calls * bwd_bytes / (link.bandwidth_gb_per_s * 1e9)
+    if fit is None or cluster.device.kind != "local" or cluster.peers:
+        # the calls cross the cluster's link (loopback is in the fit; listed peers' links, e.g. an emulated
+        # network's, are not): the trainer's own calls, or all trainers' calls to the busiest server on its link
+        carried = max(calls, n_busiest)
+        wire_f = 2 * link.latency_s + carried * fwd_bytes / (link.bandwidth_gb_per_s * 1e9)
+        wire_b = 2 * link.latency_s + carried * bwd_bytes / (link.bandwidth_gb_per_s * 1e9)
 
     def server_hm_cpu(n_calls: float, n_batches: float) -> tuple[float, float]:
         """hivemind's own CPU seconds (forward, backward) on a server for ``n_calls`` calls in ``n_batches`` batches."""

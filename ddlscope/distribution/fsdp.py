@@ -49,9 +49,10 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
     prefetch = not serial_comm(profile, cluster)
     in_step = None if prefetch else cluster.fsdp_step_gb_per_s
     per_call = 3 if s.reshard_after_forward else 2  # collectives per unit and step
-    if in_step:  # measured inside FSDP steps on these workers; a unit's collectives share its traffic
+    if in_step:  # measured inside FSDP steps on these workers; a unit's collectives share its traffic, each at least
+        # its ring over the cluster's link (the rate was measured on loopback; a slow network's wire is the bound)
         share = [fsdp_unit_traffic_bytes(b, w, s.reshard_after_forward) / (in_step * 1e9) for b in sizes]
-        ag = rs = [t / per_call for t in share]
+        ag = rs = [max(t / per_call, ring_allgather_s(b, w, link, fixed)) for t, b in zip(share, sizes)]
     else:
         ag = [ring_allgather_s(b, w, link, fixed, cluster.all_gather) for b in sizes]
         rs = [ring_allgather_s(b, w, link, fixed, cluster.reduce_scatter) for b in sizes]

@@ -19,11 +19,13 @@ Grid files are TOML with one ``[validation]`` table (:class:`ValidationGrid`), o
 ``local`` (MNIST and CIFAR-10 shapes x ResNet-18, VGG-11, MobileNetV2 x every distribution model
 with a cost model, on 2 workers of one core each), ``moe`` (the zoo's ``moe_cnn`` as ``dmoe`` with
 2 trainers and 2 expert servers, next to ``single`` training it with its experts in-process) and
-``links`` (collaborative on emulated networks of 200 and 50 Mbit/s besides loopback, where
-communication dominates: root only) and ``tiny`` (for tests). A grid's ``bandwidths_mbit_per_s``
-adds, for the models that run on emulated networks, a cell per link rate: the run's peers each in
-a network namespace with links of that rate, predicted with the cluster's links at that rate
-(:func:`over_links`).
+``links`` (every model that runs on emulated networks, MobileNetV2 on links of 200 and 50 Mbit/s
+and an uneven pair of 200 and 20 Mbit/s, where communication dominates: root only), ``moe-links``
+(dmoe's trainers and expert servers on emulated links) and ``tiny`` (for tests). A grid's
+``bandwidths_mbit_per_s`` adds, for the models that run on emulated networks, cells per entry: the
+run's workers each in a network namespace with links of that rate (or, for a list, worker i's link
+at the i-th rate), predicted with the cluster's links at those rates (:func:`over_links`);
+``loopback = false`` leaves out the loopback cells.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, field_validator, model_validator
 
 from ddlscope import distribution
 from ddlscope.config import (MAX_BATCH_SIZE, MAX_PEERS, _bad_numbers, _format_validation_error, available_cores,
@@ -91,17 +93,30 @@ class ValidationGrid(BaseModel):
     averaging_timeout_s: float = Field(60.0, gt=0, description="collaborative: a stuck averaging round fails the "
                                        "measured run after this long")
     synthetic_train_size: int = Field(128, ge=1)
-    bandwidths_mbit_per_s: list[float] = Field(
-        default_factory=list, description="emulated link rates, Mbit/s each way: each gets cells of its own for the "
-                                          "models that run on emulated networks (collaborative), besides loopback")
+    bandwidths_mbit_per_s: list[float | list[float]] = Field(
+        default_factory=list, description="emulated links, Mbit/s each way: a rate for every peer, or a list of one "
+                                          "rate per worker (an uneven swarm); each gets cells of its own for the "
+                                          "models that run on emulated networks")
+    loopback: bool = Field(True, description="also run every model over loopback (the cells without emulated links)")
 
     @field_validator("bandwidths_mbit_per_s")
     @classmethod
-    def _positive_rates(cls, v: list[float]) -> list[float]:
-        bad = [b for b in v if not 0 < b <= 400_000]
+    def _positive_rates(cls, v: list[float | list[float]]) -> list[float | list[float]]:
+        flat = [b for entry in v for b in (entry if isinstance(entry, list) else [entry])]
+        bad = [b for b in flat if not 0 < b <= 400_000] + [e for e in v if isinstance(e, list) and not e]
         if bad:
-            raise ValueError(f"{bad}: allowed: rates in Mbit/s, > 0 and <= 400000")
+            raise ValueError(f"{bad}: allowed: rates in Mbit/s, > 0 and <= 400000, or non-empty lists of them")
         return v
+
+    @model_validator(mode="after")
+    def _one_rate_per_worker(self) -> "ValidationGrid":
+        bad = [e for e in self.bandwidths_mbit_per_s if isinstance(e, list) and len(e) != self.workers]
+        if bad:
+            raise ValueError(f"bandwidths_mbit_per_s: {bad} must list one rate per worker ({self.workers})")
+        if not self.loopback and not self.bandwidths_mbit_per_s:
+            raise ValueError("loopback = false with no bandwidths_mbit_per_s leaves no cell; allowed: loopback = true "
+                             "or at least one link rate")
+        return self
 
     @field_validator("strategies")
     @classmethod
@@ -144,11 +159,18 @@ PRESETS: dict[str, dict] = {
     "moe": dict(name="validation-moe", datasets=["mnist", "cifar10"], networks=["moe_cnn"],
                 strategies=["single", "dmoe"], workers=2, batch_size=32, warmup_batches=3, measured_batches=20,
                 synthetic_train_size=256),
-    # collaborative where communication dominates: peers in network namespaces, links limited
-    # (needs root; docs/emulated-networks.md); MobileNetV2 (14 MB of parameters) and ResNet-18 (45 MB)
-    "links": dict(name="validation-links", datasets=["mnist"], networks=["mobilenet_v2", "resnet18"],
-                  strategies=["collaborative"], workers=2, batch_size=64, target_batch_size=128,
-                  bandwidths_mbit_per_s=[200.0, 50.0], model_measured_batches={"collaborative": 16}),
+    # every model that runs on emulated networks where communication dominates: each worker in a network
+    # namespace, links limited to 200 and 50 Mbit/s, and an uneven pair (200 and 20 Mbit/s); needs root
+    # (docs/emulated-networks.md). MobileNetV2: 14 MB of parameters in many small tensors
+    "links": dict(name="validation-links", datasets=["mnist"], networks=["mobilenet_v2"],
+                  strategies=["ddp", "fsdp", "gpipe", "1f1b", "collaborative", "diloco"], workers=2, batch_size=64,
+                  target_batch_size=128, bandwidths_mbit_per_s=[200.0, 50.0, [200.0, 20.0]], loopback=False,
+                  model_measured_batches={"collaborative": 16}),
+    # the Decentralized Mixture-of-Experts over emulated links: trainers and expert servers each in a namespace
+    # with links of the same rate (a per-worker list would leave the servers' links unlimited)
+    "moe-links": dict(name="validation-moe-links", datasets=["mnist"], networks=["moe_cnn"], strategies=["dmoe"],
+                      workers=2, batch_size=32, warmup_batches=3, measured_batches=20, synthetic_train_size=256,
+                      bandwidths_mbit_per_s=[50.0, 10.0], loopback=False),
     "tiny": dict(name="validation-tiny", datasets=["mnist"], networks=["tiny_cnn"],
                  strategies=["single", "ddp", "gpipe"], workers=2, batch_size=16, microbatches=2,
                  warmup_batches=1, measured_batches=3, synthetic_train_size=64),
@@ -180,11 +202,17 @@ def load_grid(path_or_preset: str) -> ValidationGrid:
                                                                               f"invalid grid {path}")) from None
 
 
-def cell_key(setting: Setting, network: str, dataset: str, mbit_per_s: float | None = None) -> str:
+def link_label(rates: float | list[float]) -> str:
+    """A grid entry of ``bandwidths_mbit_per_s`` as shown in reports: ``"50 Mbit/s"``, ``"200/20 Mbit/s"``."""
+    return "/".join(f"{r:g}" for r in (rates if isinstance(rates, list) else [rates])) + " Mbit/s"
+
+
+def cell_key(setting: Setting, network: str, dataset: str, rates: float | list[float] | None = None) -> str:
     """The key and label of a cell's real run (and the key its prediction is stored under);
-    ``mbit_per_s``: the cell runs on an emulated network with links of this rate."""
+    ``rates``: the cell runs on an emulated network with links of this rate (a list: per worker)."""
     mb = f"-mb{setting.microbatches}" if setting.microbatches else ""
-    link = f"-{mbit_per_s:g}mbit" if mbit_per_s is not None else ""
+    link = "-" + "+".join(f"{r:g}" for r in (rates if isinstance(rates, list) else [rates])) + "mbit" \
+        if rates is not None else ""
     return f"{setting.strategy}-{network}-{dataset}-{setting.workers}w-b{setting.global_batch_size}{mb}{link}"
 
 
@@ -203,13 +231,14 @@ def _table_values(grid: ValidationGrid, model: distribution.DistributionModel, s
 
 
 def validation_cell(grid: ValidationGrid, setting: Setting, network: str, dataset: str, data_root: Path,
-                    stage_bounds: list[int] | None = None, mbit_per_s: float | None = None) -> Cell:
+                    stage_bounds: list[int] | None = None, mbit_per_s: float | list[float] | None = None) -> Cell:
     """The real run of a predicted setting, as an experiment cell: same batch, micro-batches, workers
     and cores per device, the model's table from the setting (see the module docstring), and for
     pipelines the predicted stage cut (``stage_bounds``), so that the run is the configuration that
     was predicted rather than a cut re-measured at start-up. Its ``config`` raises UserError when
     the values are invalid (the runner then stores the cell as failed). ``mbit_per_s``: the run's
-    peers each in a network namespace with links of this rate (:mod:`ddlscope.network.emulated`)."""
+    peers each in a network namespace with links of this rate, or per worker for a list
+    (:mod:`ddlscope.network.emulated`)."""
     model = distribution.get(setting.strategy)
     table = _table_values(grid, model, setting)
     warmup = grid.warmup_batches + model.startup_steps_of(setting.batch_size, setting.workers, table)
@@ -225,7 +254,9 @@ def validation_cell(grid: ValidationGrid, setting: Setting, network: str, datase
         values["distributed"] = dict(microbatches=setting.microbatches, stage_bounds=stage_bounds)
     if model.config_table:
         values[model.config_table] = table
-    if mbit_per_s is not None:
+    if isinstance(mbit_per_s, list):
+        values["network"] = dict(emulate=True, links=[dict(peer=i, bandwidth_mbit_per_s=r) for i, r in enumerate(mbit_per_s)])
+    elif mbit_per_s is not None:
         values["network"] = dict(emulate=True, bandwidth_mbit_per_s=mbit_per_s)
     return Cell(key=key, label=key, values=values)
 
@@ -266,45 +297,58 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
                 microbatches=grid.microbatches, loader_workers=grid.loader_workers,
                 target_batch_size=grid.target_batch_size, matchmaking_time_s=grid.matchmaking_time_s,
                 use_local_updates=grid.use_local_updates)
-            for mbit in [None, *grid.bandwidths_mbit_per_s]:
+            first = True
+            for mbit in [None, *grid.bandwidths_mbit_per_s] if grid.loopback else grid.bandwidths_mbit_per_s:
                 here = settings if mbit is None else [s for s in settings if s.strategy in emulated_models()]
                 if not here:
                     continue
                 t1 = time.perf_counter()
-                rec = recommend(profile, cluster if mbit is None else over_links(cluster, mbit), here)
+                rec = recommend(profile, cluster if mbit is None else over_links(cluster, mbit, grid.workers), here)
                 with ResultsStore(db_path) as store:
                     entries = [(c, _store_prediction(store, grid.name, c, c is rec.best, net, ds, mbit),
                                 validation_cell(grid, c.setting, net, ds, root,
                                                 c.prediction.inputs.get("stage_bounds") if c.prediction else None, mbit))
                                for c in rec.candidates]
-                label = net if mbit is None else f"{net} @ {mbit:g} Mbit/s"
-                planned.append((ds, label, (t1 - t0 if mbit is None else 0.0) + time.perf_counter() - t1, entries))
+                link = None if mbit is None else link_label(mbit)
+                label = net if link is None else f"{net} @ {link}"
+                # the profile's time counts once, with the first cell of this network
+                planned.append((ds, label, link, (t1 - t0 if first else 0.0) + time.perf_counter() - t1, entries))
+                first = False
     runs: dict[str, tuple[str | None, str, str | None]] = {}
     if run_real:
         cells = [cell for *_, entries in planned for _, _, cell in entries]
         for o in run_cells(cells, db_path, grid.name, progress=progress, rerun=rerun, run_fn=run_fn, what="validate"):
             runs[o.cell.key] = (o.run_id, o.status, o.reason)
     out = []
-    for ds, net, predict_s, entries in planned:
+    for ds, net, link, predict_s, entries in planned:
         outcomes = [_outcome(db_path, cand, pid, runs.get(cell.key)) for cand, pid, cell in entries]
         out.append(ValidationCell(dataset=ds, network=net, workers=grid.workers, outcomes=outcomes,
-                                  predict_s=predict_s))
+                                  predict_s=predict_s, link=link))
     return out
 
 
-def over_links(cluster: ClusterSpec, mbit_per_s: float) -> ClusterSpec:
-    """``cluster`` with every link between its devices at ``mbit_per_s`` (an emulated network's
-    rate; latency as calibrated), for predicting a cell run on emulated links."""
-    from ddlscope.modeling.cluster import LinkSpec
+def over_links(cluster: ClusterSpec, rates_mbit_per_s: float | list[float], workers: int) -> ClusterSpec:
+    """``cluster`` as an emulated network of ``workers`` workers puts it: each worker a peer with a
+    link of its rate (a list: worker i's at the i-th; latency as calibrated) and the devices' links
+    at the slowest rate (a ring is as fast as its slowest link), for predicting a cell run on
+    emulated links. The peers keep the cluster's listed compute shares; where the cluster lists
+    none they share this machine's cores, so each computes at ``1 / contention`` of a device alone
+    (:func:`ddlscope.modeling.collectives.contention`)."""
+    from ddlscope.modeling.cluster import LinkSpec, PeerSpec
+    from ddlscope.modeling.collectives import contention
 
-    link = LinkSpec(bandwidth_gb_per_s=mbit_per_s / 8e3, latency_s=cluster.intra_node.latency_s)
-    peers = [p.model_copy(update={"bandwidth_gb_per_s": link.bandwidth_gb_per_s}) for p in cluster.peers or []]
-    return cluster.model_copy(update={"intra_node": link, "p2p_link": link, "peers": peers or cluster.peers,
+    rates = rates_mbit_per_s if isinstance(rates_mbit_per_s, list) else [rates_mbit_per_s] * workers
+    latency = cluster.intra_node.latency_s
+    link = LinkSpec(bandwidth_gb_per_s=min(rates) / 8e3, latency_s=latency)
+    shared = 1.0 / contention(cluster, min(workers, cluster.devices_per_node))
+    shares = [p.compute_share for p in cluster.peers[:workers]] if len(cluster.peers) >= workers else [shared] * workers
+    peers = [PeerSpec(compute_share=c, bandwidth_gb_per_s=r / 8e3, latency_s=latency) for c, r in zip(shares, rates)]
+    return cluster.model_copy(update={"intra_node": link, "p2p_link": link, "peers": peers,
                                       "inter_node": link if cluster.inter_node is not None else None})
 
 
 def _store_prediction(store: ResultsStore, group: str, cand: Candidate, recommended: bool, net: str, ds: str,
-                      mbit_per_s: float | None = None) -> str:
+                      mbit_per_s: float | list[float] | None = None) -> str:
     """Store one candidate's prediction under its cell's key; return the prediction id."""
     s, p = cand.setting, cand.prediction
     return store.add_prediction(

@@ -17,7 +17,8 @@ A swarm model with ``services`` (dmoe's expert servers) has them started first b
 :class:`~ddlscope.launch.services.ServiceSupervisor`; they bootstrap the swarm, the workers join
 them, and their schedules (start late, killed, restarted) run while the workers train. Services
 get cores of their own when the workers leave some free, else they share the workers' cores
-(:func:`service_core_sets`).
+(:func:`service_core_sets`). On an emulated network each service has a namespace of its own after
+the workers' (:meth:`~ddlscope.network.emulated.EmulatedNetwork.for_run`).
 
 A swarm with a churn schedule (``collaborative.churn``, :mod:`ddlscope.launch.churn`) starts its
 late peers, asks peers to leave, kills and restarts them while it runs; those scheduled ends are
@@ -110,7 +111,10 @@ class LocalLauncher:
         nnodes, rdzv_endpoint, run_id: torch.distributed models on a cluster: this node is one of
             ``nnodes`` that each run the same command with the same ``rdzv_endpoint`` (``host:port``
             of the first node) and ``run_id``; it starts ``peers / nnodes`` workers and stores them in
-            its own database.
+            its own database. ``local_addr``: this node's address as the other nodes reach it
+            (torchrun's ``--local-addr``; the node hosts the rendezvous when it is the endpoint's
+            host, and the workers' gloo uses the interface that holds it, unless
+            ``GLOO_SOCKET_IFNAME`` is set); default torchrun's guess from the host name.
     """
 
     cfg: RunConfig
@@ -122,6 +126,7 @@ class LocalLauncher:
     nnodes: int = 1
     rdzv_endpoint: str | None = None
     run_id: str | None = None
+    local_addr: str | None = None
     worker_pids: set[int] = field(default_factory=set)
     rdzv_port: int | None = None
     services: ServiceSupervisor | None = None
@@ -328,8 +333,13 @@ class LocalLauncher:
 
         if self.network is None:
             endpoint = self.rdzv_endpoint or f"127.0.0.1:{self.rdzv_port}"
-            cmd = torchrun_command(self.workers_here, endpoint, worker_args(core_sets), nnodes=self.nnodes, rdzv_id=run_id)
-            self._popen(cmd, -1, core_sets[0], log_dir / "torchrun.log")
+            host, env = None, {}
+            if self.local_addr is not None:  # the node says where it is reached: hosting and gloo's interface follow
+                host = self.local_addr == endpoint.rsplit(":", 1)[0].strip("[]")
+                env = {} if os.environ.get("GLOO_SOCKET_IFNAME") else {"GLOO_SOCKET_IFNAME": interface_of(self.local_addr)}
+            cmd = torchrun_command(self.workers_here, endpoint, worker_args(core_sets), nnodes=self.nnodes, rdzv_id=run_id,
+                                   local_addr=self.local_addr, is_host=host)
+            self._popen(cmd, -1, core_sets[0], log_dir / "torchrun.log", env=env)
             return
         endpoint = f"{self.network.address(0)}:{self.rdzv_port}"
         for i in range(self.cfg.peers):  # gloo's pairs on the namespace's link, not the host name's address
@@ -364,7 +374,8 @@ class LocalLauncher:
             wanted = cfg.distribution_model.services(cfg)
             self.services = ServiceSupervisor(
                 wanted, self.db_path, run_id, log_dir, service_core_sets([s.cores for s in wanted], core_sets, self.leased_cores),
-                float(cfg.model_options()["join_timeout_s"]), initial, env_extra=self._child_env())
+                float(cfg.model_options()["join_timeout_s"]), initial, env_extra=self._child_env(),
+                network=self.network, first_namespace=cfg.peers)
             initial = self.services.start(store)
             for i in range(n_local):
                 self._spawn(run_id, i, core_sets[i], initial, log_dir)
@@ -685,7 +696,23 @@ class _ProgressBars:
 
 def run_local(cfg: RunConfig, db_path: Path, group_name: str | None = None, progress: bool = True,
               local_workers: int | None = None, nnodes: int = 1, rdzv_endpoint: str | None = None,
-              run_id: str | None = None) -> str:
+              run_id: str | None = None, local_addr: str | None = None) -> str:
     """Run ``cfg`` on this machine (this node's share on a cluster) and return its run id. See :class:`LocalLauncher`."""
     return LocalLauncher(cfg, Path(db_path), group_name, local_workers, progress, nnodes=nnodes,
-                         rdzv_endpoint=rdzv_endpoint, run_id=run_id).run()
+                         rdzv_endpoint=rdzv_endpoint, run_id=run_id, local_addr=local_addr).run()
+
+
+def interface_of(address: str) -> str:
+    """The name of this host's network interface that holds ``address`` (an IPv4 or IPv6 address).
+
+    Raises:
+        UserError: no interface of this host (of this network namespace) has it.
+    """
+    import psutil
+
+    interfaces = psutil.net_if_addrs()
+    for name, addrs in interfaces.items():
+        if any(a.address.split("%")[0] == address for a in addrs):
+            return name
+    held = sorted({a.address for addrs in interfaces.values() for a in addrs if a.family.name in ("AF_INET", "AF_INET6")})
+    raise UserError(f"--local-addr {address} is not an address of this host; allowed: one of {', '.join(held)}")

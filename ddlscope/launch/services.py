@@ -9,6 +9,10 @@ carries out each service's schedule (start late, SIGKILL, start again as a new p
 ``service_started`` / ``service_killed`` / ``service_died`` events). A service that dies is not a
 failure of the run: the workers decide whether they can go on. When the run ends every service's
 process group is ended like the workers' (:func:`ddlscope.launch.processes.stop_processes`).
+
+On an emulated network (:class:`~ddlscope.network.emulated.EmulatedNetwork`) each service runs in
+a network namespace of its own, ``first_namespace + position`` (after the workers'), listening on
+that namespace's address; every generation of a service starts in the same namespace.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 from ddlscope.distribution import Service
 from ddlscope.launch.processes import log_tail, signal_group, start_process, wait_group_gone
+from ddlscope.network.emulated import EmulatedNetwork
 from ddlscope.store.db import ResultsStore
 
 
@@ -51,6 +56,8 @@ class ServiceSupervisor:
         join_timeout_s: how long the first service may take to record its multiaddrs.
         initial_peers: multiaddrs of a running swarm to join (empty: the first service bootstraps).
         env_extra: environment variables of every service process (the run's ``TMPDIR``).
+        network / first_namespace: the run's emulated network, if any; service ``position`` then
+            runs in its namespace ``first_namespace + position``.
     """
 
     services: list[Service]
@@ -61,6 +68,8 @@ class ServiceSupervisor:
     join_timeout_s: float
     initial_peers: list[str] = field(default_factory=list)
     env_extra: dict[str, str] = field(default_factory=dict)
+    network: EmulatedNetwork | None = None
+    first_namespace: int = 0
     processes: list[_Process] = field(default_factory=list)
     t0: float = 0.0
     _done: set[tuple[int, str]] = field(default_factory=set)
@@ -95,6 +104,8 @@ class ServiceSupervisor:
                "--die-with-parent"]
         if self.initial_peers:
             cmd += ["--initial-peers", *self.initial_peers]
+        if self.network is not None:  # inside its own namespace, listening on its address
+            cmd = self.network.peer_command(self.first_namespace + position, cmd)
         proc = _Process(s, generation, start_process(cmd, log_path, threads=len(cores), env_extra=self.env_extra), log_path)
         self.processes.append(proc)
         store.add_event(self.run_id, None, "service_started", service=s.kind, index=s.index, generation=generation,

@@ -12,11 +12,18 @@ peers, hivemind's averager process and its p2pd daemon. Each sample sums over th
   ``bytes_received``). Counters of a socket are kept after it closes, so the totals only grow.
   Sockets to the worker's own tree (loopback between its processes) count too, but hivemind
   talks to its daemon over a Unix socket, which is not TCP, so peer-to-peer traffic is what
-  remains. Zero when ``ss`` is not installed or networking is off.
+  remains. **Unknown (None)** when they cannot be counted (:class:`TcpByteCounter` says why:
+  ``ss`` not installed or failing, sockets of the tree that ``ss`` does not attribute to it,
+  a kernel without ``bytes_sent``); 0 only when counted: the tree had no TCP traffic, or the
+  sampler was told the worker uses no network (``network=False``: a single-device run).
+
+A metric that could not be measured is reported once to the sampler's ``note`` callback (see
+:class:`HostSampler`), which the training loop stores as a :data:`UNKNOWN_EVENT` event.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import re
 import shutil
 import subprocess
@@ -27,87 +34,203 @@ from typing import Callable
 import psutil
 
 _SS_PID = re.compile(r"pid=(\d+)")
-_SS_BYTES = re.compile(r"\bbytes_(sent|received):(\d+)")
+_SS_BYTES = re.compile(r"\bbytes_(sent|received|acked):(\d+)")
+
+UNKNOWN_EVENT = "host_metric_unknown"
+"""Event kind of a host metric that could not be measured; detail: ``metric`` (a host_samples column) and ``reason``."""
+
+NOT_BACKGROUND_THREAD_PREFIX = "ddlscope-"
+"""Python threads whose name starts with this are ddlscope's own (host sampler, store writer): not background work."""
+
+_DATALOADER_MODULE = "torch.utils.data"
+
+
+def _is_dataloader(target: object) -> bool:
+    """Whether a thread's or process's target function is torch's DataLoader's (worker loop, pin-memory loop)."""
+    return str(getattr(target, "__module__", "") or "").startswith(_DATALOADER_MODULE)
+
+
+def _plain_multiprocessing_children() -> set[int]:
+    """Pids of this process's live multiprocessing children that are instances of :mod:`multiprocessing`'s
+    own ``Process`` classes, not of a subclass: DataLoader workers are (torch starts
+    ``multiprocessing_context.Process``); hivemind's DHT and averagers are subclasses."""
+    return {p.pid for p in multiprocessing.active_children()
+            if p.pid is not None and type(p).__module__.startswith("multiprocessing")}
+
+
+def background_threads() -> dict[int, str]:
+    """The Python threads of this process that count as background work, as ``{native thread id: name}``:
+    every live :mod:`threading` thread except the calling one, ddlscope's own (names starting with
+    :data:`NOT_BACKGROUND_THREAD_PREFIX`) and DataLoader's pin-memory thread. Native threads (torch's
+    intra-op OpenMP pool, its inter-op pool, autograd's device threads, CUDA's) are never Python threads.
+    """
+    me = threading.get_native_id()
+    return {t.native_id: t.name for t in threading.enumerate()
+            if t.native_id is not None and t.native_id != me and not t.name.startswith(NOT_BACKGROUND_THREAD_PREFIX)
+            and not _is_dataloader(getattr(t, "_target", None))}
 
 
 def background_cpu_s() -> float:
-    """CPU seconds (user + system) used so far by this process's work other than the calling
-    thread: its other threads and all of its descendant processes (for a collaborative peer:
-    hivemind's progress tracker and RPC threads, its DHT process, ``p2pd`` and averagers; also
-    DataLoader workers and this module's sampler). Differences between two calls give the
-    background CPU of an interval; on a peer whose cores the training thread keeps busy, that
-    CPU time is taken from training. Descendants that exited between the calls are not counted.
-    The kernel accounts a process's CPU time in clock ticks (usually 10 ms): that is this figure's
-    resolution, and a difference over a short interval may come out a tick below zero.
+    """CPU seconds (user + system) used so far by this process's background work: hivemind's threads
+    and processes on a collaborative peer (its progress tracker, state-fetcher and RPC threads, its
+    DHT and averager processes, ``p2pd``), not training's own work.
+
+    Method. Counted: the Python threads of :func:`background_threads` (the kernel's per-thread
+    ticks, ``/proc/self/task/TID/stat``), plus every descendant process, except the trees of
+    multiprocessing children of :mod:`multiprocessing`'s own ``Process`` classes: that is what
+    DataLoader workers are (the worker's Process object keeps no target after it starts, so its
+    class is what tells it apart), while hivemind's DHT and averager processes are subclasses
+    (``hivemind.DHT``, ``DecentralizedAverager``) and ``p2pd`` is their subprocess. Not counted: the calling (training) thread; native threads, which is what torch's
+    intra-op (OpenMP) and inter-op pools, autograd's device threads and CUDA's threads are, however
+    many cores the peer has (hivemind creates its threads with :mod:`threading`, so they are Python
+    threads); ddlscope's own threads; DataLoader workers (and any child started as a plain
+    ``multiprocessing.Process``) and pin-memory thread. Torch threads that a
+    hivemind *thread* starts by running tensor ops are native and not counted; tensor ops in
+    hivemind's *processes* are.
+
+    Differences between two calls give the background CPU of an interval; on a peer whose cores the
+    training thread keeps busy, that CPU time is taken from training. Threads and descendants that
+    exited between the calls are not counted. The kernel accounts CPU time in clock ticks (usually
+    10 ms): that is this figure's resolution, and a difference over a short interval may come out
+    a tick below zero. Errors reading an exiting process are skipped; nothing is raised.
     """
     me = psutil.Process()
-    own = me.cpu_times()
-    # the calling thread from the same tick accounting as the process (/proc/self/task/TID/stat):
-    # time.thread_time() is a precise clock, and over minutes of CPU the two drift apart by tens of ms
-    tid = threading.get_native_id()
-    mine = next((t for t in me.threads() if t.id == tid), None)
-    total = own.user + own.system - (mine.user_time + mine.system_time if mine else time.thread_time())
-    for child in me.children(recursive=True):
+    wanted = background_threads()
+    try:
+        total = float(sum(t.user_time + t.system_time for t in me.threads() if t.id in wanted))
+    except psutil.Error:
+        total = 0.0
+    loaders = _plain_multiprocessing_children()
+    try:
+        children = me.children()
+    except psutil.Error:
+        children = []
+    for child in children:
+        if child.pid in loaders:
+            continue
         try:
-            t = child.cpu_times()
+            tree = [child, *child.children(recursive=True)]
         except psutil.Error:
             continue
-        total += t.user + t.system
+        for p in tree:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
     return total
 
 
 class TcpByteCounter:
-    """Cumulative TCP bytes sent/received by a set of processes, from ``ss -tinpH``."""
+    """Cumulative TCP bytes sent/received by a set of processes, from ``ss -tinpH``.
+
+    Attributes:
+        reason: why the last :meth:`totals` could not count (None when it could).
+    """
 
     def __init__(self) -> None:
         self.ss = shutil.which("ss")
+        self.reason: str | None = None
         self._per_socket: dict[tuple[str, str], tuple[int, int]] = {}
 
-    def totals(self, pids: set[int]) -> tuple[int, int]:
-        """Return ``(sent_bytes, received_bytes)`` over all sockets of ``pids`` ever seen."""
+    def totals(self, pids: set[int]) -> tuple[int, int] | None:
+        """``(sent_bytes, received_bytes)`` over all TCP sockets of ``pids`` ever seen, or None when
+        they cannot be counted (:attr:`reason` says why): ``ss`` is not installed or fails; a process
+        of ``pids`` hold TCP sockets (per psutil) of which ``ss`` attributes none to them (it cannot
+        read their processes); a socket of theirs acknowledges bytes but shows no ``bytes_sent``
+        (a kernel older than 4.19). ``ss`` prints a counter only when it is not zero.
+        """
         if self.ss is None:
-            return 0, 0
+            self.reason = "ss (iproute2) is not installed, so TCP bytes cannot be counted"
+            return None
+        held = _tcp_sockets(pids)  # before ss: a socket it lists then is one ss lists too, unless it closed
         try:
-            out = subprocess.run([self.ss, "-tinpH"], capture_output=True, text=True, timeout=5).stdout
-        except (OSError, subprocess.SubprocessError):
-            out = ""
-        key, owned = None, False
-        for line in out.splitlines():
+            run = subprocess.run([self.ss, "-tinpH"], capture_output=True, text=True, timeout=5)
+        except (OSError, subprocess.SubprocessError) as err:
+            self.reason = f"'ss -tinpH' failed: {err}"
+            return None
+        if run.returncode != 0:
+            self.reason = f"'ss -tinpH' exited {run.returncode}: {run.stderr.strip()[:200]}"
+            return None
+        key, owned, seen = None, False, set()
+        for line in run.stdout.splitlines():
             if not line.startswith(("\t", " ")):  # a socket line: state, queues, local, peer, users
                 parts = line.split()
                 key = (parts[3], parts[4]) if len(parts) >= 5 else None
                 owned = any(int(p) in pids for p in _SS_PID.findall(line))
+                if owned and key is not None:
+                    seen.add(key)
             elif key is not None and owned:  # its tcp_info line
-                counts = dict(_SS_BYTES.findall(line))
-                if counts:
-                    self._per_socket[key] = (int(counts.get("sent", 0)), int(counts.get("received", 0)))
+                counts = {k: int(v) for k, v in _SS_BYTES.findall(line)}
+                if counts.get("acked") and "sent" not in counts:
+                    self.reason = "this kernel's TCP info has no bytes_sent counter (needs Linux >= 4.19)"
+                    return None
+                self._per_socket[key] = (counts.get("sent", 0), counts.get("received", 0))
+        if held and not held & seen:
+            local, peer = sorted(held)[0]
+            self.reason = (f"ss shows none of the worker's {len(held)} TCP socket(s) as its own (e.g. {local} -> "
+                           f"{peer}): it cannot read their processes")
+            return None
+        self.reason = None
         sent = sum(s for s, _ in self._per_socket.values())
         received = sum(r for _, r in self._per_socket.values())
         return sent, received
+
+
+def _tcp_sockets(pids: set[int]) -> set[tuple[str, str]]:
+    """``(local, peer)`` address pairs, formatted as ``ss`` does, of the connected TCP sockets of ``pids`` (psutil)."""
+    out = set()
+    for pid in pids:
+        try:
+            conns = psutil.Process(pid).net_connections(kind="tcp")
+        except psutil.Error:
+            continue
+        for c in conns:
+            if c.raddr and c.status != psutil.CONN_LISTEN:
+                out.add((_ss_address(c.laddr), _ss_address(c.raddr)))
+    return out
+
+
+def _ss_address(addr) -> str:
+    """An address as ``ss`` prints it: ``ip:port``, IPv6 in brackets."""
+    return f"[{addr.ip}]:{addr.port}" if ":" in addr.ip else f"{addr.ip}:{addr.port}"
 
 
 class HostSampler:
     """Samples the host metrics of the current process tree every ``interval_s`` seconds.
 
     Args:
-        sink: called with each sample dict (keys: see the module docstring plus ``wall_time``).
+        sink: called with each sample dict (keys: see the module docstring plus ``wall_time``); a
+            metric that could not be measured is None in it.
         interval_s: seconds between samples.
-        network: also count TCP bytes (spawns ``ss`` once per sample; off for single-device runs).
+        network: also count TCP bytes (spawns ``ss`` once per sample; off for single-device runs,
+            whose samples then read 0 bytes).
+        note: called as ``note(metric=..., reason=...)`` once per metric that could not be measured
+            (a host_samples column, e.g. ``net_sent_bytes``), on the thread that enters or leaves the
+            context manager (the sampler's own thread only records it); e.g.
+            ``functools.partial(store.add_event, run_id, worker, UNKNOWN_EVENT)``.
 
     Use as a context manager; the last sample is taken on exit.
     """
 
-    def __init__(self, sink: Callable[[dict], None], interval_s: float = 1.0, network: bool = False):
+    def __init__(self, sink: Callable[[dict], None], interval_s: float = 1.0, network: bool = False,
+                 note: Callable[..., None] | None = None):
         self.sink = sink
         self.interval_s = interval_s
         self.tcp = TcpByteCounter() if network else None
+        self.note = note
+        #: metric -> why it could not be measured (the first reason seen), over the samples so far
+        self.unknown: dict[str, str] = {}
+        self._noted: set[str] = set()
         self.root = psutil.Process()
         self._procs: dict[int, psutil.Process] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ddlscope-host-sampler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"{NOT_BACKGROUND_THREAD_PREFIX}host-sampler",
+                                        daemon=True)
 
     def __enter__(self) -> "HostSampler":
         self.sample()  # primes cpu_percent counters
+        self._report_unknown()
         self._thread.start()
         return self
 
@@ -115,6 +238,16 @@ class HostSampler:
         self._stop.set()
         self._thread.join(timeout=10)
         self.sample()
+        self._report_unknown()
+
+    def _report_unknown(self) -> None:
+        for metric, reason in list(self.unknown.items()):
+            if self.note is not None and metric not in self._noted:
+                self._noted.add(metric)
+                try:
+                    self.note(metric=metric, reason=reason)
+                except Exception:  # a sampler must never kill training
+                    pass
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -153,6 +286,10 @@ class HostSampler:
             except (psutil.Error, AttributeError):
                 continue
         if self.tcp is not None:
-            sample["net_sent_bytes"], sample["net_recv_bytes"] = self.tcp.totals({p.pid for p in procs})
+            counted = self.tcp.totals({p.pid for p in procs})
+            sample["net_sent_bytes"], sample["net_recv_bytes"] = counted if counted is not None else (None, None)
+            if counted is None:
+                for metric in ("net_sent_bytes", "net_recv_bytes"):
+                    self.unknown.setdefault(metric, self.tcp.reason or "not counted")
         self.sink(sample)
         return sample

@@ -32,34 +32,46 @@ def ring_allgather_s(nbytes: float, workers: int, link: LinkSpec, fixed_s: float
     """Seconds of a ring all-gather (or reduce-scatter) whose *full* tensor is ``nbytes``.
 
     ``fixed_s + (W-1) * (latency + nbytes / (W * bandwidth))`` — half of a ring all-reduce; with a
-    calibrated ``fit`` its own fixed cost and bandwidth replace the all-reduce's.
+    calibrated ``fit`` its own fixed cost and bandwidth replace the all-reduce's, the bandwidth at
+    most the link's (a fit measured on faster links than ``link``, e.g. loopback before an emulated
+    slow network, cannot beat the wire).
     """
     if workers < 2 or nbytes <= 0:
         return 0.0
     if fit is not None:
-        fixed_s, link = fit.fixed_s, LinkSpec(bandwidth_gb_per_s=fit.bandwidth_gb_per_s, latency_s=link.latency_s)
+        fixed_s, link = fit.fixed_s, LinkSpec(bandwidth_gb_per_s=min(fit.bandwidth_gb_per_s, link.bandwidth_gb_per_s),
+                                              latency_s=link.latency_s)
     return fixed_s + (workers - 1) * (link.latency_s + nbytes / (workers * link.bandwidth_gb_per_s * 1e9))
 
 
+PEER_ROLES = ("trainer", "auxiliary", "client")
+"""Roles of a peer in a hivemind averaging round: a ``trainer`` sends its vector and reduces a part;
+an ``auxiliary`` peer (``hivemind.Optimizer(auxiliary=True)``) reduces a part and sends no vector of
+its own; a ``client`` (``client_mode``: no incoming connections) sends its vector and reduces nothing."""
+
+
 def butterfly_allreduce_s(nbytes: float, bandwidths_gb_per_s: list[float], latencies_s: list[float],
-                          fixed_s: float = 0.0, balanced: bool = True) -> float:
+                          fixed_s: float = 0.0, balanced: bool = True, roles: list[str] | None = None) -> float:
     """Seconds of hivemind's butterfly all-reduce of ``nbytes`` among peers with these links.
 
-    Peer i reduces a fraction ``x_i`` of the vector: it sends the other ``1 - x_i`` of its own
-    vector and returns its averaged part to the N-1 others, ``nbytes * (1 + (N-2) x_i)`` bytes
-    out (and as many in), which take ``nbytes * (1 + (N-2) x_i) / bw_i`` when sending and
-    receiving overlap (DeDLOC, Diskin et al. 2021, section 3.2). With ``balanced`` (peers declare
-    their bandwidth to the averager, ``DecentralizedAverager(bandwidth=...)``) hivemind chooses the
-    fractions by a linear program that minimises the slowest peer's time
-    (``hivemind.averaging.load_balancing``); the same LP is solved here (scipy ``linprog``).
-    Without (no peer declared one, as ddlscope's collaborative peers: hivemind.Optimizer's
-    default) every peer gets ``1/N``.
+    Of the N peers, T send a vector (trainers and clients). Peer i reduces a fraction ``x_i`` of the
+    vector: it receives that part from the T senders and returns their average to them. A sender
+    sends the other ``1 - x_i`` of its own vector and returns its averaged part to the T-1 other
+    senders, ``nbytes * (1 + (T-2) x_i)`` bytes out (and as many in); an auxiliary peer,
+    ``nbytes * T x_i``. They take ``bytes / bw_i`` when sending and receiving overlap (DeDLOC,
+    Diskin et al. 2021, section 3.2). With ``balanced`` (peers declare their bandwidth to the
+    averager, ``DecentralizedAverager(bandwidth=...)``) hivemind chooses the fractions by a linear
+    program that minimises the slowest peer's time as if every peer sent a vector
+    (``hivemind.averaging.load_balancing.optimize_parts_lp``: it knows no roles); the same LP is
+    solved here (scipy ``linprog``) and the round is then timed with each role's true load. Without
+    (no peer declared one: hivemind.Optimizer's default) every peer that may reduce gets an equal
+    part. Clients reduce nothing in either case (hivemind gives a ``CLIENT`` peer bandwidth 0).
 
-    A peer the LP gives nothing (``x_i = 0``: with 3 or more peers, one much slower than the
-    others) is only a client, and hivemind 1.1.12 sends such a peer its averaged parts only after
-    it has sent all of its own (``AllReduceRunner.should_delay_results``): its upload and download
-    do not overlap, ``2 * nbytes / bw_i``. Measured on emulated links (benchmarks/averaging_links.py:
-    200/100/20 Mbit/s, 16 MiB: 13.7 s measured, 13.4 s so, 6.7 s with overlap).
+    A sender that reduces nothing (a client, or with 3 or more peers one much slower than the
+    others under the LP) gets its averaged parts only after it has sent all of its own (hivemind
+    1.1.12 ``AllReduceRunner.should_delay_results``): its upload and download do not overlap,
+    ``2 * nbytes / bw_i``. Measured on emulated links (benchmarks/averaging_links.py: 200/100/20
+    Mbit/s, 16 MiB: 13.7 s measured, 13.4 s so, 6.7 s with overlap).
 
     Args:
         nbytes: bytes averaged (the vector's size).
@@ -67,27 +79,49 @@ def butterfly_allreduce_s(nbytes: float, bandwidths_gb_per_s: list[float], laten
         latencies_s: each peer's one-way latency; the round pays the largest twice.
         fixed_s: per-round fixed cost.
         balanced: fractions from hivemind's LP (True) or equal (False).
+        roles: each peer's role (:data:`PEER_ROLES`); None: all trainers.
 
-    Returns 0 for one peer or nothing to average.
+    Returns 0 when fewer than two peers send, or nothing is averaged.
+
+    Raises:
+        ValueError: ``roles`` of another length than the bandwidths, an unknown role, or every
+            peer a client (nobody could reduce).
     """
     n = len(bandwidths_gb_per_s)
-    if n < 2 or nbytes <= 0:
+    roles = list(roles) if roles is not None else ["trainer"] * n
+    if len(roles) != n or set(roles) - set(PEER_ROLES):
+        raise ValueError(f"roles {roles}: allowed: one of {PEER_ROLES} per peer ({n} peers)")
+    senders = sum(r != "auxiliary" for r in roles)
+    if senders < 2 or nbytes <= 0:
         return 0.0
+    reducers = [i for i, r in enumerate(roles) if r != "client"]
+    if not reducers:
+        raise ValueError("every peer is a client: nobody can reduce the vector; allowed: at least one trainer or "
+                         "auxiliary peer")
     bw = [b * 1e9 for b in bandwidths_gb_per_s]
-    fractions = [1.0 / n] * n
-    if n > 2 and balanced:
+    # bytes out of peer i = nbytes * (const_i + slope_i * x_i)
+    const = [0.0 if r == "auxiliary" else 1.0 for r in roles]
+    slope = [float(senders) if r == "auxiliary" else float(senders - 2) for r in roles]
+    fractions = [1.0 / len(reducers) if i in reducers else 0.0 for i in range(n)]
+    if balanced and len(reducers) > 1 and n > 2:
         from scipy.optimize import linprog
 
-        # variables x_1..x_n, T: minimise T s.t. nbytes (1 + (n-2) x_i) / bw_i <= T, sum x = 1, x >= 0
+        # hivemind's LP (optimize_parts_lp), which knows no roles: every reducer's load taken as
+        # nbytes (1 + (n-2) x_i); minimise T s.t. (1 + (n-2) x_i) / bw_i <= T, sum x = 1, clients x = 0
         c = [0.0] * n + [1.0]
-        a_ub = [[(nbytes * (n - 2) / bw[i]) if j == i else 0.0 for j in range(n)] + [-1.0] for i in range(n)]
-        b_ub = [-nbytes / bw[i] for i in range(n)]
-        res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=[[1.0] * n + [0.0]], b_eq=[1.0],
-                      bounds=[(0, 1)] * n + [(0, None)], method="highs")
+        a_ub = [[((n - 2) / bw[i]) if j == i else 0.0 for j in range(n)] + [-1.0] for i in reducers]
+        b_ub = [-1.0 / bw[i] for i in reducers]
+        bounds = [(0, 1) if i in reducers else (0, 0) for i in range(n)] + [(0, None)]
+        res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=[[1.0] * n + [0.0]], b_eq=[1.0], bounds=bounds, method="highs")
         if res.success:
             fractions = [float(x) for x in res.x[:n]]
-    wire = max(2 * nbytes / b if x < 1e-9 else nbytes * (1 + (n - 2) * x) / b for x, b in zip(fractions, bw))
-    return fixed_s + 2 * max(latencies_s) + wire
+
+    def peer_s(i: int) -> float:
+        if fractions[i] < 1e-9:
+            return 0.0 if roles[i] == "auxiliary" else 2 * nbytes / bw[i]
+        return nbytes * (const[i] + slope[i] * fractions[i]) / bw[i]
+
+    return fixed_s + 2 * max(latencies_s) + max(peer_s(i) for i in range(n))
 
 
 def contention(cluster: ClusterSpec, busy_devices_per_node: int) -> float:

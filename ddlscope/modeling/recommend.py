@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ddlscope.errors import UserError
 from ddlscope.modeling.cluster import ClusterSpec
@@ -129,7 +129,8 @@ class Recommendation:
 def candidate_settings(strategies: list[str], workers: int, global_batch_size: int, epoch_samples: int,
                        microbatches: int | None = None, loader_workers: int = 0,
                        target_batch_size: int | None = None, matchmaking_time_s: float | None = None,
-                       use_local_updates: bool = False, bucket_cap_mb: float = 25.0) -> list[Setting]:
+                       use_local_updates: bool = False, bucket_cap_mb: float = 25.0,
+                       model_options: dict[str, Any] | None = None) -> list[Setting]:
     """One :class:`Setting` per distribution model for a job of ``global_batch_size`` samples per step.
 
     The default candidate of a model runs on ``workers`` workers (at most its ``max_workers``:
@@ -139,7 +140,9 @@ def candidate_settings(strategies: list[str], workers: int, global_batch_size: i
     pipelines split the batch into ``microbatches`` (default ``2 x workers``, reduced until it
     divides the batch); collaborative peers accumulate ``target_batch_size`` (default: the global
     batch) at ``matchmaking_time_s`` (default: the ``[collaborative]`` table's,
-    :data:`ddlscope.distribution.collaborative.DEFAULT_MATCHMAKING_TIME_S`). A candidate that
+    :data:`ddlscope.distribution.collaborative.DEFAULT_MATCHMAKING_TIME_S`); ``model_options`` go
+    to the candidate rules too (e.g. a swarm's roles and churn:
+    :func:`ddlscope.distribution.collaborative.swarm_options`) and override those. A candidate that
     cannot run (e.g. more stages than layers) is kept; :func:`recommend` lists it with its reason.
 
     Raises:
@@ -159,7 +162,7 @@ def candidate_settings(strategies: list[str], workers: int, global_batch_size: i
     if target_batch_size is not None and not 1 <= target_batch_size <= MAX_GLOBAL_BATCH_SIZE:
         raise UserError(f"target batch size {target_batch_size}; allowed: 1..{MAX_GLOBAL_BATCH_SIZE}")
     options = {"microbatches": microbatches, "target_batch_size": target_batch_size,
-               "matchmaking_time_s": matchmaking_time_s, "use_local_updates": use_local_updates}
+               "matchmaking_time_s": matchmaking_time_s, "use_local_updates": use_local_updates, **(model_options or {})}
     out = []
     for model in models:
         n = workers if model.max_workers is None else min(workers, model.max_workers)

@@ -4,7 +4,7 @@ The launcher starts one of these per server (:func:`ddlscope.distribution.dmoe.e
 each in its own process group and pinned to its cores, before the trainers. A server
 
 1. joins the run's DHT (the first server bootstraps it; the others get its multiaddrs), listening
-   on ``dmoe.listen_host``;
+   on ``dmoe.listen_host`` (on an emulated network: its namespace's address, ``--listen``);
 2. builds its block of the grid's experts (:meth:`~ddlscope.distribution.dmoe.DMoEConfig.server_uids`)
    with the run's optimizer, and serves them with hivemind 1.1.12's ``Server`` (one connection
    handler process, one Runtime thread that batches requests per expert, up to
@@ -205,8 +205,13 @@ def build_backends(cfg, uids: list[str], log: _BatchLog) -> dict[str, Any]:
     return backends
 
 
-def serve(db: str, run_id: str, index: int, generation: int, cores: list[int], initial_peers: list[str]) -> int:
-    """Serve this server's experts until stopped; returns the exit code (0 stopped, 1 failed)."""
+def serve(db: str, run_id: str, index: int, generation: int, cores: list[int], initial_peers: list[str],
+          listen: list[str] | None = None) -> int:
+    """Serve this server's experts until stopped; returns the exit code (0 stopped, 1 failed).
+
+    ``listen``: multiaddrs to listen on (an emulated network's namespace address); default
+    ``dmoe.listen_host``, any free port.
+    """
     import hivemind
     import torch
     from hivemind.moe.server import Server
@@ -234,7 +239,7 @@ def serve(db: str, run_id: str, index: int, generation: int, cores: list[int], i
         cfg = RunConfig(**store.run_config(run_id))
         d = cfg.dmoe
         uids = d.server_uids(index)
-        dht = hivemind.DHT(initial_peers=initial_peers or None, host_maddrs=[f"/ip4/{d.listen_host}/tcp/0"],
+        dht = hivemind.DHT(initial_peers=initial_peers or None, host_maddrs=listen or [f"/ip4/{d.listen_host}/tcp/0"],
                            start=True, startup_timeout=d.join_timeout_s, **p2p_options(d.nat_traversal))
         log = _BatchLog(run_id, index, generation)
         server = Server(dht, build_backends(cfg, uids, log), num_connection_handlers=1,
@@ -283,12 +288,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--generation", type=int, default=0, help="0 for the first process of this server, +1 per restart")
     p.add_argument("--cores", required=True, help="comma-separated core ids")
     p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--listen", nargs="*", default=None, help="multiaddrs to listen on (default: dmoe.listen_host)")
     p.add_argument("--die-with-parent", action="store_true")
     args = p.parse_args(argv)
     if args.die_with_parent:
         die_with_parent(signal.SIGTERM)
     code = serve(args.db, args.run_id, args.index, args.generation, [int(c) for c in args.cores.split(",")],
-                 args.initial_peers)
+                 args.initial_peers, args.listen)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # hivemind leaves non-daemon threads; the launcher ends the process group anyway

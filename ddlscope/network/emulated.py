@@ -2,9 +2,10 @@
 
 One run gets one emulated network (:class:`EmulatedNetwork`): a bridge, and per peer ``i`` a
 network namespace ``ddl-<tag>-<i>`` joined to the bridge by a veth pair, with address
-``10.201.0.<i+2>/24``. Each peer's upload is limited by a token-bucket filter (tc ``tbf``) on the
-namespace's end of its veth, its download by one on the bridge's end, so a peer's link is what a
-host with that uplink and downlink would see. The namespaces have no route out and the bridge no
+``10.201.0.<i+2>/24``; a run's services (dmoe's expert servers) get namespaces of their own after
+the peers' (server ``s``: ``i = peers + s``). Each peer's upload is limited by a token-bucket
+filter (tc ``tbf``) on the namespace's end of its veth, its download by one on the bridge's end,
+so a peer's link is what a host with that uplink and downlink would see. The namespaces have no route out and the bridge no
 address: traffic stays between the run's peers (the results store is a file; namespaces separate
 the network only). ``<tag>`` is the owner process's pid in hex, so concurrent runs never share
 names, and a network whose owner died is recognised and removed (:func:`remove_stale`).
@@ -48,21 +49,39 @@ _NAMESPACE = re.compile(rf"^{PREFIX}-([0-9a-f]+)-(\d+)$")
 
 
 class LinkConfig(BaseModel):
-    """One peer's link, overriding the network's default (``[[network.links]]``)."""
+    """One peer's or one expert server's link, overriding the network's default (``[[network.links]]``).
+
+    Exactly one of ``peer`` (a worker/peer index) and ``server`` (an index among the run's services:
+    dmoe's expert server ``s``) names whose link it is.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    peer: int = Field(ge=0, description="worker/peer index")
+    peer: int | None = Field(None, ge=0, description="worker/peer index")
+    server: int | None = Field(None, ge=0, description="expert server index (dmoe's services)")
     bandwidth_mbit_per_s: float | None = Field(None, gt=0, le=400_000, description="upload and download, Mbit/s")
-    upload_mbit_per_s: float | None = Field(None, gt=0, le=400_000, description="this peer's upload, Mbit/s")
-    download_mbit_per_s: float | None = Field(None, gt=0, le=400_000, description="this peer's download, Mbit/s")
+    upload_mbit_per_s: float | None = Field(None, gt=0, le=400_000, description="this link's upload, Mbit/s")
+    download_mbit_per_s: float | None = Field(None, gt=0, le=400_000, description="this link's download, Mbit/s")
+
+    @model_validator(mode="after")
+    def _peer_or_server(self) -> "LinkConfig":
+        if (self.peer is None) == (self.server is None):
+            raise ValueError("a network.links entry names exactly one of peer and server; allowed: "
+                             "{ peer = 1, ... } or { server = 0, ... }")
+        return self
+
+    @property
+    def owner(self) -> str:
+        """``"peer 1"`` or ``"server 0"``: whose link this is."""
+        return f"peer {self.peer}" if self.peer is not None else f"server {self.server}"
 
 
 class NetworkConfig(BaseModel):
     """A run's network (``[network]``): loopback (default) or an emulated one with rate-limited links.
 
-    ``bandwidth_mbit_per_s`` is every peer's upload and download unless a ``links`` entry says
-    otherwise for that peer; None leaves a direction unlimited (veth speed, several Gbit/s).
+    ``bandwidth_mbit_per_s`` is every peer's (and expert server's) upload and download unless a
+    ``links`` entry says otherwise for that peer or server; None leaves a direction unlimited (veth
+    speed, several Gbit/s).
     ``latency_ms`` is one-way delay per link and needs tc netem.
     """
 
@@ -71,42 +90,59 @@ class NetworkConfig(BaseModel):
     emulate: bool = Field(False, description="each peer in a network namespace of its own (root only)")
     bandwidth_mbit_per_s: float | None = Field(None, gt=0, le=400_000, description="every peer's upload and download, Mbit/s")
     latency_ms: float | None = Field(None, ge=0, le=10_000, description="one-way delay per link, ms (needs tc netem)")
-    links: list[LinkConfig] = Field(default_factory=list, description="per-peer overrides")
+    links: list[LinkConfig] = Field(default_factory=list, description="per-peer and per-server overrides")
 
     @model_validator(mode="after")
     def _one_entry_per_peer(self) -> "NetworkConfig":
-        seen = [link.peer for link in self.links]
+        seen = [link.owner for link in self.links]
         if len(seen) != len(set(seen)):
-            raise ValueError(f"network.links names a peer twice ({seen}); allowed: one entry per peer")
+            raise ValueError(f"network.links names a peer or server twice ({', '.join(seen)}); allowed: one entry "
+                             "per peer or server")
         if not self.emulate and (self.links or self.bandwidth_mbit_per_s or self.latency_ms):
             raise ValueError("bandwidth_mbit_per_s, latency_ms and links need network.emulate = true")
         return self
 
-    def rates(self, peers: int) -> list[tuple[float | None, float | None]]:
-        """Each peer's (upload, download) in Mbit/s (None: unlimited).
+    def rates(self, peers: int, servers: int = 0) -> list[tuple[float | None, float | None]]:
+        """Each namespace's (upload, download) in Mbit/s (None: unlimited): the ``peers`` peers
+        first, then the ``servers`` expert servers (server ``s`` is namespace ``peers + s``).
 
         Raises:
-            UserError: a ``links`` entry names a peer >= ``peers``.
+            UserError: a ``links`` entry names a peer >= ``peers`` or a server >= ``servers``.
         """
-        out = [(self.bandwidth_mbit_per_s, self.bandwidth_mbit_per_s) for _ in range(peers)]
+        out = [(self.bandwidth_mbit_per_s, self.bandwidth_mbit_per_s) for _ in range(peers + servers)]
         for link in self.links:
-            if link.peer >= peers:
+            if link.peer is not None and link.peer >= peers:
                 raise UserError(f"network.links: peer {link.peer} does not exist; allowed: 0..{peers - 1} ({peers} peers)")
-            up, down = out[link.peer]
+            if link.server is not None and link.server >= servers:
+                allowed = f"0..{servers - 1} ({servers} expert servers)" if servers else "none: this run starts no servers"
+                raise UserError(f"network.links: server {link.server} does not exist; allowed: {allowed}")
+            at = link.peer if link.peer is not None else peers + link.server
+            up, down = out[at]
             both = link.bandwidth_mbit_per_s
-            out[link.peer] = (link.upload_mbit_per_s or both or up, link.download_mbit_per_s or both or down)
+            out[at] = (link.upload_mbit_per_s or both or up, link.download_mbit_per_s or both or down)
         return out
 
 
+def run_rates(cfg: Any) -> list[tuple[float | None, float | None]]:
+    """The (upload, download) of every namespace of run config ``cfg`` (a
+    :class:`ddlscope.config.RunConfig`): its peers', then its services' (dmoe's expert servers).
+
+    Raises:
+        UserError: a ``links`` entry names a peer or server the run does not have.
+    """
+    services = cfg.distribution_model.services
+    return cfg.network.rates(cfg.peers, len(services(cfg)) if services is not None else 0)
+
+
 def emulated_models() -> list[str]:
-    """Distribution models whose runs can be placed on an emulated network: those whose workers the
-    launcher starts as swarm peers without services (collaborative), and torchrun's models (each
-    worker started by an agent of its own in its namespace, as one node of a cluster). dmoe's
-    expert servers are not placed in namespaces yet."""
+    """Distribution models whose runs can be placed on an emulated network: every one but
+    ``single``. The swarm models (collaborative, dmoe) start each peer in its namespace, and each
+    of dmoe's expert servers in a namespace of its own after the peers' (:meth:`EmulatedNetwork.for_run`);
+    torchrun's models (ddp, fsdp, gpipe, 1f1b, diloco) start each worker by an agent of its own in
+    its namespace, as one node of a cluster."""
     from ddlscope import distribution
 
-    swarm = [m for m in distribution.with_launcher("swarm") if distribution.get(m).services is None]
-    return [*swarm, *distribution.with_launcher("torchrun")]
+    return [*distribution.with_launcher("swarm"), *distribution.with_launcher("torchrun")]
 
 
 def check_can_emulate(latency: bool = False) -> None:
@@ -268,6 +304,9 @@ class EmulatedNetwork:
 
         Checks, before anything starts, that it can be built here.
 
+        Namespaces ``0 .. peers-1`` are the peers', then one per service (dmoe's expert server
+        ``s`` in namespace ``peers + s``), each with its own link (:func:`run_rates`).
+
         Args:
             cfg: a :class:`ddlscope.config.RunConfig`.
             workers_here: peers this launcher starts (all of them: an emulated network is one machine).
@@ -283,14 +322,16 @@ class EmulatedNetwork:
                             "on this machine (an emulated network lives on one machine)")
         check_can_emulate(latency=net.latency_ms is not None)
         remove_stale()
-        return cls(net.rates(cfg.peers), net.latency_ms)
+        return cls(run_rates(cfg), net.latency_ms)
 
     def peer_command(self, peer: int, cmd: list[str]) -> list[str]:
-        """A worker's command line run inside ``peer``'s namespace, listening on its address."""
+        """A worker's or service's command line run inside namespace ``peer``, listening on its
+        address (``--listen /ip4/<address>/tcp/0``)."""
         return self.wrap(peer, [*cmd, "--listen", f"/ip4/{self.address(peer)}/tcp/0"])
 
     def record(self, store: Any, run_id: str) -> None:
-        """Store :meth:`counters` as the run's ``network_links`` rows."""
+        """Store :meth:`counters` as the run's ``network_links`` rows, ``worker_index`` the namespace
+        index (a dmoe run's expert server ``s``: ``peers + s``)."""
         rows = [{"run_id": run_id, "worker_index": c.pop("peer"), **c} for c in self.counters()]
         store.add_rows("network_links", rows)
 

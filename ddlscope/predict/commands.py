@@ -179,7 +179,7 @@ def register(app: typer.Typer) -> None:
         dataset: str = typer.Option("cifar10", "--dataset", help="dataset shape (mnist, cifar10, imagenet, highres, digits)"),
         cluster: Path = typer.Option(..., "--cluster", help="cluster TOML (`ddlscope examples` lists the shipped ones, e.g. examples/cluster-2x4xa100.toml; ddlscope calibrate writes one)"),
         batch_size: int = typer.Option(64, "--batch-size", min=1, help="global batch: samples per optimizer step"),
-        workers: Optional[int] = typer.Option(None, "--workers", min=2, help="workers/peers (default: the cluster's devices or peers)"),
+        workers: Optional[int] = typer.Option(None, "--workers", min=2, help="workers/peers (default: --swarm's peers, else the cluster's devices or peers)"),
         strategies: str = typer.Option(",".join(m.name for m in distribution.all_models() if m.cost_model),
                                        "--strategies", help="distribution models to consider, comma-separated"),
         microbatches: Optional[int] = typer.Option(None, "--microbatches", min=1, help="gpipe/1f1b (default 2 x workers)"),
@@ -196,6 +196,10 @@ def register(app: typer.Typer) -> None:
         cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="profile cache (default <results>/profiles)"),
         as_json: bool = typer.Option(False, "--json", help="print the ranking as JSON only (progress goes to stderr)"),
         optimizer: str = typer.Option("sgd", "--optimizer", help=OPTIMIZER_HELP),
+        swarm: Optional[Path] = typer.Option(
+            None, "--swarm", help="collaborative: a run config TOML whose [collaborative] table describes the swarm "
+                                  "(auxiliary and client-mode peers, groups, declared bandwidths, churn with the "
+                                  "run's time_limit_s); flags given here win over it"),
     ):
         """Rank the distribution models for a job on a cluster and recommend the fastest that fits."""
         from ddlscope.cli import echo_json, renamed, stdout_to_stderr
@@ -209,15 +213,35 @@ def register(app: typer.Typer) -> None:
         spec = load_cluster(cluster)
         if dataset not in DATASETS:
             raise UserError(f"unknown dataset {dataset!r}; allowed: {', '.join(sorted(DATASETS))}")
-        n = workers or (len(spec.peers) if spec.peers and spec.workers == 1 else spec.workers)
+        swarm_cfg = None
+        if swarm is not None:
+            from ddlscope.config import load_config
+
+            swarm_cfg = load_config(swarm)
+        n = workers or (swarm_cfg.peers if swarm_cfg is not None else
+                        len(spec.peers) if spec.peers and spec.workers == 1 else spec.workers)
         if n < 2:
             raise UserError(f"the cluster {spec.name!r} has one device; describe at least 2 devices or peers, or pass --workers")
+        if swarm_cfg is not None and swarm_cfg.network.emulate:  # the swarm's emulated links, unlimited ones as the cluster's
+            from ddlscope.experiments.validate import over_links
+
+            own = spec.intra_node.bandwidth_gb_per_s * 8e3
+            spec = over_links(spec, [min(up or own, down or own) for up, down in swarm_cfg.network.rates(n)], n)
         if matchmaking_time_s is None and spec.hivemind is not None:  # predict where the overhead was measured
             matchmaking_time_s = spec.hivemind.matchmaking_time_s  # None (unrecorded): the run default
+        swarm_opts = {}
+        if swarm_cfg is not None:
+            from ddlscope.distribution.collaborative import swarm_options
+
+            swarm_opts = swarm_options(swarm_cfg)
+            given = {"target_batch_size": target_batch_size, "matchmaking_time_s": matchmaking_time_s,
+                     "use_local_updates": local_updates or None}
+            swarm_opts.update({k: v for k, v in given.items() if v is not None})
         settings = candidate_settings([x.strip() for x in strategies.split(",") if x.strip()], n, batch_size,
                                       DATASETS[dataset].train_size, microbatches=microbatches,
                                       loader_workers=loader_workers, target_batch_size=target_batch_size,
-                                      matchmaking_time_s=matchmaking_time_s, use_local_updates=local_updates)
+                                      matchmaking_time_s=matchmaking_time_s, use_local_updates=local_updates,
+                                      model_options=swarm_opts)
         with stdout_to_stderr(as_json):
             profile = load_or_profile(model, dataset, batch_size, threads=threads, loader_workers=(loader_workers,),
                                       cache_dir=cache_dir, progress=not as_json, optimizer=optimizer)

@@ -118,6 +118,7 @@ class ValidationCell:
     workers: int
     outcomes: list[StrategyOutcome]    # one per distribution model, including the one-device "single" baseline
     predict_s: float | None = None     # seconds to profile (or read the cached profile) and predict every model
+    link: str | None = None            # the emulated links the cell ran on, e.g. "50 Mbit/s" (None: loopback)
 
     @property
     def label(self) -> str:
@@ -166,6 +167,9 @@ class ValidationSummary:
     - ``per_model``: :class:`ModelError` per distribution model (strategy name);
     - ``per_reference``: the same per reference closed form, keyed ``"<strategy> <name>"``
       (e.g. ``"ddp eq5.1"``), so a model and its thesis reference can be compared;
+    - ``per_link``: the same per distribution model on each emulated link of the grid, keyed
+      ``"<strategy> @ <link>"`` (e.g. ``"ddp @ 50 Mbit/s"``), and ``per_link_reference`` per
+      reference closed form there (``"ddp eq5.1 @ 50 Mbit/s"``): where communication dominates;
     - ``top1_correct`` / ``top1_determined``: cells whose recommendation is the measured fastest /
       cells where that could be decided (see :func:`top1_correct`); ``top1_rate`` their ratio;
     - regret statistics over ``regret_count`` cells; cells whose recommended model has no
@@ -178,6 +182,8 @@ class ValidationSummary:
     worker_counts: list[int]
     per_model: dict[str, ModelError]
     per_reference: dict[str, ModelError]
+    per_link: dict[str, ModelError]
+    per_link_reference: dict[str, ModelError]
     top1_correct: int
     top1_determined: int
     top1_rate: float | None
@@ -372,7 +378,8 @@ def summarize(cells: list[ValidationCell]) -> ValidationSummary:
     """Per-model errors, top-1 correctness, regret, Kendall's tau and the item-7 targets.
 
     See :class:`ValidationSummary` for the fields. The error target is checked for every
-    distribution model present in the cells (``single`` and ``collaborative`` included); a model
+    distribution model present in the cells (``single`` and ``collaborative`` included), and
+    again for each model on each emulated link (``per_link``: issue 14's cell groups); a group
     without any measured prediction gets ``passed=None`` ("no data"), which keeps
     :attr:`ValidationSummary.all_targets_met` False: an unchecked target is not a met one.
 
@@ -390,6 +397,16 @@ def summarize(cells: list[ValidationCell]) -> ValidationSummary:
     per_model = {s: _model_error(os, [o.error for o in os]) for s, os in by_model.items()}
     per_reference = {k: _model_error([o for o, _ in pairs], [o.reference_errors.get(n) for o, n in pairs])
                      for k, pairs in by_ref.items()}
+    by_link: dict[str, list[StrategyOutcome]] = defaultdict(list)
+    by_link_ref: dict[str, list[tuple[StrategyOutcome, str]]] = defaultdict(list)
+    for cell in (c for c in cells if c.link is not None):
+        for o in cell.outcomes:
+            by_link[f"{o.strategy} @ {cell.link}"].append(o)
+            for name in o.reference_epoch_s:
+                by_link_ref[f"{o.strategy} {name} @ {cell.link}"].append((o, name))
+    per_link = {k: _model_error(os, [o.error for o in os]) for k, os in by_link.items()}
+    per_link_reference = {k: _model_error([o for o, _ in pairs], [o.reference_errors.get(n) for o, n in pairs])
+                          for k, pairs in by_link_ref.items()}
 
     correct = [top1_correct(c) for c in cells]
     determined = [c for c in correct if c is not None]
@@ -401,7 +418,7 @@ def summarize(cells: list[ValidationCell]) -> ValidationSummary:
     median_regret = statistics.median(regrets) if regrets else None
 
     targets = []
-    for s, m in per_model.items():
+    for s, m in [*per_model.items(), *per_link.items()]:
         targets.append(TargetResult(
             name=f"median abs error {s}", description=f"median |relative error| of {s} <= {TARGET_MAX_MEDIAN_ABS_ERROR:.0%}",
             threshold=TARGET_MAX_MEDIAN_ABS_ERROR, value=m.median_abs_error,
@@ -417,7 +434,7 @@ def summarize(cells: list[ValidationCell]) -> ValidationSummary:
 
     return ValidationSummary(
         cells=len(cells), worker_counts=sorted({c.workers for c in cells}),
-        per_model=per_model, per_reference=per_reference,
+        per_model=per_model, per_reference=per_reference, per_link=per_link, per_link_reference=per_link_reference,
         top1_correct=sum(1 for c in determined if c), top1_determined=len(determined), top1_rate=top1_rate,
         regret_count=len(regrets), median_regret=median_regret,
         max_regret=max(regrets) if regrets else None, mean_regret=statistics.fmean(regrets) if regrets else None,
@@ -454,7 +471,7 @@ def cell_from_dict(d: dict[str, Any]) -> ValidationCell:
     try:
         outcomes = [StrategyOutcome(**{k: v for k, v in o.items() if k in out_fields}) for o in d["outcomes"]]
         return ValidationCell(dataset=d["dataset"], network=d["network"], workers=int(d["workers"]), outcomes=outcomes,
-                              predict_s=d.get("predict_s"))
+                              predict_s=d.get("predict_s"), link=d.get("link"))
     except (KeyError, TypeError) as e:
         raise UserError(f"validation record is missing a field or has a wrong one: {e}") from e
 

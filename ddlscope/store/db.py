@@ -1,7 +1,11 @@
 """Results store: one SQLite file (WAL) that every worker writes to while the run goes.
 
 Each process opens its own connection; rows are committed as they are measured, so a run that
-crashes or is killed keeps everything measured up to its last step. Tables:
+crashes or is killed keeps everything measured up to its last step. The training loop's per-step
+rows are the exception: they go through a :class:`BatchedWriter`, a thread of the worker with a
+connection of its own that commits them every ``store_flush_interval_s`` (run config, default 1 s),
+when the loop ends, and on SIGTERM/SIGINT (the loop's ``finally``). A worker killed with SIGKILL
+loses at most the steps of the last flush interval. Tables:
 
 - ``runs``: one row per run — config (JSON), status (running / completed / failed /
   interrupted), reason, times, group name, the host and pid (with its start time) of the process
@@ -42,6 +46,7 @@ import os
 import shutil
 import socket
 import sqlite3
+import queue
 import threading
 import time
 import uuid
@@ -229,7 +234,8 @@ class ResultsStore:
         path: the SQLite file; created with its folder if missing.
 
     Every write commits immediately (WAL, ``synchronous=NORMAL``), so readers in other
-    processes see progress and a killed writer loses at most the row it was writing.
+    processes see progress and a killed writer loses at most the row it was writing; rows written
+    through a :meth:`batched_writer` are committed every flush interval instead.
 
     Raises:
         StoreFullError: the disk is full (SQLite cannot even open the file in WAL mode then).
@@ -562,8 +568,16 @@ class ResultsStore:
                           (run_id, worker_index, step, time.time(), train_time_s, accuracy, loss, samples))
 
     def add_event(self, run_id: str, worker_index: int | None, kind: str, **detail: Any) -> None:
+        self._insert_event(run_id, worker_index, time.time(), kind, detail)
+
+    def _insert_event(self, run_id: str, worker_index: int | None, wall_time: float, kind: str,
+                      detail: dict[str, Any]) -> None:
         self.conn.execute("INSERT INTO events VALUES (?, ?, ?, ?, ?)",
-                          (run_id, worker_index, time.time(), kind, json.dumps(detail, default=str)))
+                          (run_id, worker_index, wall_time, kind, json.dumps(detail, default=str)))
+
+    def batched_writer(self, flush_interval_s: float) -> "BatchedWriter":
+        """A :class:`BatchedWriter` of steps and events into this store's file (started)."""
+        return BatchedWriter(self.path, flush_interval_s)
 
     # ------------------------------------------------------------------ services (dmoe's expert servers)
     def upsert_service(self, run_id: str, kind: str, index: int, generation: int, **fields: Any) -> None:
@@ -649,3 +663,115 @@ class ResultsStore:
         """Steps stored so far per worker (for progress bars)."""
         cur = self.conn.execute("SELECT worker_index, COUNT(*) FROM steps WHERE run_id = ? GROUP BY worker_index", (run_id,))
         return {int(w): int(n) for w, n in cur.fetchall()}
+
+
+class BatchedWriter:
+    """Writes steps and events from a thread of its own, committing them in batches.
+
+    The training thread only appends to a queue (:meth:`add_step`, :meth:`add_event`); the writer
+    thread, through its own :class:`ResultsStore` connection (an SQLite connection belongs to the
+    thread that opened it), commits what has queued up every ``flush_interval_s`` seconds in one
+    transaction, and everything on :meth:`flush` and :meth:`close`. What a SIGKILL loses is what
+    had not been committed yet: at most the rows of the last ``flush_interval_s`` seconds.
+
+    Args:
+        path: the results store's SQLite file.
+        flush_interval_s: seconds between commits, > 0.
+
+    Raises:
+        ValueError: ``flush_interval_s`` is not > 0.
+        whatever the writer thread's last write raised (e.g. ``sqlite3.OperationalError`` when the
+            disk is full; see :func:`is_disk_full`), from the next :meth:`add_step`,
+            :meth:`add_event`, :meth:`flush` or :meth:`close` of the training thread.
+    """
+
+    def __init__(self, path: Path | str, flush_interval_s: float):
+        if not flush_interval_s > 0:
+            raise ValueError(f"flush_interval_s = {flush_interval_s!r}; allowed: a number of seconds > 0")
+        self.path, self.flush_interval_s = Path(path), float(flush_interval_s)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="ddlscope-store-writer", daemon=True)
+        self._thread.start()
+
+    def add_step(self, run_id: str, worker_index: int, row: dict[str, Any]) -> None:
+        """Queue one step (as :meth:`ResultsStore.add_step`)."""
+        self._put(("step", run_id, worker_index, row))
+
+    def add_event(self, run_id: str, worker_index: int | None, kind: str, **detail: Any) -> None:
+        """Queue one event (as :meth:`ResultsStore.add_event`, timed now, not when it is written)."""
+        self._put(("event", run_id, worker_index, time.time(), kind, detail))
+
+    def flush(self) -> None:
+        """Block until everything queued so far is committed."""
+        done = threading.Event()
+        self._put(("flush", done))
+        while not done.wait(0.1):
+            if not self._thread.is_alive():
+                break
+        self._raise_error()
+
+    def close(self) -> None:
+        """Commit everything queued and end the writer thread (again: wait for that end)."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(("close",))
+        self._thread.join()
+        self._raise_error()
+
+    def __enter__(self) -> "BatchedWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _put(self, item: tuple) -> None:
+        self._raise_error()
+        if self._closed:
+            raise ValueError("the batched writer is closed")
+        self._queue.put(item)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:  # stays: rows queued after it would never be written
+            raise self._error
+
+    def _run(self) -> None:
+        store = None
+        try:
+            store = ResultsStore(self.path)
+            while True:
+                batch = [self._queue.get()]  # wait for the first row, then let more queue up
+                deadline = time.monotonic() + self.flush_interval_s
+                while batch[-1][0] not in ("flush", "close"):
+                    try:
+                        batch.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                    except queue.Empty:
+                        break
+                self._write(store, [item for item in batch if item[0] in ("step", "event")])
+                for item in batch:
+                    if item[0] == "flush":
+                        item[1].set()
+                if batch[-1][0] == "close":
+                    return
+        except BaseException as err:  # handed to the training thread; flush() waiters see the thread end
+            self._error = err
+        finally:
+            if store is not None:
+                store.close()
+
+    @staticmethod
+    def _write(store: "ResultsStore", items: list[tuple]) -> None:
+        if not items:
+            return
+        store.conn.execute("BEGIN IMMEDIATE")  # the write lock now (waiting for it), not half-way through
+        try:
+            for kind, *args in items:
+                if kind == "step":
+                    store.add_step(*args)
+                else:
+                    store._insert_event(*args)
+            store.conn.execute("COMMIT")
+        except BaseException:
+            store.conn.execute("ROLLBACK")
+            raise

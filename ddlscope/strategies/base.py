@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ddlscope.measure.timeline import Stopwatch
+from ddlscope.measure.timeline import Lap, Stopwatch
 
 if TYPE_CHECKING:
     from ddlscope.config import RunConfig
@@ -87,6 +87,9 @@ class BatchResult:
             transfer time of the stage's sends and receives).
         bubble_s: pipelines: seconds idle waiting for the neighbouring stage (the schedule's bubble).
         comm_bytes: payload bytes this worker handed to collectives/transfers.
+        pending: laps timed on the device and not read yet (CUDA events, see
+            :mod:`ddlscope.measure.timeline`): ``{"forward_s": Lap, ...}``; :meth:`resolve` adds
+            their seconds to those fields. Code that reads the times calls :meth:`resolve` first.
     """
 
     samples: int
@@ -98,6 +101,15 @@ class BatchResult:
     comm_wait_s: float = 0.0
     bubble_s: float = 0.0
     comm_bytes: int = 0
+    pending: dict[str, Lap] = field(default_factory=dict, repr=False)
+
+    def resolve(self) -> "BatchResult":
+        """Add the seconds of the :attr:`pending` laps to their fields; on a GPU waits for the
+        last of them to be reached (nothing to wait for once the device has passed it). Returns self."""
+        for name, lap in self.pending.items():
+            setattr(self, name, getattr(self, name) + lap.seconds())
+        self.pending = {}
+        return self
 
 
 @dataclass
@@ -191,15 +203,14 @@ class Strategy:
         from ddlscope.workloads.step import correct_samples
 
         watch = Stopwatch(x.device)
-        watch.start()
         with self.gradient_sync(model, sync):
             logits = model(x)
             loss = loss_fn(logits, y)
             loss_value, correct = loss.item(), correct_samples(logits, y)
-            forward_s = watch.lap()
+            forward = watch.mark()
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
-            backward_s = watch.lap()
-        return BatchResult(len(y), loss_value, correct, forward_s, backward_s)
+            backward = watch.mark()  # on a GPU: not waited for here (the caller resolves it)
+        return BatchResult(len(y), loss_value, correct, 0.0, 0.0, pending=dict(forward_s=forward, backward_s=backward))
 
     def step(self, samples: int) -> StepOutcome:
         """Apply the gradients accumulated over ``samples`` samples (``batch_size x GAS``)."""

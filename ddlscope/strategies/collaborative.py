@@ -223,7 +223,9 @@ class CollaborativeStrategy(Strategy):
             lg.setLevel(logging.INFO)
         self._time_local_optimizer_step(optimizer)
         comp = _compression(c.gradient_compression)
-        groups = {"target_group_size": c.target_group_size, "initial_group_bits": c.initial_group_bits}
+        # Moshpit-style groups, and the bandwidth this peer declares for hivemind's load balancing
+        groups = {"target_group_size": c.target_group_size, "initial_group_bits": c.initial_group_bits,
+                  "bandwidth": c.declared_bandwidth_mbit_per_s(self.ctx.worker_index, self.cfg.network)}
         self.hm_opt = hivemind.Optimizer(
             dht=self.dht, run_id=f"ddlscope-{self.ctx.run_id}", optimizer=optimizer,
             target_batch_size=c.target_batch_size,
@@ -232,8 +234,8 @@ class CollaborativeStrategy(Strategy):
             use_local_updates=c.use_local_updates, matchmaking_time=c.matchmaking_time_s,
             averaging_timeout=c.averaging_timeout_s, average_state_every=c.average_state_every,
             grad_compression=comp, state_averaging_compression=comp, verbose=True, client_mode=client_mode,
-            # Moshpit-style groups for both rounds: hivemind 1.1.12 passes averager_opts to the state averager
-            # only (its docstring says both), so the gradient averager gets them through its factory
+            # both rounds: hivemind 1.1.12 passes averager_opts to the state averager only (its docstring
+            # says both), so the gradient averager gets them through its factory
             averager_opts=groups, grad_averager_factory=functools.partial(GradientAverager, **groups),
         )
         self._time_global_update()
@@ -246,6 +248,17 @@ class CollaborativeStrategy(Strategy):
         self._daemons = _child_processes()
         threading.Thread(target=self._watch_swarm, name="ddlscope-swarm-watch", daemon=True).start()
         return model
+
+    def details(self) -> dict:
+        """The peer's role and what it told hivemind's averagers (stored as the ``strategy_details`` event)."""
+        c = self.cfg.collaborative
+        i = self.ctx.worker_index
+        averagers = [getattr(self.hm_opt, a, None) for a in ("state_averager", "grad_averager")] if self.hm_opt else []
+        return {"role": "auxiliary" if self.assists_only else "client" if i in c.client_mode_peers else "trainer",
+                "declared_bandwidth_mbit_per_s": c.declared_bandwidth_mbit_per_s(i, self.cfg.network),
+                # what hivemind's averagers hold (read back: the value their load balancing gathers)
+                "averager_bandwidths": [a.bandwidth for a in averagers if a is not None],
+                "target_group_size": c.target_group_size}
 
     def _key(self, what: str) -> str:
         return f"ddlscope-{self.ctx.run_id}-{what}"

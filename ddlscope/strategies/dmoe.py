@@ -263,7 +263,7 @@ class DMoEStrategy(Strategy):
     # ------------------------------------------------------------------ steps
     def forward_backward(self, model, x, y, loss_fn, loss_scale: float = 1.0, sync: bool = True) -> BatchResult:
         _ACTIVE.reset()
-        res = super().forward_backward(model, x, y, loss_fn, loss_scale, sync)
+        res = super().forward_backward(model, x, y, loss_fn, loss_scale, sync).resolve()  # compared with host times
         log = _ACTIVE
         remote_forward = log.beam_search_s + log.forward_s
         res.forward_s = max(0.0, res.forward_s - remote_forward)

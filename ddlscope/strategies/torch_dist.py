@@ -76,7 +76,7 @@ class CollectiveStrategy(TorchDistributedStrategy):
 
     def forward_backward(self, model, x, y, loss_fn, loss_scale: float = 1.0, sync: bool = True) -> BatchResult:
         self.timer.last_launch = None
-        result = super().forward_backward(model, x, y, loss_fn, loss_scale, sync)
+        result = super().forward_backward(model, x, y, loss_fn, loss_scale, sync).resolve()  # compared with host times
         end = time.perf_counter()
         stats = self.timer.take()
         if self.timer.last_launch is not None:

@@ -9,6 +9,12 @@ and ``comm_bytes`` (collectives in flight, overlapped or not), loss, training-ba
 samples and samples/s. ``step_s`` is the step's wall time. With gradient accumulation (GAS > 1) the optimizer runs on every GAS-th step, and the
 loss is divided by GAS so that the accumulated gradient is the mean over GAS x batch_size samples.
 
+Rows are queued to a writer thread that commits them every ``store_flush_interval_s`` (run
+config, default 1 s), when training ends and on SIGTERM/SIGINT; a worker killed with SIGKILL
+loses at most the steps of the last flush interval. A peer that a churn schedule kills
+(``kill_at_s``) commits each step as it ends, so the store keeps every step it made. On a GPU the phase times are CUDA events
+read one step later, so timing adds no synchronization (:mod:`ddlscope.measure.timeline`).
+
 Stop conditions, whichever comes first: the sample budget (each peer's max steps =
 budget / (peers x batch size), thesis 000), the target accuracy on the held-out split, the
 wall-clock limit, or the strategy saying the swarm is gone.
@@ -26,7 +32,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddlscope.config import RunConfig
-from ddlscope.measure.host import HostSampler
+from ddlscope.measure.host import UNKNOWN_EVENT, HostSampler
 from ddlscope.measure.memory import peak_memory_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
 from ddlscope.measure.timeline import Stopwatch
 from ddlscope.measure.torch_profile import StepProfiler, profile_dir, record_profile
@@ -141,7 +147,7 @@ def run_worker(cfg: RunConfig, ctx: WorkerContext, store: ResultsStore) -> str:
 
     Raises:
         whatever the workload or strategy raises; the caller records the failure. Measurements
-        stored before the error stay in the store.
+        stored before the error stay in the store (the steps queued for writing are committed first).
     """
     run_id, wi = ctx.run_id, ctx.worker_index
     torch.set_num_threads(max(1, len(ctx.cores)))
@@ -152,7 +158,8 @@ def run_worker(cfg: RunConfig, ctx: WorkerContext, store: ResultsStore) -> str:
         wl = build_workload(cfg, wi, ctx.local_rank, strategy.build_model if own_builder else None)
         model = strategy.setup(wl.model, wl.optimizer)
         sampler = HostSampler(store.host_sample_writer(run_id, wi), cfg.host_sample_interval_s,
-                              network=strategy.uses_network)
+                              network=strategy.uses_network,
+                              note=lambda **why: store.add_event(run_id, wi, UNKNOWN_EVENT, **why))
         with sampler:
             if strategy.assists_only:  # e.g. an auxiliary hivemind peer: it averages, it does not train
                 store.upsert_worker(run_id, wi, status="training", train_start_time=time.time())
@@ -195,6 +202,15 @@ class _EvalClock:
 
 
 def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfiler) -> str:
+    """Train to the stop condition; returns why it stopped.
+
+    The steps' rows go through a :class:`~ddlscope.store.db.BatchedWriter` (committed every
+    ``cfg.store_flush_interval_s``), which is closed, everything committed, before the worker's end
+    is recorded, and also when an error or SIGTERM/SIGINT (:class:`~ddlscope.train.worker.Interrupted`)
+    stops training; a SIGKILL loses at most the steps of the last flush interval. A step's phases are
+    :class:`~ddlscope.measure.timeline.Lap` s (on a GPU, CUDA events) read once the next step has run
+    (:func:`_write_step`), so the timer never makes the training wait for the device.
+    """
     run_id, wi, gas = ctx.run_id, ctx.worker_index, cfg.gradient_accumulation_steps
     max_steps = cfg.max_steps_per_peer()
     loss_fn = build_loss(cfg.loss)
@@ -206,57 +222,65 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfile
     train_rss = rss_bytes() if wl.device.type == "cpu" else None
     rss_peak_reset = train_rss is not None and reset_peak_rss()  # training-phase peak, see measure/memory.py
     clock = _EvalClock(store, run_id, wi, model, wl, strategy, cfg.eval_max_samples, train_start)
-    reason, steps_done = "sample_budget", 0
+    reason, steps_done, pending = "sample_budget", 0, None
     first_step = store.step_counts(run_id).get(wi, 0)  # a peer that rejoins a swarm continues its count and budget
-    for step in itertools.count(first_step):
-        if max_steps is not None and step >= max_steps:
-            break
-        if cfg.time_limit_s is not None and strategy.agree_to_stop(clock.train_time_s() >= cfg.time_limit_s):
-            reason = "time_limit"
-            break
-        if strategy.should_stop():
-            reason = getattr(strategy, "stop_reason", None) or "strategy"
-            break
-        profiler.step_started(step)  # before the step's clock: starting the profiler is not the step's time
-        wall = time.time()
-        watch.start()
-        x, y = next(batches)
-        x, y = x.to(wl.device, non_blocking=True), y.to(wl.device, non_blocking=True)
-        data_load_s = watch.lap()
-        stepped = (step + 1) % gas == 0
-        res = strategy.forward_backward(model, x, y, loss_fn, 1.0 / gas, sync=stepped)
-        compute_s = watch.lap()
-        outcome = None
-        if stepped:
-            outcome = strategy.step(res.samples * gas)
-            strategy.zero_grad()
-        optimizer_s = watch.lap()
-        profiler.step_ended(step)
-        step_s = data_load_s + compute_s + optimizer_s
-        store.add_step(run_id, wi, dict(
-            step=step, wall_time=wall, samples=res.samples, data_load_s=data_load_s, forward_s=res.forward_s,
-            backward_s=res.backward_s, comm_wait_s=res.comm_wait_s, bubble_s=res.bubble_s, optimizer_s=optimizer_s,
-            averaging_s=outcome.averaging_s if outcome else 0.0,
-            comm_s=res.comm_s + (outcome.comm_s if outcome else 0.0),
-            comm_bytes=res.comm_bytes + (outcome.comm_bytes if outcome else 0),
-            step_s=step_s, loss=res.loss, accuracy=None if res.correct is None else res.correct / res.samples,
-            samples_per_s=res.samples / step_s if step_s > 0 else None, warmup=int(step < cfg.warmup_steps),
-            optimizer_stepped=int(stepped), global_epoch=outcome.global_epoch if outcome else None,
-            averaging_round=int(outcome.averaging_round) if outcome else 0,
-            averaging_group_size=outcome.group_size if outcome else None,
-            averaging_succeeded=None if outcome is None or outcome.succeeded is None else int(outcome.succeeded),
-            background_cpu_s=outcome.background_cpu_s if outcome else None,
-        ))
-        if outcome is not None and outcome.averaging_round:
-            store.add_event(run_id, wi, "averaging_round", step=step, group_size=outcome.group_size,
-                            succeeded=outcome.succeeded, averaging_s=outcome.averaging_s, epoch=outcome.global_epoch,
-                            param_checksum=outcome.param_checksum)
-        steps_done = step + 1
-        if cfg.eval_every_steps and (step + 1) % cfg.eval_every_steps == 0:
-            acc = clock.evaluate(step)
-            if cfg.target_accuracy is not None and acc >= cfg.target_accuracy:
-                reason = "target_accuracy"
+    writer = store.batched_writer(cfg.store_flush_interval_s)
+    # a peer that a churn schedule kills commits every step at once, so that the kill loses none of them
+    durable = any(e.peer == wi and e.kill_at_s is not None for e in
+                  (cfg.distribution_model.churn(cfg) if cfg.distribution_model.churn else []))
+    try:
+        for step in itertools.count(first_step):
+            if max_steps is not None and step >= max_steps:
                 break
+            if cfg.time_limit_s is not None and strategy.agree_to_stop(clock.train_time_s() >= cfg.time_limit_s):
+                reason = "time_limit"
+                break
+            if strategy.should_stop():
+                reason = getattr(strategy, "stop_reason", None) or "strategy"
+                break
+            profiler.step_started(step)  # before the step's clock: starting the profiler is not the step's time
+            wall = time.time()
+            watch.start()
+            x, y = next(batches)
+            x, y = x.to(wl.device, non_blocking=True), y.to(wl.device, non_blocking=True)
+            data_load = watch.mark()
+            stepped = (step + 1) % gas == 0
+            res = strategy.forward_backward(model, x, y, loss_fn, 1.0 / gas, sync=stepped)
+            compute = watch.mark()
+            outcome = None
+            if stepped:
+                outcome = strategy.step(res.samples * gas)
+                strategy.zero_grad()
+            optimizer = watch.mark()
+            profiler.step_ended(step)
+            if pending is not None:  # the previous step: the device is past its laps by now
+                _write_step(writer, run_id, wi, *pending)
+            pending = (_step_row(cfg, step, wall, res, outcome, stepped), res, data_load, compute, optimizer)
+            if durable:
+                _write_step(writer, run_id, wi, *pending)
+                pending = None
+            if outcome is not None and outcome.averaging_round:
+                writer.add_event(run_id, wi, "averaging_round", step=step, group_size=outcome.group_size,
+                                 succeeded=outcome.succeeded, averaging_s=outcome.averaging_s,
+                                 epoch=outcome.global_epoch, param_checksum=outcome.param_checksum)
+            if durable:
+                writer.flush()
+            steps_done = step + 1
+            if cfg.eval_every_steps and (step + 1) % cfg.eval_every_steps == 0:
+                acc = clock.evaluate(step)
+                if cfg.target_accuracy is not None and acc >= cfg.target_accuracy:
+                    reason = "target_accuracy"
+                    break
+        if pending is not None:
+            _write_step(writer, run_id, wi, *pending)
+        writer.close()
+    except BaseException:
+        with contextlib.suppress(Exception):  # keep the completed steps; the error that stopped training is reported
+            if pending is not None:
+                _write_step(writer, run_id, wi, *pending)
+        with contextlib.suppress(Exception):
+            writer.close()  # waits for the commit also when a signal came during the close above
+        raise
     store.upsert_worker(run_id, wi, train_end_time=time.time(), eval_s=clock.eval_s,
                         peak_memory_bytes=peak_memory_bytes(wl.device))
     record_profile(store, run_id, wi, profiler)  # writes the trace, outside the training time
@@ -268,3 +292,30 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfile
     if cfg.final_eval and steps_done and clock.last_eval_step != steps_done - 1:  # outside the training time
         clock.evaluate(steps_done - 1)
     return reason
+
+
+def _step_row(cfg, step: int, wall: float, res, outcome, stepped: bool) -> dict:
+    """The columns of a step's row known when it ends (the times come from its laps, :func:`_write_step`)."""
+    return dict(
+        step=step, wall_time=wall, samples=res.samples, comm_wait_s=res.comm_wait_s, bubble_s=res.bubble_s,
+        averaging_s=outcome.averaging_s if outcome else 0.0,
+        comm_s=res.comm_s + (outcome.comm_s if outcome else 0.0),
+        comm_bytes=res.comm_bytes + (outcome.comm_bytes if outcome else 0),
+        loss=res.loss, accuracy=None if res.correct is None else res.correct / res.samples,
+        warmup=int(step < cfg.warmup_steps), optimizer_stepped=int(stepped),
+        global_epoch=outcome.global_epoch if outcome else None,
+        averaging_round=int(outcome.averaging_round) if outcome else 0,
+        averaging_group_size=outcome.group_size if outcome else None,
+        averaging_succeeded=None if outcome is None or outcome.succeeded is None else int(outcome.succeeded),
+        background_cpu_s=outcome.background_cpu_s if outcome else None,
+    )
+
+
+def _write_step(writer, run_id: str, wi: int, row: dict, res, data_load, compute, optimizer) -> None:
+    """Read a step's laps (seconds; on a GPU waits for the last one) and queue its row."""
+    res.resolve()
+    data_load_s, compute_s, optimizer_s = data_load.seconds(), compute.seconds(), optimizer.seconds()
+    step_s = data_load_s + compute_s + optimizer_s
+    writer.add_step(run_id, wi, dict(
+        row, data_load_s=data_load_s, forward_s=res.forward_s, backward_s=res.backward_s, optimizer_s=optimizer_s,
+        step_s=step_s, samples_per_s=res.samples / step_s if step_s > 0 else None))
