@@ -243,6 +243,11 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
         rows.append([name, "–" if count is None else str(count), _pct(m.get("median_abs_error")),
                      _pct(m.get("max_abs_error")), _pct(m.get("median_error"), signed=True), ", ".join(refs),
                      *target(f"median abs error {name}")])
+    goodput = {c.get("link"): c.get("link_goodput") for c in result.get("cells", []) if c.get("link")}
+    if goodput:
+        lines += ["Emulated links, measured before predicting their cells: the share of its rate a link carried each "
+                  "way with both ways busy (`ddlscope.network.duplex`): "
+                  + ", ".join(f"{link} {'–' if g is None else f'{g:.3f}'}" for link, g in goodput.items()) + ".", ""]
     lines += [markdown_table(["distribution model (@ emulated link)", "cells", "median abs error", "max abs error",
                               "median error (signed)", "thesis reference: median abs error", "target", "met"],
                              rows), ""]

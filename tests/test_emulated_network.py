@@ -171,3 +171,52 @@ def test_expert_servers_get_namespaces_after_the_peers_with_their_own_links():
     cfg = validate_config(tiny_run(strategy="dmoe", model="moe_cnn", peers=2, dmoe=dict(servers=3), network=dict(
         emulate=True, bandwidth_mbit_per_s=50, links=[dict(server=1, upload_mbit_per_s=5), dict(peer=1, bandwidth_mbit_per_s=10)])))
     assert run_rates(cfg) == [(50, 50), (10, 10), (50, 50), (5, 50), (50, 50)]
+
+
+@needs_root
+def test_a_pair_of_links_carries_less_each_way_when_both_ways_are_busy():
+    from ddlscope.network.duplex import measure_duplex_goodput
+
+    before = set(namespaces())
+    g = measure_duplex_goodput(20.0, 20.0, seconds=1.0)
+    assert g.rates_mbit_per_s == (20.0, 20.0)
+    # TCP payload one way is most of the rate; both ways at once, each direction's acknowledgements wait behind
+    # the other direction's data in the token bucket's queue
+    assert 0.8 < g.one_way <= 1.05 and 0 < g.both_ways < g.one_way
+    assert set(namespaces()) == before
+    with pytest.raises(ValueError, match="allowed"):
+        measure_duplex_goodput(0.0, 20.0)
+
+
+GLOO_WORKER = """
+import os, sys, torch, torch.distributed as dist
+rank, addr, op = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://{addr}:29612", rank=rank, world_size=2)
+full, shard = torch.ones(1 << 20), torch.empty(1 << 19)
+for _ in range(5):
+    {"all_reduce": lambda: dist.all_reduce(full), "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+     "all_gather": lambda: dist.all_gather_into_tensor(full, shard)}[op]()
+dist.destroy_process_group()
+"""
+
+
+@needs_root
+@pytest.mark.slow
+def test_gloo_reduce_scatter_sends_an_all_reduces_bytes(tmp_path):
+    """What fsdp's cost model assumes on CPU workers (distribution/fsdp.py): on torch's gloo backend a
+    reduce-scatter of a 4 MiB tensor between 2 workers sends the whole tensor from each, as an all-reduce
+    does, while an all-gather sends half of it. Counted on the links of an emulated network."""
+    script = tmp_path / "gloo_worker.py"
+    script.write_text(GLOO_WORKER)
+    sent = {}
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        with EmulatedNetwork([(None, None), (None, None)]) as net:
+            before = [c["bytes_sent"] for c in net.counters()]
+            procs = [subprocess.Popen(net.wrap(i, [sys.executable, str(script), str(i), net.address(0), op]),
+                                      env={**os.environ, "GLOO_SOCKET_IFNAME": net.interface, "OMP_NUM_THREADS": "1"},
+                                      stderr=subprocess.DEVNULL)
+                     for i in range(2)]
+            assert [p.wait(timeout=60) for p in procs] == [0, 0]
+            sent[op] = [(c["bytes_sent"] - b) / 5 / (4 << 20) for c, b in zip(net.counters(), before)]
+    assert all(0.95 < x < 1.1 for x in sent["all_reduce"] + sent["reduce_scatter"]), sent
+    assert all(0.45 < x < 0.6 for x in sent["all_gather"]), sent

@@ -140,6 +140,12 @@ def test_uneven_links_give_each_worker_its_rate_and_loopback_can_be_left_out(tmp
     cl = over_links(make_cluster(), [100.0, 10.0], 2)
     assert [p.bandwidth_gb_per_s for p in cl.peers] == [100 / 8e3, 10 / 8e3]
     assert cl.intra_node.bandwidth_gb_per_s == 10 / 8e3
+    # collectives' links at what they carry with both ways busy; the pipelines' point-to-point link at the rate
+    busy = over_links(make_cluster(), [100.0, 10.0], 2, both_ways=0.8)
+    assert busy.intra_node.bandwidth_gb_per_s == pytest.approx(8 / 8e3) and busy.p2p_link.bandwidth_gb_per_s == 10 / 8e3
+    assert [p.bandwidth_gb_per_s for p in busy.peers] == pytest.approx([80 / 8e3, 8 / 8e3])
+    with pytest.raises(ValueError, match="allowed"):
+        over_links(make_cluster(), 10.0, 2, both_ways=0.0)
     with pytest.raises(ValueError, match="one rate per worker"):
         ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], workers=2, bandwidths_mbit_per_s=[[1.0, 2.0, 3.0]])
     with pytest.raises(ValueError, match="leaves no cell"):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 from ddlscope.distribution import DistributionModel, register
-from ddlscope.modeling.cluster import ClusterSpec
+from ddlscope.modeling.cluster import ClusterSpec, CollectiveFit, LinkSpec
 from ddlscope.modeling.collectives import (busy_per_node, contention, exposed_loading_s, fsdp_unit_traffic_bytes,
-                                           ring_allgather_s, serial_comm)
+                                           ring_allgather_s, ring_allreduce_s, serial_comm)
 from ddlscope.modeling.memory import MemoryEstimate, activation_bytes
 from ddlscope.modeling.prediction import Prediction, Setting, make_prediction
 from ddlscope.modeling.profile import WorkloadProfile
@@ -39,7 +39,14 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
     unit's collectives cost its :func:`fsdp_unit_traffic_bytes` at that rate, measured inside
     real FSDP steps of 16 MiB units (FSDP's copies into and out of its flat buffers and fresh
     allocations included: 1.4x the same collectives alone on this machine). Waiting for
-    collectives is ``comm_wait_s``.
+    collectives is ``comm_wait_s``. The rate was measured on the calibrated links; over a slower
+    link (an emulated network's) a collective's wire time beyond the calibrated collective's
+    (``all_gather`` / ``reduce_scatter`` fits) adds to it: FSDP's copies and the transfer follow
+    each other (measured on emulated 50 Mbit/s links: taking the larger of the two predicted
+    MobileNetV2's epoch 29 % too fast). On CPU workers (gloo) a reduce-scatter's wire time is an
+    all-reduce's: torch's gloo backend reduces the whole tensor and keeps its shard (counted on an
+    emulated link: 2 workers each send the full tensor's bytes per reduce-scatter, half of it per
+    all-gather; :func:`_gloo_reduce_scatter_wire_s`).
     """
     w = s.workers
     slow = contention(cluster, busy_per_node(cluster, w)) * scale
@@ -49,13 +56,27 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
     prefetch = not serial_comm(profile, cluster)
     in_step = None if prefetch else cluster.fsdp_step_gb_per_s
     per_call = 3 if s.reshard_after_forward else 2  # collectives per unit and step
-    if in_step:  # measured inside FSDP steps on these workers; a unit's collectives share its traffic, each at least
-        # its ring over the cluster's link (the rate was measured on loopback; a slow network's wire is the bound)
+    if in_step:  # measured inside FSDP steps on these workers; a unit's collectives share its traffic. The rate was
+        # measured on the calibrated links: where the cluster's link is slower, the wire time beyond theirs adds
         share = [fsdp_unit_traffic_bytes(b, w, s.reshard_after_forward) / (in_step * 1e9) for b in sizes]
-        ag = rs = [max(t / per_call, ring_allgather_s(b, w, link, fixed)) for t, b in zip(share, sizes)]
+
+        def in_step_s(t: float, wire: float, nbytes: float, fit: CollectiveFit | None) -> float:
+            """A collective's share ``t`` of the in-step time, plus its ``wire`` time beyond the calibrated
+            collective's (without a fit: at least the wire's)."""
+            if fit is None:
+                return max(t, wire)
+            calibrated = LinkSpec(bandwidth_gb_per_s=fit.bandwidth_gb_per_s, latency_s=link.latency_s)
+            return t + max(0.0, wire - ring_allgather_s(nbytes, w, calibrated, fit.fixed_s))
+
+        ag = [in_step_s(t / per_call, ring_allgather_s(b, w, link, fixed), b, cluster.all_gather)
+              for t, b in zip(share, sizes)]
+        rs = [in_step_s(t / per_call, _gloo_reduce_scatter_wire_s(b, w, link, fixed), b, cluster.reduce_scatter)
+              for t, b in zip(share, sizes)]
     else:
         ag = [ring_allgather_s(b, w, link, fixed, cluster.all_gather) for b in sizes]
         rs = [ring_allgather_s(b, w, link, fixed, cluster.reduce_scatter) for b in sizes]
+        if not prefetch:  # CPU workers: gloo's reduce-scatter moves an all-reduce's bytes
+            rs = [max(r, _gloo_reduce_scatter_wire_s(b, w, link, fixed)) for r, b in zip(rs, sizes)]
     comm_free, compute_t, comm_total = 0.0, 0.0, 0.0
     gathered_at: dict[int, float] = {}
 
@@ -150,3 +171,11 @@ MODEL = register(DistributionModel(
     cost_model=predict_fsdp,
     memory_model=memory_fsdp,
 ))
+
+
+def _gloo_reduce_scatter_wire_s(nbytes: float, workers: int, link: LinkSpec, fixed_s: float) -> float:
+    """Wire seconds of a reduce-scatter of ``nbytes`` (the full tensor) on torch's gloo backend: an
+    all-reduce's (:func:`~ddlscope.modeling.collectives.ring_allreduce_s`), as gloo reduces the whole
+    tensor and each worker keeps its shard (torch 2.13; counted on an emulated link, see
+    tests/test_emulated_network.py)."""
+    return ring_allreduce_s(nbytes, workers, link, fixed_s)

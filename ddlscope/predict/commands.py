@@ -223,10 +223,11 @@ def register(app: typer.Typer) -> None:
         if n < 2:
             raise UserError(f"the cluster {spec.name!r} has one device; describe at least 2 devices or peers, or pass --workers")
         if swarm_cfg is not None and swarm_cfg.network.emulate:  # the swarm's emulated links, unlimited ones as the cluster's
-            from ddlscope.experiments.validate import over_links
+            from ddlscope.experiments.validate import links_goodput, over_links
 
             own = spec.intra_node.bandwidth_gb_per_s * 8e3
-            spec = over_links(spec, [min(up or own, down or own) for up, down in swarm_cfg.network.rates(n)], n)
+            rates = [min(up or own, down or own) for up, down in swarm_cfg.network.rates(n)]
+            spec = over_links(spec, rates, n, links_goodput(rates, n))
         if matchmaking_time_s is None and spec.hivemind is not None:  # predict where the overhead was measured
             matchmaking_time_s = spec.hivemind.matchmaking_time_s  # None (unrecorded): the run default
         swarm_opts = {}
