@@ -323,7 +323,8 @@ def test_two_runs_on_one_store_one_launcher_killed(launched, tmp_path):
     db = tmp_path / "r" / "ddlscope.db"
     killed = launched(db, "single")
     _wait_training(killed, 1)
-    other = launched(db, "single", extra=dict(sample_budget=16 * 200))
+    # a short run: commits every 0.1 s so that its steps are seen while it trains
+    other = launched(db, "single", extra=dict(sample_budget=16 * 200, store_flush_interval_s=0.1))
     _wait_training(other, 1, min_steps=1)
     os.kill(killed.popen.pid, signal.SIGKILL)
     _wait_gone(killed)

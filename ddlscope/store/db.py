@@ -247,15 +247,30 @@ class ResultsStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.conn = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
             self.conn.row_factory = sqlite3.Row
-            self.conn.execute("PRAGMA journal_mode=WAL")
+            self._when_unlocked(lambda: self.conn.execute("PRAGMA journal_mode=WAL"))
             self.conn.execute("PRAGMA synchronous=NORMAL")
-            self.conn.executescript(SCHEMA)
+            self._when_unlocked(lambda: self.conn.executescript(SCHEMA))
             self._add_missing_columns()
         except (sqlite3.OperationalError, OSError) as err:
             if is_disk_full(err, self.path):
                 raise StoreFullError(disk_full_message(self.path, "the results store cannot be opened; free some space")
                                      ) from None
             raise
+
+    @staticmethod
+    def _when_unlocked(do: Callable[[], Any], timeout_s: float = 60.0) -> None:
+        """Run ``do``, again while SQLite says the database is locked, for up to ``timeout_s``: two
+        processes opening a new store at once (torchrun's ranks) race for its switch to WAL, which
+        fails at once with "database is locked" instead of waiting for the busy timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                do()
+                return
+            except sqlite3.OperationalError as err:
+                if "locked" not in str(err) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def _add_missing_columns(self) -> None:
         """Bring a database written by an older ddlscope up to this schema (keeps all rows)."""
