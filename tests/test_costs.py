@@ -376,6 +376,30 @@ def test_collaborative_with_a_hivemind_fit_adds_overshoot_and_the_measured_epoch
     assert slow.breakdown_s["averaging_s"] > 1.5 + 2 * (prof.param_bytes / 2) / 0.01e9 * 0.99
 
 
+def test_collaborative_epoch_lasts_at_least_both_rounds_on_the_link():
+    prof = make_profile()
+    fit = HivemindFit(epoch_overhead_s=0.2, overshoot_steps=0.0, reference_param_bytes=prof.param_bytes,
+                      matchmaking_time_s=0.5)
+    s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=0.5)
+
+    def swarm(bw):
+        peers = [PeerSpec(compute_share=1.0, bandwidth_gb_per_s=bw) for _ in range(2)]
+        return predict(prof, make_cluster(peers=peers).model_copy(update={"hivemind": fit}), s)
+
+    fast, slow = swarm(10.0), swarm(0.001)
+    assert fast.inputs["link_wait_s"] == 0.0  # the rounds fit between the epochs' compute
+    # the gradient round, the parameter round in the background and its matchmaking hold the slow link
+    rounds = slow.inputs["grad_round_s"] - slow.inputs["matchmaking_wait_s"] + slow.inputs["state_round_s"]
+    assert slow.inputs["link_busy_s"] == pytest.approx(rounds + 0.5)
+    assert slow.inputs["link_wait_s"] > 0
+    assert slow.step_s == pytest.approx(slow.inputs["link_busy_s"])  # the epoch is the link's busy time
+    every2 = predict(prof, make_cluster(peers=[PeerSpec(compute_share=1.0, bandwidth_gb_per_s=0.001)] * 2)
+                     .model_copy(update={"hivemind": fit}), Setting("collaborative", 2, 8, epoch_samples=3200,
+                                                                  target_batch_size=64, matchmaking_time_s=0.5,
+                                                                  average_state_every=2))
+    assert every2.inputs["link_busy_s"] < slow.inputs["link_busy_s"]  # a parameter round every second epoch
+
+
 def test_eq51_reference_equals_its_formula():
     prof = make_profile()
     cl = make_cluster(bw=2.0, latency=1e-3)

@@ -172,9 +172,7 @@ class CollaborativeConfig(BaseModel):
         """What ``peer`` tells hivemind's averagers its bandwidth is, Mbit/s (None: nothing declared;
         see ``declared_bandwidths_mbit_per_s``)."""
         if self.declared_bandwidths_mbit_per_s == "network":
-            peers = max([peer, *(link.peer for link in network.links if link.peer is not None)]) + 1
-            servers = max([-1, *(link.server for link in network.links if link.server is not None)]) + 1
-            up, down = network.rates(peers, servers)[peer]
+            up, down = network.peer_rate(peer)
             return None if up is None or down is None else min(up, down)
         values = self.declared_bandwidths_mbit_per_s
         return values[peer] if peer < len(values) else None
@@ -382,6 +380,15 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     matchmaking time than the fit's gets a note. Without a fit both are left out and CPU peers are
     predicted too fast (see the README's validation figures), which a note says too.
 
+    **The link carries both rounds.** Each epoch the slowest group's links carry the gradient round
+    and then, in the background while the next epoch accumulates, the parameter round, after that
+    round's own matchmaking (link idle). So an epoch lasts at least ``link_busy_s = grad round +
+    state round + matchmaking_time_s / average_state_every``; where that exceeds the epoch as
+    computed above the difference (``link_wait_s``) is added to ``averaging_s``: the gradient
+    round starts while the parameter round still holds the link. Seen on emulated links: with
+    MobileNetV2 on 2 one-core peers the 20 Mbit/s link of a 200/20 pair was busy both ways for
+    all but ~1 s of each 10.6 s epoch (``docs/validation.md``, issue 14).
+
     The step is a global epoch. Its parts: ``averaging_s`` (the rounds, matchmaking included),
     ``optimizer_s`` (the slowest peer's optimizer step after the round), and ``T_acc`` split as
     the slowest peer's step is made: its data loading into ``data_load_s``, its local optimizer
@@ -479,6 +486,13 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
         overhead = hm.epoch_overhead_s + hm.overhead_steps * max(peer_steps)
         averaging = (max(wait, overhead) if not s.use_local_updates else overhead) \
             + beyond + (one_round if cluster.peers else 0.0)
+    # every epoch the slowest group's links carry the gradient round and the parameter round that hivemind
+    # runs in the background, after the parameter round's matchmaking: the epoch lasts no less
+    optimizer_after_round = 0.0 if s.use_local_updates else step.optimizer_s * slow / min(shares)
+    link_busy = 0.0 if alone else (0.0 if s.use_local_updates else one_round) + state_round \
+        + s.matchmaking_time_s / s.average_state_every
+    link_wait = max(0.0, link_busy - (t_acc + averaging + optimizer_after_round))
+    averaging += link_wait
     notes = []
     if hm is None and not alone:
         notes.append("collaborative: no hivemind fit in the cluster file (calibrate --hivemind), so hivemind's own "
@@ -492,8 +506,7 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     slowest = max(peer_steps)  # the accumulation split as the slowest peer's step is made
     parts = split_compute(profile, s.batch_size, t_acc * (slowest - load - local_opt * slow / min(shares)) / slowest)
     parts["data_load_s"] = t_acc * load / slowest
-    parts["optimizer_s"] = t_acc * local_opt * slow / min(shares) / slowest \
-        + (0.0 if s.use_local_updates else step.optimizer_s * slow / min(shares))
+    parts["optimizer_s"] = t_acc * local_opt * slow / min(shares) / slowest + optimizer_after_round
     parts["averaging_s"] = averaging
     return make_prediction(s, parts, throughput * t_acc,
                            inputs={"peers": len(present), "trainers": len(trainers), "averaging_group_size": group,
@@ -502,6 +515,7 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
                                    "swarm_samples_per_s": throughput, "accumulate_s": t_acc,
                                    "samples_per_global_epoch": throughput * t_acc, "matchmaking_wait_s": wait,
                                    "grad_round_s": grad_round, "state_round_s": state_round,
+                                   "link_busy_s": link_busy, "link_wait_s": link_wait,
                                    "state_round_on_cores": on_cpu, "hivemind_epoch_overhead_s": overhead,
                                    "hivemind_fit_matchmaking_time_s": (hm.matchmaking_time_s or 0.0) if hm else 0.0,
                                    "contention": slow / scale, "compute_scale": scale}, notes=notes)

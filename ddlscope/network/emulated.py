@@ -75,6 +75,12 @@ class LinkConfig(BaseModel):
         """``"peer 1"`` or ``"server 0"``: whose link this is."""
         return f"peer {self.peer}" if self.peer is not None else f"server {self.server}"
 
+    def over(self, up: float | None, down: float | None) -> tuple[float | None, float | None]:
+        """This entry's (upload, download) in Mbit/s where it sets them, over the rates it replaces
+        (``up``, ``down``: the network's; None: unlimited)."""
+        both = self.bandwidth_mbit_per_s
+        return self.upload_mbit_per_s or both or up, self.download_mbit_per_s or both or down
+
 
 class NetworkConfig(BaseModel):
     """A run's network (``[network]``): loopback (default) or an emulated one with rate-limited links.
@@ -117,10 +123,18 @@ class NetworkConfig(BaseModel):
                 allowed = f"0..{servers - 1} ({servers} expert servers)" if servers else "none: this run starts no servers"
                 raise UserError(f"network.links: server {link.server} does not exist; allowed: {allowed}")
             at = link.peer if link.peer is not None else peers + link.server
-            up, down = out[at]
-            both = link.bandwidth_mbit_per_s
-            out[at] = (link.upload_mbit_per_s or both or up, link.download_mbit_per_s or both or down)
+            out[at] = link.over(*out[at])
         return out
+
+    def peer_rate(self, peer: int) -> tuple[float | None, float | None]:
+        """Peer ``peer``'s (upload, download) in Mbit/s (None: unlimited): its ``links`` entry's
+        rates where it has one, the network's ``bandwidth_mbit_per_s`` otherwise; unlike
+        :meth:`rates` it needs no count of the run's peers and servers."""
+        rate = (self.bandwidth_mbit_per_s, self.bandwidth_mbit_per_s)
+        for link in self.links:
+            if link.peer == peer:
+                rate = link.over(*rate)
+        return rate
 
 
 def run_rates(cfg: Any) -> list[tuple[float | None, float | None]]:
