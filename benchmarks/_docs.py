@@ -266,6 +266,16 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
          *speed_target(further, limits.get("further_s"))],
     ]
     lines.append(markdown_table(["figure", "value", "target", "met"], figures))
+    memory = summary.get("per_model_memory") or {}
+    runtime = summary.get("per_model_runtime_memory") or {}
+    mem_rows = [[name, str(m.get("count")), _pct(m.get("median_error"), signed=True), _pct(m.get("max_abs_error")),
+                 _pct((runtime.get(name) or {}).get("median_error"), signed=True)]
+                for name, m in memory.items() if m.get("count")]
+    if mem_rows:
+        lines += ["", "Peak memory of the largest worker, predicted against measured (CPU: what training added to the "
+                  "resident set, and the resident set at its start):", "",
+                  markdown_table(["distribution model", "runs", "allocator part: median error", "max abs error",
+                                  "runtime part: median error"], mem_rows)]
     return "\n".join(lines)
 
 

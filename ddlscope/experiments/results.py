@@ -14,6 +14,7 @@ of the registry's baseline model (:func:`ddlscope.distribution.baseline`) for th
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
@@ -42,6 +43,12 @@ class Measurement:
         breakdown_s: the same parts and ``other_s``, the wall time they do not cover (:data:`BREAKDOWN`).
         comm_s / comm_bytes_per_step: mean communication time and bytes per measured step.
         peak_memory_bytes: the largest per-worker peak (CPU: peak RSS).
+        allocator_peak_bytes / runtime_bytes: the worker with the largest training peak, split
+            as :func:`ddlscope.modeling.memory.peak_split_bytes` predicts it: what training
+            allocated (GPU: ``max_memory_allocated``; CPU: resident peak during training less the
+            resident set at its start) and the process's memory before training (GPU: device
+            memory in use beyond torch's allocator, the CUDA context; CPU: the resident set at
+            the start of training). None where the run did not record them.
     """
 
     step_s: float
@@ -51,6 +58,27 @@ class Measurement:
     comm_s: float | None = None
     comm_bytes_per_step: float | None = None
     peak_memory_bytes: int | None = None
+    allocator_peak_bytes: int | None = None
+    runtime_bytes: int | None = None
+
+
+def memory_split(store: ResultsStore, run_id: str) -> tuple[int | None, int | None]:
+    """``(allocator peak, runtime)`` bytes of the run's worker with the largest allocator peak, from
+    its ``memory`` events (see :class:`Measurement`); ``(None, None)`` when no worker recorded one."""
+    best: tuple[int | None, int | None] = (None, None)
+    for e in store.rows("events", run_id):
+        if e["kind"] != "memory":
+            continue
+        d = json.loads(e["detail_json"] or "{}")
+        if d.get("allocator_peak_bytes") is not None:
+            pair = (int(d["allocator_peak_bytes"]), d.get("runtime_bytes"))
+        elif d.get("train_peak_rss_bytes") is not None and d.get("rss_at_train_start_bytes") is not None:
+            pair = (int(d["train_peak_rss_bytes"]) - int(d["rss_at_train_start_bytes"]), int(d["rss_at_train_start_bytes"]))
+        else:
+            continue
+        if best[0] is None or pair[0] > best[0]:
+            best = pair
+    return best
 
 
 def measure_run(store: ResultsStore, run_id: str) -> Measurement | None:
@@ -82,7 +110,8 @@ def measure_run(store: ResultsStore, run_id: str) -> Measurement | None:
         step_s=step_s, epoch_s=step_s * dataset.train_size / samples_per_step if dataset else None,
         parts_s=parts, breakdown_s=breakdown, comm_s=statistics.fmean(s["comm_s"] or 0.0 for s in steps),
         comm_bytes_per_step=statistics.fmean(s["comm_bytes"] or 0 for s in steps),
-        peak_memory_bytes=max(peaks) if peaks else None)
+        peak_memory_bytes=max(peaks) if peaks else None, **dict(zip(("allocator_peak_bytes", "runtime_bytes"),
+                                                                  memory_split(store, run_id))))
 
 
 def speedup(baseline_s: float | None, run_s: float | None) -> float | None:

@@ -410,7 +410,8 @@ def _outcome(db_path: Path, cand: Candidate, prediction_id: str,
         strategy=cand.setting.strategy, predicted_epoch_s=p.epoch_s if p else None,
         predicted_memory_bytes=cand.memory_bytes, fits=cand.fits if p else None, measured_epoch_s=None,
         status="not-run", reason=cand.invalid_reason, reference_epoch_s=dict(p.reference_epoch_s) if p else {},
-        dominant_cost=p.dominant_cost if p else None, predicted_parts_s=dict(p.breakdown_s) if p else {})
+        dominant_cost=p.dominant_cost if p else None, predicted_parts_s=dict(p.breakdown_s) if p else {},
+        **dict(zip(("predicted_allocator_bytes", "predicted_runtime_bytes"), cand.memory_split_bytes or (None, None))))
     if run is None:
         return outcome
     run_id, status, reason = run
@@ -424,6 +425,8 @@ def _outcome(db_path: Path, cand: Candidate, prediction_id: str,
     if measured is not None and measured.epoch_s:
         outcome.status, outcome.measured_epoch_s = "completed", measured.epoch_s
         outcome.measured_memory_bytes, outcome.measured_parts_s = measured.peak_memory_bytes, measured.parts_s
+        outcome.measured_allocator_bytes, outcome.measured_runtime_bytes = measured.allocator_peak_bytes, \
+            measured.runtime_bytes
     else:  # failed, interrupted, or completed without a measured step
         outcome.status = "failed"
         outcome.reason = row["reason"] or f"run {run_id} ended {row['status']} without measured steps"

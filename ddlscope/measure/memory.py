@@ -32,6 +32,19 @@ def peak_memory_bytes(device: torch.device) -> int:
     return max(_peak_before_reset_bytes, int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024)
 
 
+def cuda_runtime_bytes(device: torch.device) -> int | None:
+    """Device memory in use beyond what torch's caching allocator holds, bytes: the CUDA context,
+    cuBLAS/cuDNN workspaces and any other process's memory on the device (``total - free -
+    memory_reserved``, from ``torch.cuda.mem_get_info``). None when ``device`` is not a CUDA device.
+    Read at the start of training it is the runtime part of the worker's peak
+    (:func:`ddlscope.modeling.memory.peak_split_bytes`); with several workers on one GPU each sees
+    the others' memory too."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, int(total - free - torch.cuda.memory_reserved(device)))
+
+
 def _status_bytes(key: str) -> int | None:
     """A ``kB`` field of ``/proc/self/status`` in bytes, or None where there is none (not Linux)."""
     try:

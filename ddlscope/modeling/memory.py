@@ -120,6 +120,21 @@ def peak_memory_bytes(profile: WorkloadProfile, setting: Setting) -> int:
     return max(e.total_bytes for e in setting_memory(profile, setting))
 
 
+def peak_split_bytes(profile: WorkloadProfile, setting: Setting) -> tuple[int, int]:
+    """The worker with the largest predicted peak, split as a measurement sees it: ``(allocator
+    bytes, runtime bytes)``. The allocator part (:attr:`MemoryEstimate.training_bytes`) is what
+    training allocates: on a GPU it compares with ``torch.cuda.max_memory_allocated``, on CPU with
+    the resident peak during training less the resident set at its start. The runtime part is the
+    process's memory before any model (CUDA context and libraries on a GPU, interpreter and
+    libraries on CPU), which the allocator's peak does not contain.
+
+    Raises:
+        UserError: as :func:`setting_memory`.
+    """
+    top = max(setting_memory(profile, setting), key=lambda e: e.total_bytes)
+    return top.training_bytes, top.runtime_bytes
+
+
 def predict_memory(profile: WorkloadProfile, strategy: str, workers: int, batch_size: int,
                    microbatches: int | None = None, stage_bounds: list[int] | None = None,
                    bucket_cap_mb: float = 25.0, reshard_after_forward: bool = True,

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from ddlscope.errors import UserError
 from ddlscope.modeling.cluster import ClusterSpec
-from ddlscope.modeling.memory import peak_memory_bytes
+from ddlscope.modeling.memory import peak_split_bytes
 from ddlscope.modeling.prediction import Prediction, Setting, predict
 from ddlscope.modeling.profile import WorkloadProfile
 
@@ -61,7 +61,9 @@ def fastest_that_fits(items: Sequence[T], epoch_s: Callable[[T], float | None],
 class Candidate:
     """One distribution model for the job: its prediction and memory, or why it is impossible.
 
-    ``memory_bytes`` is the largest per-worker peak (bytes); ``capacity_bytes`` one device's memory.
+    ``memory_bytes`` is the largest per-worker peak (bytes); ``capacity_bytes`` one device's memory;
+    ``memory_split_bytes`` that worker's peak as ``(allocator, runtime)`` bytes
+    (:func:`~ddlscope.modeling.memory.peak_split_bytes`).
     """
 
     setting: Setting
@@ -69,6 +71,7 @@ class Candidate:
     memory_bytes: int | None
     capacity_bytes: int
     invalid_reason: str | None = None
+    memory_split_bytes: tuple[int, int] | None = None
 
     @property
     def fits(self) -> bool:
@@ -187,7 +190,8 @@ def recommend(profile: WorkloadProfile, cluster: ClusterSpec, settings: list[Set
     for s in settings:
         try:
             pred = predict(profile, cluster, s, compute_scale)
-            cands.append(Candidate(s, pred, peak_memory_bytes(profile, s), capacity))
+            split = peak_split_bytes(profile, s)
+            cands.append(Candidate(s, pred, sum(split), capacity, memory_split_bytes=split))
         except UserError as err:
             cands.append(Candidate(s, None, None, capacity, invalid_reason=str(err)))
     cands = rank(cands, lambda c: c.epoch_s, lambda c: c.fits)
