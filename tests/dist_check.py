@@ -53,7 +53,7 @@ def main(strategy_name: str, out: str, stage_bounds: list[int] | None = None) ->
         result = strategy.forward_backward(model, x, y, torch.nn.CrossEntropyLoss())
         strategy.step(result.samples)
         strategy.zero_grad()
-        losses.append(result.loss)
+        losses.append(result.resolve().loss)
     if strategy_name == "ddp":
         state = model.module.state_dict()
     elif strategy_name == "fsdp":

@@ -120,33 +120,6 @@ def test_worker_failure_is_named_and_others_stopped(monkeypatch):
     assert {p.pid for p in _children()} - before == set()
 
 
-@pytest.mark.slow
-def test_calibrate_cli_quick_writes_a_loadable_cluster(tmp_path):
-    out = tmp_path / "cluster.toml"
-    proc = subprocess.run([sys.executable, "-m", "ddlscope", "calibrate", "--quick", "--workers", "2", "--out", str(out),
-                           "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "all-reduce" in proc.stderr and "ping-pong" in proc.stderr  # progress lines
-    result = json.loads(proc.stdout)
-    spec = load_cluster(out)
-    assert spec.devices_per_node == 2 and spec.nodes == 1 and spec.device.kind == "local"
-    assert spec.intra_node.bandwidth_gb_per_s > 0 and spec.intra_node.latency_s >= 0
-    assert spec.intra_node.bandwidth_gb_per_s == pytest.approx(result["allreduce"]["bandwidth_gb_per_s"], rel=1e-3)
-    assert spec.intra_node.latency_s == pytest.approx(result["p2p"]["latency_s"], rel=1e-3)
-    assert spec.concurrent_compute_slowdown >= 1 and 0 <= spec.comm_overlap <= 1
-    assert spec.all_gather.bandwidth_gb_per_s > 0 and spec.reduce_scatter.bandwidth_gb_per_s > 0
-    assert "all-gather" in proc.stderr and "reduce-scatter" in proc.stderr
-    assert spec.fsdp_unit_fixed_s >= 0 and result["fsdp_sharded_step_s"] > result["fsdp_plain_step_s"] > 0
-    # FSDP and DDP timed inside training steps of the reference stacks: slower than plain, rates fitted
-    assert result["fsdp_large_sharded_step_s"] > result["fsdp_large_plain_step_s"] > 0
-    assert result["ddp_step_s"] > result["ddp_plain_step_s"] > 0
-    assert spec.fsdp_step_gb_per_s > 0 and spec.ddp_step_gb_per_s > 0
-    assert "under DDP" in proc.stderr and "under FSDP2" in proc.stderr
-    assert len(result["allreduce"]["table"]["measured_s"]) == 4
-    assert all(t > 0 for t in result["p2p"]["table"]["measured_s"])
-    assert out.read_text().startswith("# Measured by `ddlscope calibrate --workers 2")
-
-
 def test_calibrate_cli_bad_workers(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ddlscope", "calibrate", "--workers", "1", "--out", str(tmp_path / "c.toml")],
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
@@ -183,15 +156,36 @@ def test_time_repeats_warms_up_untimed_and_syncs_around_every_call():
 
 
 @pytest.mark.slow
-def test_calibrate_hivemind_swarm_fits_what_hivemind_adds(tmp_path):
+def test_calibrate_cli_quick_writes_a_loadable_cluster_with_what_hivemind_adds(tmp_path):
+    """One real calibration (collectives, DDP and FSDP in steps, and the hivemind swarms) checked as a whole."""
     out = tmp_path / "cluster.toml"
-    proc = subprocess.run([sys.executable, "-m", "ddlscope", "calibrate", "--quick", "--hivemind", "--out", str(out),
-                           "--matchmaking-time-s", "0.8", "--json"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "ddlscope", "calibrate", "--quick", "--workers", "2", "--hivemind",
+                           "--out", str(out), "--matchmaking-time-s", "0.8", "--json"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "all-reduce" in proc.stderr and "ping-pong" in proc.stderr  # progress lines
+    result = json.loads(proc.stdout)
+    spec = load_cluster(out)
+    assert spec.devices_per_node == 2 and spec.nodes == 1 and spec.device.kind == "local"
+    assert spec.intra_node.bandwidth_gb_per_s > 0 and spec.intra_node.latency_s >= 0
+    assert spec.intra_node.bandwidth_gb_per_s == pytest.approx(result["allreduce"]["bandwidth_gb_per_s"], rel=1e-3)
+    assert spec.intra_node.latency_s == pytest.approx(result["p2p"]["latency_s"], rel=1e-3)
+    assert spec.concurrent_compute_slowdown >= 1 and 0 <= spec.comm_overlap <= 1
+    assert spec.all_gather.bandwidth_gb_per_s > 0 and spec.reduce_scatter.bandwidth_gb_per_s > 0
+    assert "all-gather" in proc.stderr and "reduce-scatter" in proc.stderr
+    assert spec.fsdp_unit_fixed_s >= 0 and result["fsdp_sharded_step_s"] > result["fsdp_plain_step_s"] > 0
+    # FSDP and DDP timed inside training steps of the reference stacks: slower than plain, rates fitted
+    assert result["fsdp_large_sharded_step_s"] > result["fsdp_large_plain_step_s"] > 0
+    assert result["ddp_step_s"] > result["ddp_plain_step_s"] > 0
+    assert spec.fsdp_step_gb_per_s > 0 and spec.ddp_step_gb_per_s > 0
+    assert "under DDP" in proc.stderr and "under FSDP2" in proc.stderr
+    assert len(result["allreduce"]["table"]["measured_s"]) == 4
+    assert all(t > 0 for t in result["p2p"]["table"]["measured_s"])
+    assert out.read_text().startswith("# Measured by `ddlscope calibrate --workers 2")
+    # the hivemind swarms
     assert "hivemind swarm: resnet18" in proc.stderr
-    hm = load_cluster(out).hivemind
-    assert hm is not None, json.loads(proc.stdout)["notes"]
+    hm = spec.hivemind
+    assert hm is not None, result["notes"]
     assert hm.epoch_overhead_s > 0 and hm.epoch_cpu_s > 0  # hivemind's processes did work every epoch
     assert hm.reference_param_bytes > 40e6 and "resnet18" in hm.reference
     assert hm.matchmaking_time_s == pytest.approx(0.8)  # the swarm ran at the matchmaking time asked for

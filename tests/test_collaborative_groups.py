@@ -61,3 +61,33 @@ def test_four_peers_on_two_cores_average_in_groups_of_two_with_a_client_mode_pee
     spreads = [r.param_spread for r in analysis.rounds if len(r.peers) == 4]
     assert spreads and all(s is not None for s in spreads)
     assert max(spreads) > 0
+
+
+def test_cancelling_a_round_whose_cancel_future_finished_first_does_not_raise():
+    """hivemind 1.1.12's StepControl.cancel raised InvalidStateError when the averager had finished the
+    round's cancel future first, and the peer's step failed the run; ddlscope makes it idempotent."""
+    from concurrent.futures import Future, InvalidStateError
+
+    from hivemind.averaging.control import StepControl
+
+    from ddlscope.strategies.collaborative import idempotent_cancel, tolerate_finished_cancel
+
+    class Control(Future):  # a control whose cancel future the averager finished first
+        def cancel_round(self) -> bool:
+            finished = Future()
+            finished.set_result(None)
+            finished.set_result(None)  # raises InvalidStateError, as hivemind's cancel did
+            return True
+
+    c = Control()
+    with pytest.raises(InvalidStateError):
+        c.cancel_round()
+    assert idempotent_cancel(Control.cancel_round, Future.cancel)(c) and c.cancelled()
+    original = StepControl.cancel
+    try:
+        tolerate_finished_cancel()
+        tolerate_finished_cancel()  # once per process: not wrapped twice
+        assert StepControl.cancel.ddlscope_idempotent  # wrapped here, or by a strategy set up earlier in this process
+        assert StepControl.cancel is original or StepControl.cancel.__wrapped__ is original
+    finally:
+        StepControl.cancel = original

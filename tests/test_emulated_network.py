@@ -178,7 +178,7 @@ def test_a_pair_of_links_carries_less_each_way_when_both_ways_are_busy():
     from ddlscope.network.duplex import measure_duplex_goodput
 
     before = set(namespaces())
-    g = measure_duplex_goodput(20.0, 20.0, seconds=1.0)
+    g = measure_duplex_goodput(20.0, 20.0, seconds=1.0, repeats=1)
     assert g.rates_mbit_per_s == (20.0, 20.0)
     # TCP payload one way is most of the rate; both ways at once, each direction's acknowledgements wait behind
     # the other direction's data in the token bucket's queue
@@ -186,6 +186,8 @@ def test_a_pair_of_links_carries_less_each_way_when_both_ways_are_busy():
     assert set(namespaces()) == before
     with pytest.raises(ValueError, match="allowed"):
         measure_duplex_goodput(0.0, 20.0)
+    with pytest.raises(ValueError, match="repeats = 0; allowed: >= 1"):
+        measure_duplex_goodput(20.0, 20.0, repeats=0)
 
 
 GLOO_WORKER = """

@@ -386,7 +386,7 @@ def test_sequence_loss_accuracy_and_evaluation_count_scored_positions():
 
     model = nn.Sequential(nn.Embedding(7, 5))
     xs = torch.randint(0, 7, (2, 3))
-    result = Strategy(None, None).forward_backward(model, xs, y, loss_function())
+    result = Strategy(None, None).forward_backward(model, xs, y, loss_function()).resolve()
     expected_hits = sum(int(model(xs)[b, t].argmax() == y[b, t]) for b, t in scored)
     assert result.samples == 2 and result.correct / result.samples == pytest.approx(expected_hits / 3)
     assert model[0].weight.grad is not None

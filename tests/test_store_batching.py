@@ -48,6 +48,20 @@ def test_rows_wait_for_the_flush_and_are_all_committed_by_it(db_path):
             writer.add_step("r", 0, _step(6))
 
 
+def test_measurement_rows_go_with_the_steps_and_a_wrong_table_is_refused_at_once(db_path):
+    with ResultsStore(db_path) as store:
+        writer = store.batched_writer(flush_interval_s=3600)
+        with pytest.raises(ValueError, match="unknown table 'moe_nope'"):
+            writer.add_rows("moe_nope", [dict(run_id="r")])
+        writer.add_step("r", 0, _step(0))
+        writer.add_rows("moe_steps", [dict(run_id="r", worker_index=0, step=0, wall_time=1000.0, samples=8)])
+        with ResultsStore(db_path) as reader:
+            assert reader.rows("moe_steps", "r") == []  # queued with the step, not committed yet
+        writer.close()
+        with ResultsStore(db_path) as reader:
+            assert [r["step"] for r in reader.rows("moe_steps", "r")] == [0] and _committed_steps(db_path) == [0]
+
+
 def test_rows_are_committed_every_interval_without_a_flush(db_path):
     with ResultsStore(db_path), BatchedWriter(db_path, flush_interval_s=0.05) as writer:
         writer.add_step("r", 0, _step(0))

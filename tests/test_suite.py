@@ -120,24 +120,31 @@ def test_tiny_suite_runs_stores_failures_and_skips_finished_cells(tmp_path):
 
 def test_seconds_per_epoch_of_synchronous_and_collaborative_runs(tmp_path):
     """Synchronous workers: mean over steps of the slowest worker's step. Collaborative peers step
-    on their own: the slowest peer's window over the samples all peers processed."""
+    on their own: the time every peer trained over the samples all peers processed in it."""
     from ddlscope.suite.runner import cell_result
 
     def stored(store, strategy, per_worker_steps):
         run_id = store.create_run(strategy, strategy, dict(strategy=strategy, model="resnet18", dataset="mnist",
                                                             peers=2, batch_size=10))
         for w, times in enumerate(per_worker_steps):
+            start = 0.0
             for i, t in enumerate(times):
-                store.add_step(run_id, w, dict(step=i, wall_time=float(i), samples=10, step_s=t, warmup=0,
+                store.add_step(run_id, w, dict(step=i, wall_time=start, samples=10, step_s=t, warmup=0,
                                                optimizer_stepped=1))
+                start += t
         store.finish_run(run_id, "completed")
         return cell_result(store, dict(store.run(run_id)))
 
     with ResultsStore(tmp_path / "r.db") as store:
         ddp = stored(store, "ddp", [[1.0, 3.0], [2.0, 1.0]])
-        collab = stored(store, "collaborative", [[1.0, 3.0], [2.0, 1.0]])
+        collab = stored(store, "collaborative", [[1.0, 3.0], [2.0, 2.0]])
+        # peer 1 is done after 2 steps; peer 0's last step is a 55 s wait for a round nobody joins
+        tail = stored(store, "collaborative", [[2.0, 2.0, 55.0], [2.0, 2.0]])
     assert ddp.step_s == pytest.approx((2.0 + 3.0) / 2)  # slowest worker per step
     assert ddp.epoch_s == pytest.approx(2.5 * 60_000 / 20)
-    # peer 0 took 4 s, peer 1 3 s; in 4 s the swarm processed 40 samples: 2 s per 20-sample global batch
+    # both peers trained from 0 to 4 s (peer 0: steps [0, 1] and [1, 4], peer 1: [0, 2] and [2, 4]):
+    # 40 samples in 4 s, 2 s per 20-sample global batch
     assert collab.step_s == pytest.approx(2.0)
     assert collab.epoch_s == pytest.approx(4.0 * 60_000 / 40)
+    # the wait after peer 1 left is not the swarm's pace: 40 samples in the 4 s both trained
+    assert tail.step_s == pytest.approx(2.0)

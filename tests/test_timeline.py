@@ -86,6 +86,24 @@ def test_forward_backward_leaves_its_laps_to_the_caller(monkeypatch):
     assert clock.log[3:] == [("wait", 1), ("wait", 2)]
 
 
+def test_forward_backward_leaves_the_loss_and_hits_on_the_device_until_resolved(monkeypatch):
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+
+    def no_read(self, *a, **k):  # a read between forward and backward would make a GPU step wait
+        raise AssertionError("forward_backward read a tensor")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "item", no_read)
+        m.setattr(torch.Tensor, "tolist", no_read)
+        result = Strategy(None, None).forward_backward(model, x, y, torch.nn.functional.cross_entropy)
+    assert result.loss is None and result.correct is None
+    result.resolve()
+    logits = model(x)  # the weights are unchanged: no optimizer step
+    assert result.loss == pytest.approx(torch.nn.functional.cross_entropy(logits, y).item())
+    assert result.correct == int((logits.argmax(1) == y).sum())
+
+
 def test_the_loop_reads_a_steps_laps_only_after_the_next_step_ran(env_data, db_path, monkeypatch):
     """The device clock's log over a run: every wait is for a step that is already over, and the stored
     phase times are the fake device's."""

@@ -2,9 +2,9 @@
 
 Seconds per step (thesis 002 ch. 3.4): for models whose workers step together (the registry's
 ``lockstep``), the mean over measured (non warm-up) steps of the slowest worker's step time. Workers
-that step on their own (collaborative peers) are measured over a window: the slowest worker's
-measured time (thesis 000: a collaborative run's runtime is the maximum over its peers) over the
-samples all workers processed in it, scaled to one step of every worker. Seconds per epoch: the
+that step on their own (collaborative peers) are measured over the time every worker trained
+(:func:`swarm_window`: not the last peer's wait for rounds after the others left): its length
+over the samples all workers processed in it, scaled to one step of every worker. Seconds per epoch: the
 step time x the steps in one epoch of the *real* dataset (``train_size / samples per step``).
 
 Speedup (:func:`speedup`, the one definition): the baseline's time for the same work over the
@@ -81,6 +81,31 @@ def memory_split(store: ResultsStore, run_id: str) -> tuple[int | None, int | No
     return best
 
 
+def swarm_window(steps: list[dict]) -> tuple[float, float] | None:
+    """``(seconds, samples)`` of the time every worker was training: from the last worker's first
+    measured step to the first worker's last, and the samples trained in it (a step that straddles
+    an end counts with the share of its time inside). Workers that step on their own have a tail in
+    which the peers that are done have left and the last one waits for rounds that nobody joins (up
+    to the averaging timeout), and a head in which a late peer has not started: neither is the
+    swarm's pace. None when the workers' measured steps do not overlap in time.
+    """
+    spans: dict[int, tuple[float, float]] = {}
+    for s in steps:
+        start, end = s["wall_time"], s["wall_time"] + s["step_s"]
+        a, b = spans.get(s["worker_index"], (start, end))
+        spans[s["worker_index"]] = (min(a, start), max(b, end))
+    start = max(a for a, _ in spans.values())
+    end = min(b for _, b in spans.values())
+    if end <= start:
+        return None
+    samples = 0.0
+    for s in steps:
+        inside = min(end, s["wall_time"] + s["step_s"]) - max(start, s["wall_time"])
+        if inside > 0:
+            samples += s["samples"] * (inside / s["step_s"] if s["step_s"] > 0 else 1.0)
+    return end - start, samples
+
+
 def measure_run(store: ResultsStore, run_id: str) -> Measurement | None:
     """The :class:`Measurement` of a stored run, or None when it did not complete with a measured step."""
     from ddlscope.workloads.datasets import DATASETS
@@ -98,9 +123,12 @@ def measure_run(store: ResultsStore, run_id: str) -> Measurement | None:
         for s in steps:
             by_step.setdefault(s["step"], []).append(s)
         step_s = statistics.fmean(max(r["step_s"] for r in rows) for rows in by_step.values())
-    else:  # the slowest worker's window, over the samples all workers processed in it
-        window_s = max(sum(s["step_s"] for s in steps if s["worker_index"] == w) for w in {s["worker_index"] for s in steps})
-        step_s = window_s * samples_per_step / sum(s["samples"] for s in steps)
+    else:  # the time every worker trained, over the samples all of them processed in it
+        window = swarm_window(steps)
+        if window is None or window[1] <= 0:  # no common time: the slowest worker's own window
+            window = (max(sum(s["step_s"] for s in steps if s["worker_index"] == w)
+                          for w in {s["worker_index"] for s in steps}), sum(s["samples"] for s in steps))
+        step_s = window[0] * samples_per_step / window[1]
     dataset = DATASETS.get(cfg.get("dataset"))
     parts = measured_parts(steps)
     breakdown = {p: parts[p] for p in STEP_PARTS}

@@ -28,10 +28,23 @@ def interpolate(xs: list[float], ys: list[float], x: float) -> float:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
+def gib_text(nbytes: int) -> str:
+    """Bytes as GiB with 3 significant digits, for messages: ``"57.6 GiB"``, ``"0.00063 GiB"``."""
+    return f"{nbytes / 2**30:.3g} GiB"
+
+
+def step_peak_bytes(param_bytes: int, buffer_bytes: int, optimizer_state_bytes: int, activation_bytes: int) -> int:
+    """Peak bytes of one training step on one device: parameters, buffers, gradients (one per
+    parameter byte), optimizer state and the step's activation peak (``2 P + Bf + O + A``, the
+    notation of :mod:`ddlscope.modeling.memory`); the worker's runtime is not included."""
+    return 2 * param_bytes + buffer_bytes + optimizer_state_bytes + activation_bytes
+
+
 class LayerProfile(BaseModel):
     """One top-level layer (a child of the zoo's ``SequentialNet``, i.e. a possible stage boundary).
 
-    ``forward_s`` / ``backward_s`` have one entry per :attr:`WorkloadProfile.batch_sizes`.
+    ``forward_s`` / ``backward_s`` have one entry per :attr:`WorkloadProfile.batch_sizes`; at a
+    batch size whose step is :attr:`StepProfile.extrapolated` they are extrapolated too.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -50,7 +63,13 @@ class LayerProfile(BaseModel):
 
 
 class StepProfile(BaseModel):
-    """A whole training step at one batch size, data already in memory (seconds, bytes)."""
+    """A whole training step at one batch size, data already in memory (seconds, bytes).
+
+    ``extrapolated``: the batch did not fit the device, so it was not run; its times are a
+    least-squares line through the measured batch sizes (:func:`ddlscope.profiling.profile.fit_line`),
+    its activation peak comes from fake tensors as at every batch size, and nothing was measured
+    with real tensors (``measured_activation_peak_bytes`` is None).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -63,6 +82,8 @@ class StepProfile(BaseModel):
     measured_activation_peak_bytes: int | None = Field(
         None, ge=0, description="the same quantity measured with real tensors on the device (kernels' work buffers "
                                 "included); None where it could not be measured")
+    extrapolated: bool = Field(False, description="not run (the batch does not fit the device): times extrapolated "
+                                                  "from the measured batch sizes")
 
     @property
     def activation_bytes(self) -> int:
@@ -137,6 +158,8 @@ class WorkloadProfile(BaseModel):
     :mod:`ddlscope.profiling.profile`).
 
     Units: seconds, bytes. ``batch_sizes`` ascending; ``steps`` has one entry per batch size.
+    Batch sizes that did not fit the device are in ``batch_sizes`` with extrapolated times
+    (:attr:`StepProfile.extrapolated`); :attr:`measured_batch_sizes` are the ones that ran.
 
     Raises:
         pydantic.ValidationError: ``optimizer_setting`` names another optimizer than ``optimizer``.
@@ -167,6 +190,16 @@ class WorkloadProfile(BaseModel):
     sample_bytes: int = Field(description="bytes of one input sample as the model receives it")
     profile_s: float = Field(ge=0, description="seconds the profile took")
     created_at: float
+    memory_limit_bytes: int | None = Field(
+        None, gt=0, description="the memory cap the profile was asked to keep to (None: none, the device's memory)")
+    memory_available_bytes: int | None = Field(
+        None, gt=0, description="the memory the largest batch was judged against (the cap, the device's memory or, "
+                                "on CPU, the host's, whichever is smallest); None where every batch size fitted")
+    largest_fitting_batch_size: int | None = Field(
+        None, ge=1, description="the largest halving of the requested batch that fitted the device (fake-tensor "
+                                "estimate against the memory available; on CUDA a real step without running out of "
+                                "memory); None where the requested batch fitted (and in profiles written before "
+                                "this was recorded)")
 
     @model_validator(mode="after")
     def _one_optimizer(self) -> "WorkloadProfile":
@@ -174,17 +207,59 @@ class WorkloadProfile(BaseModel):
             raise ValueError(f"optimizer {self.optimizer!r} but optimizer_setting names {self.optimizer_setting.name!r}")
         return self
 
+    @property
+    def measured_batch_sizes(self) -> list[int]:
+        """The batch sizes whose steps ran on the device (ascending): all but the extrapolated ones."""
+        return [s.batch_size for s in self.steps if not s.extrapolated]
+
     def step_at(self, batch_size: float) -> StepProfile:
-        """The whole-step times at ``batch_size`` (interpolated between measured batch sizes)."""
+        """The whole-step times at ``batch_size`` (interpolated between the profile's batch sizes).
+
+        ``measured_activation_peak_bytes`` is interpolated over the steps that measured it: over
+        all of them when every step did, else only up to the largest one that did (beyond it,
+        None: the fake-tensor peak stands). ``extrapolated`` when ``batch_size`` lies beyond the
+        measured batch sizes of a profile that extrapolated some.
+        """
         xs = [float(s.batch_size) for s in self.steps]
         pick = lambda attr: interpolate(xs, [float(getattr(s, attr)) for s in self.steps], batch_size)  # noqa: E731
+        have = [s for s in self.steps if s.measured_activation_peak_bytes is not None]
         measured = None
-        if all(s.measured_activation_peak_bytes is not None for s in self.steps):
-            measured = round(pick("measured_activation_peak_bytes"))
+        if have and (len(have) == len(self.steps) or batch_size <= have[-1].batch_size):
+            measured = round(interpolate([float(s.batch_size) for s in have],
+                                         [float(s.measured_activation_peak_bytes) for s in have], batch_size))
+        ran = self.measured_batch_sizes
         return StepProfile(batch_size=max(1, round(batch_size)), forward_s=pick("forward_s"),
                            backward_s=pick("backward_s"), optimizer_s=pick("optimizer_s"), step_s=pick("step_s"),
                            activation_peak_bytes=round(pick("activation_peak_bytes")),
-                           measured_activation_peak_bytes=measured)
+                           measured_activation_peak_bytes=measured,
+                           extrapolated=len(ran) < len(self.steps) and bool(ran) and batch_size > ran[-1])
+
+    def step_peak_bytes(self, step: StepProfile) -> int:
+        """Peak bytes of ``step`` (a step of this profile or :meth:`step_at`'s) on one device, without the
+        runtime: :func:`step_peak_bytes` with its fake-tensor activation peak (the estimate the profile
+        judged the fit with)."""
+        return step_peak_bytes(self.param_bytes, self.buffer_bytes, self.optimizer_state_bytes,
+                               step.activation_peak_bytes)
+
+    def fit_note(self) -> str | None:
+        """One line on the batch sizes that did not fit the device, e.g. ``"batch 128 does not fit (needs
+        57.6 GiB, device has 39.5 GiB): times extrapolated from batches 4..32"``; None when all fitted.
+
+        "needs": the fake-tensor estimate of the step's peak (:meth:`step_peak_bytes`, no runtime);
+        when it is within the memory available, the device's allocator ran out of memory instead."""
+        ran = self.measured_batch_sizes
+        if len(ran) == len(self.steps) or not ran:
+            return None
+        top = self.steps[-1]
+        need = gib_text(self.step_peak_bytes(top))
+        has = "? GiB" if self.memory_available_bytes is None else gib_text(self.memory_available_bytes)
+        capped = self.memory_limit_bytes is not None and self.memory_limit_bytes == self.memory_available_bytes
+        if self.memory_available_bytes is not None and self.step_peak_bytes(top) <= self.memory_available_bytes:
+            why = f"ran out of memory on the device; fake tensors estimate {need} of {has}"
+        else:
+            why = f"needs {need}, " + (f"the memory limit is {has}" if capped else f"device has {has}")
+        span = f"{ran[0]}..{ran[-1]}" if len(ran) > 1 else f"{ran[0]}"
+        return f"batch {top.batch_size} does not fit ({why}): times extrapolated from batches {span}"
 
     def layer_times_s(self, batch_size: float) -> tuple[list[float], list[float]]:
         """Per-layer (forward seconds, backward seconds) at ``batch_size``.

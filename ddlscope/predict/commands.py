@@ -39,8 +39,9 @@ def print_profile(profile, path: Path | None = None, console=None) -> None:
     """Print a :class:`~ddlscope.modeling.profile.WorkloadProfile` as rich tables.
 
     Per layer at the requested (largest) batch size: forward/backward ms, parameter MB,
-    output / saved KB per sample, forward MFLOP per sample; then the whole step per batch size,
-    data loading, the device, and the cache file.
+    output / saved KB per sample, forward MFLOP per sample; then the whole step per batch size
+    (extrapolated ones marked *), one line on the batch sizes that did not fit the device
+    (:meth:`~ddlscope.modeling.profile.WorkloadProfile.fit_note`), data loading, the device, and the cache file.
     """
     from rich.console import Console
     from rich.markup import escape
@@ -48,7 +49,9 @@ def print_profile(profile, path: Path | None = None, console=None) -> None:
 
     console = console or Console()
     b = profile.batch_sizes[-1]
-    layers = Table(title=f"{profile.network} on {profile.dataset} {profile.input_shape}, batch {b}: per layer")
+    extrapolated = " (extrapolated)" if profile.steps[-1].extrapolated else ""
+    layers = Table(title=f"{profile.network} on {profile.dataset} {profile.input_shape}, batch {b}{extrapolated}: "
+                         "per layer")
     for col in ("layer", "fwd ms", "bwd ms", "params MB", "out KB/sample", "saved KB/sample", "MFLOP/sample"):
         layers.add_column(col, justify="left" if col == "layer" else "right", overflow="fold", no_wrap=col == "layer")
     for layer in profile.layers:
@@ -63,11 +66,14 @@ def print_profile(profile, path: Path | None = None, console=None) -> None:
         steps.add_column(col, justify="right", overflow="fold")
     for s in profile.steps:
         measured = "-" if s.measured_activation_peak_bytes is None else f"{s.measured_activation_peak_bytes / 1e6:.1f}"
-        steps.add_row(str(s.batch_size), f"{s.forward_s * 1e3:.1f}", f"{s.backward_s * 1e3:.1f}",
+        steps.add_row(f"{s.batch_size}{'*' if s.extrapolated else ''}", f"{s.forward_s * 1e3:.1f}",
+                      f"{s.backward_s * 1e3:.1f}",
                       f"{s.optimizer_s * 1e3:.1f}", f"{s.step_s * 1e3:.1f}",
                       f"{s.batch_size / s.step_s:.1f}" if s.step_s > 0 else "-",
                       f"{s.activation_peak_bytes / 1e6:.1f}", measured)
     console.print(steps)
+    if profile.fit_note():
+        console.print(f"{profile.fit_note()} (* above)", markup=False)
     console.print(f"model: {profile.param_count:,} parameters, {profile.param_bytes / 1e6:.1f} MB; buffers "
                   f"{profile.buffer_bytes / 1e6:.2f} MB; optimizer state {profile.optimizer_state_bytes / 1e6:.1f} MB")
     for d in profile.data_loading:
@@ -102,19 +108,30 @@ def register(app: typer.Typer) -> None:
         cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="profile cache (default ./ddlscope-results/profiles)"),
         data_root: Optional[Path] = typer.Option(None, "--data-root", help="where a local dataset copy is looked for"),
         optimizer: str = typer.Option("sgd", "--optimizer", help=OPTIMIZER_HELP),
+        memory_limit_gib: Optional[float] = typer.Option(
+            None, "--memory-limit-gib", help="memory a training step may use (GiB; default: the device's); batch "
+                                             "sizes that need more are not run, their times are extrapolated"),
     ):
-        """Measure a workload on this device (per-layer times and bytes, steps, data loading); cached."""
+        """Measure a workload on this device (per-layer times and bytes, steps, data loading); cached.
+
+        Batch sizes that do not fit the device (or --memory-limit-gib) are not run: their times are
+        extrapolated from the largest ones that fit, and the profile says so."""
         from ddlscope.cli import echo_json, stdout_to_stderr
         from ddlscope.profiling.profile import load_or_profile, profile_path
 
         workers = parse_worker_counts(loader_workers)
+        if memory_limit_gib is not None and not memory_limit_gib * 2**30 >= 1:
+            raise UserError(f"--memory-limit-gib {memory_limit_gib}; allowed: a number of GiB > 0, e.g. 12")
+        limit = None if memory_limit_gib is None else int(memory_limit_gib * 2**30)
         with stdout_to_stderr(json_):
             prof = load_or_profile(model, dataset, batch_size, device, threads, workers, data_root=data_root,
-                                   cache_dir=cache_dir, refresh=refresh, progress=not json_, optimizer=optimizer)
+                                   cache_dir=cache_dir, refresh=refresh, progress=not json_, optimizer=optimizer,
+                                   memory_limit_bytes=limit)
         if json_:
             echo_json(prof.model_dump(mode="json"))
         else:
-            print_profile(prof, profile_path(model, dataset, batch_size, device, threads, workers, cache_dir, optimizer))
+            print_profile(prof, profile_path(model, dataset, batch_size, device, threads, workers, cache_dir, optimizer,
+                                             limit))
 
     # ---- calibrate (profiling/calibrate.py)
     @app.command("calibrate")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from ddlscope.modeling.profile import (DataLoadProfile, DeviceProfile, LayerProfile, OptimizerSetting, StepProfile,
-                                       WorkloadProfile)
+                                       WorkloadProfile, gib_text, step_peak_bytes)
 
 STEP_REPEATS = 5
 """Measured training steps per batch size (after one warm-up step); their median is kept."""
@@ -61,7 +61,7 @@ def _build_optimizer(setting: OptimizerSetting, params):
 
 
 def _check_workload(network: str, dataset: str, batch_size: int, device: str, threads: int,
-                    loader_workers: tuple[int, ...]) -> None:
+                    loader_workers: tuple[int, ...], memory_limit_bytes: int | None = None) -> None:
     """Raise :class:`UserError` for anything :func:`profile_workload` cannot measure."""
     from ddlscope.errors import UserError
     from ddlscope.workloads.datasets import DATASETS
@@ -84,6 +84,9 @@ def _check_workload(network: str, dataset: str, batch_size: int, device: str, th
             raise UserError("device 'cuda' asked for, but torch sees no CUDA device here; allowed: cpu")
     if any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in loader_workers):
         raise UserError(f"loader workers {list(loader_workers)}; allowed: integers >= 0")
+    if memory_limit_bytes is not None and (isinstance(memory_limit_bytes, bool)
+                                           or not isinstance(memory_limit_bytes, int) or memory_limit_bytes < 1):
+        raise UserError(f"memory limit {memory_limit_bytes!r} bytes; allowed: None or an integer >= 1")
 
 
 def device_name(device: str) -> str:
@@ -552,17 +555,213 @@ def _measure_data_loading(dataset: str, batch_size: int, loader_workers: tuple[i
             for w in sorted(set(loader_workers))]
 
 
+# ---------------------------------------------------------------- batch sizes that fit the device
+
+
+def out_of_memory_message(exc: BaseException, device) -> str:
+    """One line on a ``torch.OutOfMemoryError`` on ``device`` (a :class:`torch.device`).
+
+    On CUDA, when the allocator's message says how much it tried to allocate (``Tried to allocate
+    2.00 GiB``): that, the device's free and total memory (``torch.cuda.mem_get_info``) and what
+    torch's allocator held (``torch.cuda.memory_reserved``); otherwise the first line of the
+    allocator's message. Call it while the tensors of the failed step are still alive (in the
+    ``except`` block), so that the free memory is the one the allocation saw.
+    """
+    import re
+
+    import torch
+
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    asked = re.search(r"Tried to allocate ([0-9.]+ ?[KMGT]?i?B)", text)
+    if device.type == "cuda" and asked is not None:
+        try:
+            free, total = torch.cuda.mem_get_info(device)
+            held = torch.cuda.memory_reserved(device)
+        except RuntimeError:
+            pass
+        else:
+            return (f"out of memory on {device}: needed {asked.group(1)} more with {free / 2**30:.2f} GiB free of "
+                    f"{total / 2**30:.1f} GiB (torch's allocator held {held / 2**30:.2f} GiB)")
+    return f"out of memory on {device}: {first}"
+
+
+def _halvings(batch_size: int) -> list[int]:
+    """``batch_size``, ``batch_size // 2``, ... down to 1, ascending (e.g. 12 -> [1, 3, 6, 12])."""
+    return sorted({batch_size // 2**k for k in range(batch_size.bit_length())})
+
+
+def _fake_step_bytes(fake: dict, batch_size: int) -> int:
+    """A training step's peak bytes at ``batch_size`` from a :func:`_fake_analysis` result
+    (:func:`~ddlscope.modeling.profile.step_peak_bytes`: parameters, buffers, gradients, optimizer state and
+    the activation peak; the runtime not included)."""
+    return step_peak_bytes(fake["param_bytes"], fake["buffer_bytes"], fake["optimizer_state_bytes"],
+                           fake["activation_peak_bytes"][batch_size])
+
+
+def _add_activation_peaks(fake: dict, batch_sizes, network: str, family: str, optimizer: OptimizerSetting) -> None:
+    """Add to ``fake["activation_peak_bytes"]`` the batch sizes it lacks (:func:`_fake_analysis` over them)."""
+    missing = sorted(set(batch_sizes) - set(fake["activation_peak_bytes"]))
+    if missing:
+        more = _fake_analysis(network, family, missing, optimizer)
+        fake["activation_peak_bytes"].update(more["activation_peak_bytes"])
+
+
+def _train_steps(network: str, family: str, optimizer: OptimizerSetting, device, batch_size: int) -> None:
+    """Two training steps of a fresh model at ``batch_size`` on ``device`` (the second with the
+    optimizer's state, as the profile's steps run); everything is dropped on return."""
+    import torch
+
+    from ddlscope.workloads.models import build_model, input_spec
+    from ddlscope.workloads.step import train_step
+
+    spec = input_spec(family)
+    model = build_model(network, family).to(device)
+    opt = _build_optimizer(optimizer, model.parameters())
+    x = torch.randn(batch_size, spec.channels, spec.height, spec.width, device=device)
+    y = torch.randint(0, spec.num_classes, (batch_size,), device=device)
+    for _ in range(2):
+        train_step(model, opt, x, y)
+
+
+def _runs_at(network: str, family: str, optimizer: OptimizerSetting, device, batch_size: int) -> bool:
+    """Whether :func:`_train_steps` at ``batch_size`` runs without ``torch.OutOfMemoryError``
+    (``torch.cuda.OutOfMemoryError``); after one, the garbage is collected and the CUDA cache emptied."""
+    import gc
+
+    import torch
+
+    try:
+        _train_steps(network, family, optimizer, device, batch_size)
+        return True
+    except torch.OutOfMemoryError:
+        pass  # the failed step's tensors are freed once the exception is gone, i.e. after this block
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return False
+
+
+def largest_running_batch(network: str, family: str, optimizer: OptimizerSetting, device, start: int,
+                          say=lambda msg: None) -> int | None:
+    """The largest of ``start``, ``start // 2``, ... 1 at which two training steps run on ``device``
+    without running out of memory (:func:`_runs_at`); None when not even batch 1 does."""
+    b = start
+    while b >= 1:
+        if _runs_at(network, family, optimizer, device, b):
+            return b
+        say(f"batch {b} ran out of memory on {device}; trying {b // 2}")
+        b //= 2
+    return None
+
+
+def _available_bytes(device, memory_limit_bytes: int | None) -> tuple[int, str]:
+    """The memory a training step may use and what sets it: the smallest of ``memory_limit_bytes``
+    and the device's memory (CUDA: the device's total; CPU: the host's total, psutil)."""
+    if device.type == "cuda":
+        import torch
+
+        capacity, what = int(torch.cuda.get_device_properties(device).total_memory), f"{device} has"
+    else:
+        import psutil
+
+        capacity, what = int(psutil.virtual_memory().total), "the host has"
+    if memory_limit_bytes is not None and memory_limit_bytes <= capacity:
+        return memory_limit_bytes, "the memory limit is"
+    return capacity, what
+
+
+def largest_fitting_batch(network: str, family: str, batch_size: int, optimizer: OptimizerSetting, fake: dict,
+                          device, memory_limit_bytes: int | None = None, say=lambda msg: None) -> tuple[int, int]:
+    """``(largest batch that fits, memory available bytes)``: the largest of ``batch_size``,
+    ``batch_size // 2``, ... 1 whose training step fits the device.
+
+    "Fits": the fake-tensor estimate of the step's peak (:func:`_fake_step_bytes`; peaks of the
+    halvings ``fake`` lacks are added to it) is at most the memory available
+    (:func:`_available_bytes`: ``memory_limit_bytes`` or the device's memory); on CUDA, two real
+    steps at that batch then must run without ``torch.OutOfMemoryError`` (the real allocator is
+    the final judge: it also needs the kernels' work buffers and the CUDA context), else the
+    halvings below are tried (:func:`largest_running_batch`).
+
+    Raises:
+        UserError: not even batch 1 fits, in one line: what it needs and what the device has.
+    """
+    from ddlscope.errors import UserError
+
+    available, what = _available_bytes(device, memory_limit_bytes)
+    sizes = _halvings(batch_size)
+    largest = lambda: max((b for b in sizes if b in fake["activation_peak_bytes"]  # noqa: E731
+                           and _fake_step_bytes(fake, b) <= available), default=None)
+    fits = largest()  # among the halvings ``fake`` has (the profile's batch sizes: the largest ones)
+    if fits is None:  # the smaller ones, in one fake-tensor analysis (seconds per batch size for large models)
+        _add_activation_peaks(fake, sizes, network, family, optimizer)
+        fits = largest()
+    advice = ("try a smaller network or input size, a device with more memory"
+              + (", or a higher --memory-limit-gib" if what == "the memory limit is" else ""))
+    if fits is None:
+        raise UserError(f"{network}: not even batch 1 fits: a training step needs "
+                        f"{gib_text(_fake_step_bytes(fake, 1))} (parameters, gradients, optimizer state and "
+                        "activations; fake-tensor estimate), "
+                        f"{what} {gib_text(available)}; {advice}")
+    if device.type == "cuda":
+        say(f"a real training step at batch {fits} on {device}")
+        ran = largest_running_batch(network, family, optimizer, device, fits, say)
+        if ran is None:
+            raise UserError(f"{network}: not even batch 1 fits: a training step ran out of memory on {device} "
+                            f"({gib_text(available)}; fake tensors estimate {gib_text(_fake_step_bytes(fake, 1))} "
+                            f"without the CUDA context); {advice}")
+        fits = ran
+    return fits, available
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """``(a, b)`` of the least-squares line ``y = a + b x`` through the points ``(xs[i], ys[i])``.
+
+    Used to extrapolate step and layer times to batch sizes that do not fit the device. A line,
+    because once a batch keeps the device busy, every further sample adds the same work (the
+    slope) to a step whose fixed costs (kernel launches, the optimizer's step over the
+    parameters, the intercept) do not grow with the batch; least squares over all measured
+    batch sizes rather than the last two, so that the timing noise of one size does not set the
+    slope. It is an assumption beyond the measured range: where the smallest measured batches
+    leave the device partly idle (times nearly flat), the fitted slope is below the full-load
+    one and the extrapolated times err short; where larger batches use the device better, they
+    err long. One point (or equal xs): the line through the origin and that point (time
+    proportional to the batch).
+    """
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if n < 2 or sxx == 0:
+        return 0.0, my / mx
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - slope * mx, slope
+
+
+def _extrapolate(xs: list[float], ys: list[float], at: list[float]) -> list[float]:
+    """Values of :func:`fit_line` through ``(xs, ys)`` at ``at``, never below zero."""
+    a, b = fit_line(xs, ys)
+    return [max(0.0, a + b * x) for x in at]
+
+
 # ---------------------------------------------------------------- the profile
 
 
 def profile_workload(network: str, dataset: str, batch_size: int, device: str = "cpu", threads: int = 1,
                      loader_workers: tuple[int, ...] = (0, 1), data_root=None, progress: bool = False,
-                     cache_root=None, optimizer: OptimizerSetting | str = "sgd") -> WorkloadProfile:
+                     cache_root=None, optimizer: OptimizerSetting | str = "sgd",
+                     memory_limit_bytes: int | None = None) -> WorkloadProfile:
     """Measure ``network`` on ``dataset``'s input shape at ``batch_size`` on the local device.
 
     Measured (each part is documented at its helper):
 
-    * batch sizes :func:`profile_batch_sizes` (``batch_size`` and halvings to ``batch_size // 8``);
+    * batch sizes :func:`profile_batch_sizes` (``batch_size`` and halvings to ``batch_size // 8``)
+      that fit the device. When ``batch_size`` does not fit (:func:`largest_fitting_batch`: the
+      fake-tensor estimate against ``memory_limit_bytes`` or the device's memory; on CUDA also a
+      real step without ``torch.OutOfMemoryError``), the largest halving ``L`` that does and its
+      halvings (``profile_batch_sizes(L)``) are measured, and the larger batch sizes are not run:
+      their step and layer times are extrapolated along least-squares lines through the measured
+      ones (:func:`fit_line`; the steps are flagged ``extrapolated``, ``largest_fitting_batch_size``
+      is ``L``), their activation peaks come from fake tensors as at every batch size;
     * per top-level layer and batch size: forward and backward seconds, timed separately on
       the activation the previous layers produce (minimum of :data:`LAYER_REPEATS` runs after a
       warm-up); parameter bytes; output, saved-for-backward bytes and forward FLOPs per sample
@@ -591,13 +790,17 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
             (default: ``<results>/profiles/data``).
         optimizer: the optimizer the steps train with (a name: with the run config's default
             hyperparameters, :func:`optimizer_setting`); recorded in the profile.
+        memory_limit_bytes: at most this many bytes for a training step's parameters, buffers,
+            gradients, optimizer state and activations (None: the device's memory); recorded.
 
     Returns:
         the :class:`WorkloadProfile`.
 
     Raises:
         UserError: unknown network, dataset or optimizer, batch size or threads < 1, negative
-            loader workers, CUDA asked for but absent, batch size larger than the local dataset copy.
+            loader workers, a memory limit < 1 byte, CUDA asked for but absent, batch size larger
+            than the local dataset copy; not even batch 1 fits the device, or it runs out of
+            memory during the measurement (one line: needed and available memory).
     """
     import sys
     import time
@@ -609,25 +812,35 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
     from ddlscope.workloads.datasets import DATASETS
     from ddlscope.workloads.models import build_model, input_spec
 
+    from ddlscope.errors import UserError
+
     loader_workers = tuple(loader_workers)
-    _check_workload(network, dataset, batch_size, device, threads, loader_workers)
+    _check_workload(network, dataset, batch_size, device, threads, loader_workers, memory_limit_bytes)
     optimizer = optimizer_setting(optimizer)
     start, created = time.perf_counter(), time.time()
     say = (lambda msg: print(f"profile: {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     family = DATASETS[dataset].family
     spec = input_spec(family)
-    sizes = profile_batch_sizes(batch_size)
     dev = torch.device("cuda:0" if device == "cuda" else "cpu")
     cache_root = Path(cache_root) if cache_root is not None else default_db_path().parent / "profiles" / "data"
     old_threads, old_cores = torch.get_num_threads(), os.sched_getaffinity(0)
     torch.set_num_threads(threads)
     if dev.type == "cpu":  # like a worker: pinned to its cores, so the scheduler cannot move it mid-measurement
         os.sched_setaffinity(0, sorted(old_cores)[:threads])
+    fitting = batch_size
     try:
+        say("fake-tensor analysis (bytes, FLOPs)")
+        fake = _fake_analysis(network, family, profile_batch_sizes(batch_size), optimizer)
+        fitting, available = largest_fitting_batch(network, family, batch_size, optimizer, fake, dev,
+                                                   memory_limit_bytes, say)
+        sizes = profile_batch_sizes(fitting)  # measured
+        beyond = [b for b in profile_batch_sizes(batch_size) if b > fitting]  # extrapolated
+        _add_activation_peaks(fake, sizes, network, family, optimizer)
+        if beyond:
+            say(f"batch {batch_size} does not fit; measuring batches {sizes[0]}..{fitting}, extrapolating "
+                f"{', '.join(map(str, beyond))}")
         say("memory of a worker process and of real training steps")
         runtime_bytes, real_steps = _measure_real_memory(network, family, sizes, threads, dev, optimizer)
-        say("fake-tensor analysis (bytes, FLOPs)")
-        fake = _fake_analysis(network, family, sizes, optimizer)
         torch.manual_seed(0)
         model = build_model(network, family).to(dev)
         model.train()
@@ -655,7 +868,7 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
             steps.append(StepProfile(batch_size=b, forward_s=f, backward_s=bk, optimizer_s=o, step_s=f + bk + o,
                                      activation_peak_bytes=fake["activation_peak_bytes"][b],
                                      measured_activation_peak_bytes=measured))
-        del model, opt
+        del model, opt, x, y
         loading = []
         if loader_workers:
             say(f"data loading with {', '.join(map(str, sorted(set(loader_workers))))} loader workers")
@@ -664,17 +877,32 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
         dev_profile = DeviceProfile(type=dev.type, name=device_name(device), threads=threads,
                                     peak_tflops=_peak_tflops(dev), memory_bandwidth_gb_per_s=_bandwidth_gb_per_s(dev),
                                     memory_bytes=_memory_capacity_bytes(dev, threads), runtime_bytes=runtime_bytes)
+    except torch.OutOfMemoryError as exc:  # the search found the batch fitting, a later measurement did not
+        raise UserError(f"{out_of_memory_message(exc, dev)} while profiling {network} at batches up to {fitting}; "
+                        "try --memory-limit-gib below the device's memory, or a smaller --batch-size") from None
     finally:
         torch.set_num_threads(old_threads)
         os.sched_setaffinity(0, old_cores)
+    if beyond:
+        xs = [float(b) for b in sizes]
+        fwd = [f + _extrapolate(xs, f, beyond) for f in fwd]
+        bwd = [bk + _extrapolate(xs, bk, beyond) for bk in bwd]
+        parts = {k: _extrapolate(xs, [getattr(st, k) for st in steps], beyond)
+                 for k in ("forward_s", "backward_s", "optimizer_s")}
+        steps += [StepProfile(batch_size=b, forward_s=parts["forward_s"][i], backward_s=parts["backward_s"][i],
+                              optimizer_s=parts["optimizer_s"][i],
+                              step_s=parts["forward_s"][i] + parts["backward_s"][i] + parts["optimizer_s"][i],
+                              activation_peak_bytes=fake["activation_peak_bytes"][b], extrapolated=True)
+                  for i, b in enumerate(beyond)]
     layers = [LayerProfile(forward_s=fwd[i], backward_s=bwd[i], **info) for i, info in enumerate(fake["layers"])]
     return WorkloadProfile(
         network=network, dataset=dataset, input_shape=(spec.channels, spec.height, spec.width),
         num_classes=spec.num_classes, optimizer=optimizer.name, optimizer_setting=optimizer, device=dev_profile, torch_version=torch.__version__,
-        batch_sizes=sizes, layers=layers, steps=steps, data_loading=loading, param_count=fake["param_count"],
+        batch_sizes=sizes + beyond, layers=layers, steps=steps, data_loading=loading, param_count=fake["param_count"],
         param_bytes=fake["param_bytes"], buffer_bytes=fake["buffer_bytes"],
         optimizer_state_bytes=fake["optimizer_state_bytes"], sample_bytes=input_bytes,
-        profile_s=time.perf_counter() - start, created_at=created,
+        profile_s=time.perf_counter() - start, created_at=created, memory_limit_bytes=memory_limit_bytes,
+        memory_available_bytes=available if beyond else None, largest_fitting_batch_size=fitting if beyond else None,
     )
 
 
@@ -691,13 +919,16 @@ def default_profile_dir():
 
 
 def profile_cache_key(network: str, dataset: str, batch_size: int, device: str = "cpu", threads: int = 1,
-                      loader_workers: tuple[int, ...] = (0, 1), optimizer: OptimizerSetting | str = "sgd") -> str:
+                      loader_workers: tuple[int, ...] = (0, 1), optimizer: OptimizerSetting | str = "sgd",
+                      memory_limit_bytes: int | None = None) -> str:
     """File name stem of a cached profile: readable parts plus a hash of everything that matters.
 
     The hash covers network, dataset, batch size, device type and name (CPU model / GPU name),
-    threads, the torch version, the loader worker counts and the optimizer with its
-    hyperparameters (:func:`optimizer_setting`); so a profile measured on another machine type,
-    torch version or optimizer is never read back for this one.
+    threads, the torch version, the loader worker counts, the optimizer with its
+    hyperparameters (:func:`optimizer_setting`) and a memory limit (when one is given; the key of
+    a profile without one is unchanged, ``_cap<bytes>`` is added to the readable part with one);
+    so a profile measured on another machine type, torch version, optimizer or limit is never
+    read back for this one.
 
     Raises:
         UserError: an unknown optimizer.
@@ -710,14 +941,19 @@ def profile_cache_key(network: str, dataset: str, batch_size: int, device: str =
     optimizer = optimizer_setting(optimizer)
     ident = [network, dataset, batch_size, device, device_name(device), threads, torch.__version__,
              sorted(set(loader_workers)), sorted(optimizer.model_dump().items())]
+    cap = ""
+    if memory_limit_bytes is not None:
+        ident.append(("memory_limit_bytes", memory_limit_bytes))
+        cap = f"_cap{memory_limit_bytes}"
     digest = hashlib.sha1(repr(ident).encode()).hexdigest()[:12]
     safe = lambda s: re.sub(r"[^A-Za-z0-9_.-]+", "_", str(s))  # noqa: E731
-    return f"{safe(network)}_{safe(dataset)}_bs{batch_size}_{device}_t{threads}_{optimizer.name}_{digest}"
+    return f"{safe(network)}_{safe(dataset)}_bs{batch_size}_{device}_t{threads}_{optimizer.name}{cap}_{digest}"
 
 
 def load_or_profile(network: str, dataset: str, batch_size: int, device: str = "cpu", threads: int = 1,
                     loader_workers: tuple[int, ...] = (0, 1), data_root=None, cache_dir=None, refresh: bool = False,
-                    progress: bool = False, optimizer: OptimizerSetting | str = "sgd") -> WorkloadProfile:
+                    progress: bool = False, optimizer: OptimizerSetting | str = "sgd",
+                    memory_limit_bytes: int | None = None) -> WorkloadProfile:
     """The cached profile of this workload and device, measured (:func:`profile_workload`) if absent.
 
     The profile is JSON at ``<cache_dir>/<profile_cache_key(...)>.json`` (``cache_dir`` default:
@@ -725,6 +961,7 @@ def load_or_profile(network: str, dataset: str, batch_size: int, device: str = "
     rename), so a crash never leaves half a file. ``refresh`` measures again and replaces it; a
     file that cannot be read or validated is measured again too (and replaced). Synthetic dataset
     copies are written under ``<cache_dir>/data``. The path of the file is :func:`profile_path`.
+    ``memory_limit_bytes`` is :func:`profile_workload`'s (part of the cache key).
 
     Raises:
         UserError: as :func:`profile_workload`.
@@ -737,9 +974,10 @@ def load_or_profile(network: str, dataset: str, batch_size: int, device: str = "
     from pydantic import ValidationError
 
     loader_workers = tuple(loader_workers)
-    _check_workload(network, dataset, batch_size, device, threads, loader_workers)
+    _check_workload(network, dataset, batch_size, device, threads, loader_workers, memory_limit_bytes)
     optimizer = optimizer_setting(optimizer)
-    path = profile_path(network, dataset, batch_size, device, threads, loader_workers, cache_dir, optimizer)
+    path = profile_path(network, dataset, batch_size, device, threads, loader_workers, cache_dir, optimizer,
+                        memory_limit_bytes)
     if path.exists() and not refresh:
         try:
             return WorkloadProfile.model_validate_json(path.read_bytes())
@@ -748,7 +986,8 @@ def load_or_profile(network: str, dataset: str, batch_size: int, device: str = "
                 print(f"profile: cached {path} unreadable ({type(exc).__name__}); measuring again", file=sys.stderr)
     cache = Path(path.parent)
     profile = profile_workload(network, dataset, batch_size, device, threads, loader_workers, data_root,
-                               progress=progress, cache_root=cache / "data", optimizer=optimizer)
+                               progress=progress, cache_root=cache / "data", optimizer=optimizer,
+                               memory_limit_bytes=memory_limit_bytes)
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=cache)
     try:
@@ -762,10 +1001,12 @@ def load_or_profile(network: str, dataset: str, batch_size: int, device: str = "
 
 
 def profile_path(network: str, dataset: str, batch_size: int, device: str = "cpu", threads: int = 1,
-                 loader_workers: tuple[int, ...] = (0, 1), cache_dir=None, optimizer: OptimizerSetting | str = "sgd"):
+                 loader_workers: tuple[int, ...] = (0, 1), cache_dir=None, optimizer: OptimizerSetting | str = "sgd",
+                 memory_limit_bytes: int | None = None):
     """Where :func:`load_or_profile` keeps this workload's profile (a :class:`pathlib.Path`)."""
     from pathlib import Path
 
     folder = Path(cache_dir) if cache_dir is not None else default_profile_dir()
-    key = profile_cache_key(network, dataset, batch_size, device, threads, loader_workers, optimizer)
+    key = profile_cache_key(network, dataset, batch_size, device, threads, loader_workers, optimizer,
+                            memory_limit_bytes)
     return folder / f"{key}.json"

@@ -150,6 +150,14 @@ ADDED_COLUMNS = (
 )
 MEASUREMENT_TABLES = ("moe_steps", "moe_calls", "moe_server_batches", "moe_server_samples", "network_links")
 """Tables written with :meth:`ResultsStore.add_rows` (rows as dicts of their columns)."""
+
+
+def check_measurement_table(table: str) -> None:
+    """Raises ValueError unless ``table`` is one of :data:`MEASUREMENT_TABLES`."""
+    if table not in MEASUREMENT_TABLES:
+        raise ValueError(f"unknown table {table!r}; allowed: {', '.join(MEASUREMENT_TABLES)}")
+
+
 UNFINISHED_WORKER_STATUSES = ("starting", "training")
 RESERVE_FILE = ".disk-reserve"
 """File in a run's log folder (``<db folder>/logs/<run id>/``) holding space to record the run's end on a full disk."""
@@ -620,19 +628,23 @@ class ResultsStore:
         Raises:
             ValueError: ``table`` is not one of them.
         """
-        if table not in MEASUREMENT_TABLES:
-            raise ValueError(f"unknown table {table!r}; allowed: {', '.join(MEASUREMENT_TABLES)}")
+        check_measurement_table(table)
         if not rows:
             return
-        cols = list(rows[0])
         self.conn.execute("BEGIN")
         try:
-            self.conn.executemany(f"INSERT OR REPLACE INTO {table} ({', '.join(cols)}) VALUES "
-                                  f"({', '.join('?' * len(cols))})", [tuple(r.get(c) for c in cols) for r in rows])
+            self._insert_rows(table, rows)
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")
             raise
+
+    def _insert_rows(self, table: str, rows: list[dict[str, Any]]) -> None:
+        """:meth:`add_rows` inside the caller's transaction."""
+        if rows:
+            cols = list(rows[0])
+            self.conn.executemany(f"INSERT OR REPLACE INTO {table} ({', '.join(cols)}) VALUES "
+                                  f"({', '.join('?' * len(cols))})", [tuple(r.get(c) for c in cols) for r in rows])
 
     def rows(self, table: str, run_id: str) -> list[dict[str, Any]]:
         """All rows of ``table`` for a run as dicts, ordered by worker and time."""
@@ -718,6 +730,15 @@ class BatchedWriter:
         """Queue one event (as :meth:`ResultsStore.add_event`, timed now, not when it is written)."""
         self._put(("event", run_id, worker_index, time.time(), kind, detail))
 
+    def add_rows(self, table: str, rows: list[dict[str, Any]]) -> None:
+        """Queue measurement rows (as :meth:`ResultsStore.add_rows`).
+
+        Raises:
+            ValueError: ``table`` is not one of :data:`MEASUREMENT_TABLES` (at once, not when written).
+        """
+        check_measurement_table(table)
+        self._put(("rows", table, rows))
+
     def flush(self) -> None:
         """Block until everything queued so far is committed."""
         done = threading.Event()
@@ -763,7 +784,7 @@ class BatchedWriter:
                         batch.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
                     except queue.Empty:
                         break
-                self._write(store, [item for item in batch if item[0] in ("step", "event")])
+                self._write(store, [item for item in batch if item[0] in ("step", "event", "rows")])
                 for item in batch:
                     if item[0] == "flush":
                         item[1].set()
@@ -784,6 +805,8 @@ class BatchedWriter:
             for kind, *args in items:
                 if kind == "step":
                     store.add_step(*args)
+                elif kind == "rows":
+                    store._insert_rows(*args)
                 else:
                     store._insert_event(*args)
             store.conn.execute("COMMIT")

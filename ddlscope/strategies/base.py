@@ -48,6 +48,8 @@ class WorkerContext:
         stop_requested: set once the worker was asked to stop (SIGTERM/SIGINT); a strategy whose
             library may swallow the stop (hivemind catches it around averaging rounds) raises
             :class:`StopRequested` at its next step (:meth:`Strategy.check_stop`). None outside a run.
+        writer: while the loop trains, its :class:`~ddlscope.store.db.BatchedWriter`: a strategy's
+            per-step rows go there, committed off the training thread with the steps'; None otherwise.
     """
 
     run_id: str
@@ -60,6 +62,7 @@ class WorkerContext:
     local_rank: int = 0
     store: Any = None
     stop_requested: "threading.Event | None" = None
+    writer: Any = None
 
 
 class StopRequested(BaseException):
@@ -90,6 +93,10 @@ class BatchResult:
         pending: laps timed on the device and not read yet (CUDA events, see
             :mod:`ddlscope.measure.timeline`): ``{"forward_s": Lap, ...}``; :meth:`resolve` adds
             their seconds to those fields. Code that reads the times calls :meth:`resolve` first.
+        pending_values: the loss and :func:`~ddlscope.workloads.step.prediction_counts` still on
+            the device (a ``[3]`` float64 tensor: loss, correct, scored; ``per_position`` says how
+            to count), so that reading them does not make the step wait for the device between
+            forward and backward; :meth:`resolve` sets ``loss`` and ``correct`` from them.
     """
 
     samples: int
@@ -102,13 +109,22 @@ class BatchResult:
     bubble_s: float = 0.0
     comm_bytes: int = 0
     pending: dict[str, Lap] = field(default_factory=dict, repr=False)
+    pending_values: torch.Tensor | None = field(default=None, repr=False)
+    per_position: bool = False
 
     def resolve(self) -> "BatchResult":
-        """Add the seconds of the :attr:`pending` laps to their fields; on a GPU waits for the
-        last of them to be reached (nothing to wait for once the device has passed it). Returns self."""
+        """Add the seconds of the :attr:`pending` laps to their fields and read the loss and hits
+        of :attr:`pending_values`; on a GPU waits for the last of them to be reached (nothing to
+        wait for once the device has passed it). Returns self."""
+        from ddlscope.workloads.step import correct_in_samples
+
         for name, lap in self.pending.items():
             setattr(self, name, getattr(self, name) + lap.seconds())
         self.pending = {}
+        if self.pending_values is not None:
+            loss, correct, scored = self.pending_values.tolist()
+            self.loss, self.correct = loss, correct_in_samples(int(correct), int(scored), self.per_position, self.samples)
+            self.pending_values = None
         return self
 
 
@@ -198,19 +214,22 @@ class Strategy:
             sync: False while accumulating gradients without an optimizer step.
 
         ``correct`` is in samples' worth (:func:`~ddlscope.workloads.step.correct_samples`), so
-        ``correct / samples`` is the accuracy also for per-position targets.
+        ``correct / samples`` is the accuracy also for per-position targets; both it and ``loss``
+        are read by :meth:`BatchResult.resolve` (one step later in the training loop).
         """
-        from ddlscope.workloads.step import correct_samples
+        from ddlscope.workloads.step import prediction_counts
 
         watch = Stopwatch(x.device)
         with self.gradient_sync(model, sync):
             logits = model(x)
             loss = loss_fn(logits, y)
-            loss_value, correct = loss.item(), correct_samples(logits, y)
+            # loss and hits stay on the device until the step's row is written (resolve): no sync here
+            values = torch.stack([loss.detach().double(), *(c.double() for c in prediction_counts(logits.detach(), y))])
             forward = watch.mark()
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             backward = watch.mark()  # on a GPU: not waited for here (the caller resolves it)
-        return BatchResult(len(y), loss_value, correct, 0.0, 0.0, pending=dict(forward_s=forward, backward_s=backward))
+        return BatchResult(len(y), None, None, 0.0, 0.0, pending=dict(forward_s=forward, backward_s=backward),
+                           pending_values=values, per_position=logits.dim() > 2)
 
     def step(self, samples: int) -> StepOutcome:
         """Apply the gradients accumulated over ``samples`` samples (``batch_size x GAS``)."""

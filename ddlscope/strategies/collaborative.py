@@ -172,6 +172,39 @@ def shutdown_hivemind(opt, dht, timeout_s: float = SHUTDOWN_S) -> None:
     closer.join(timeout=timeout_s)
 
 
+def tolerate_finished_cancel() -> None:
+    """Make cancelling hivemind's averaging ``StepControl`` idempotent (once per process).
+
+    hivemind 1.1.12 ``StepControl.cancel`` sets the result of the round's cancel future and raises
+    ``InvalidStateError`` when the averager finished that future first. ``Optimizer`` cancels a
+    pre-scheduled gradient round when its progress tracker sees no other peer for a moment, which
+    on slow links (DHT records arriving late) races with the averager: the peer's step raised and
+    the run failed (seen in ``validate links`` on the 200/20 Mbit/s pair). The patched ``cancel``
+    treats a cancel future that is already finished as cancelled and cancels the control itself.
+    """
+    from hivemind.averaging.control import StepControl
+    from hivemind.utils.mpfuture import MPFuture
+
+    if not getattr(StepControl.cancel, "ddlscope_idempotent", False):
+        StepControl.cancel = idempotent_cancel(StepControl.cancel, MPFuture.cancel)
+
+
+def idempotent_cancel(cancel, cancel_future):
+    """``cancel`` (a method) that, where it raises ``InvalidStateError`` because a future it
+    finishes was finished already, calls ``cancel_future`` (the plain future's cancel) instead."""
+    from concurrent.futures import InvalidStateError
+
+    @functools.wraps(cancel)
+    def wrapped(self) -> bool:
+        try:
+            return cancel(self)
+        except InvalidStateError:  # the averager finished the cancel future first
+            return cancel_future(self)
+
+    wrapped.ddlscope_idempotent = True  # type: ignore[attr-defined]
+    return wrapped
+
+
 class CollaborativeStrategy(Strategy):
     """One Hivemind peer. See the module docstring for what it does and measures."""
 
@@ -203,6 +236,7 @@ class CollaborativeStrategy(Strategy):
 
         from ddlscope.launch.network import p2p_options
 
+        tolerate_finished_cancel()
         c = self.cfg.collaborative
         listen = self.ctx.listen_maddrs or [f"/ip4/{c.listen_host}/tcp/0"]
         client_mode = self.ctx.worker_index in c.client_mode_peers

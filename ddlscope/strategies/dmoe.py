@@ -276,7 +276,7 @@ class DMoEStrategy(Strategy):
         return res
 
     def _record(self, samples: int, log: _StepLog, calls: dict, model) -> None:
-        store = self.ctx.store
+        store = self.ctx.writer or self.ctx.store  # the loop's batched writer while it trains
         if store is None:
             return
         run_id, wi, step = self.ctx.run_id, self.ctx.worker_index, self._step

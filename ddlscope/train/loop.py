@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 
 from ddlscope.config import RunConfig
 from ddlscope.measure.host import UNKNOWN_EVENT, HostSampler
-from ddlscope.measure.memory import peak_memory_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
+from ddlscope.measure.memory import cuda_runtime_bytes, peak_memory_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
 from ddlscope.measure.timeline import Stopwatch
 from ddlscope.measure.torch_profile import StepProfiler, profile_dir, record_profile
 from ddlscope.store.db import ResultsStore
@@ -148,6 +148,8 @@ def run_worker(cfg: RunConfig, ctx: WorkerContext, store: ResultsStore) -> str:
     Raises:
         whatever the workload or strategy raises; the caller records the failure. Measurements
         stored before the error stay in the store (the steps queued for writing are committed first).
+        ``torch.OutOfMemoryError`` becomes a one-line UserError (needed and free memory,
+        :func:`ddlscope.profiling.profile.out_of_memory_message`).
     """
     run_id, wi = ctx.run_id, ctx.worker_index
     torch.set_num_threads(max(1, len(ctx.cores)))
@@ -167,9 +169,17 @@ def run_worker(cfg: RunConfig, ctx: WorkerContext, store: ResultsStore) -> str:
                 store.upsert_worker(run_id, wi, train_end_time=time.time())
                 return reason
             return _train(cfg, ctx, store, wl, model, strategy, profiler)
-    except BaseException:
+    except BaseException as exc:
         # when it failed, before closing connections: the peers it takes down fail after it
         store.upsert_worker(run_id, wi, failed_at=time.time())
+        if isinstance(exc, torch.OutOfMemoryError):  # one line for the run's failure reason, not a traceback
+            from ddlscope.errors import UserError
+            from ddlscope.profiling.profile import out_of_memory_message
+
+            device = torch.device(f"cuda:{ctx.local_rank}" if cfg.device == "cuda" else "cpu")
+            raise UserError(f"{out_of_memory_message(exc, device)} training {cfg.model} at batch size "
+                            f"{cfg.batch_size}; try a smaller batch size, gradient accumulation, or a distribution "
+                            "model that splits the model (ddlscope recommend)") from None
         raise
     finally:
         strategy.close()
@@ -221,10 +231,13 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfile
     model.train()
     train_rss = rss_bytes() if wl.device.type == "cpu" else None
     rss_peak_reset = train_rss is not None and reset_peak_rss()  # training-phase peak, see measure/memory.py
+    cuda_runtime = cuda_runtime_bytes(wl.device)  # the CUDA context and libraries: the runtime part of the peak
+    if cuda_runtime is not None:
+        torch.cuda.reset_peak_memory_stats(wl.device)  # the allocator's training-phase peak
     clock = _EvalClock(store, run_id, wi, model, wl, strategy, cfg.eval_max_samples, train_start)
     reason, steps_done, pending = "sample_budget", 0, None
     first_step = store.step_counts(run_id).get(wi, 0)  # a peer that rejoins a swarm continues its count and budget
-    writer = store.batched_writer(cfg.store_flush_interval_s)
+    writer = ctx.writer = store.batched_writer(cfg.store_flush_interval_s)
     # a peer that a churn schedule kills commits every step at once, so that the kill loses none of them
     durable = any(e.peer == wi and e.kill_at_s is not None for e in
                   (cfg.distribution_model.churn(cfg) if cfg.distribution_model.churn else []))
@@ -273,8 +286,10 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfile
                     break
         if pending is not None:
             _write_step(writer, run_id, wi, *pending)
+        ctx.writer = None
         writer.close()
     except BaseException:
+        ctx.writer = None
         with contextlib.suppress(Exception):  # keep the completed steps; the error that stopped training is reported
             if pending is not None:
                 _write_step(writer, run_id, wi, *pending)
@@ -287,6 +302,9 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfile
     if rss_peak_reset:
         store.add_event(run_id, wi, "memory", rss_at_train_start_bytes=train_rss,
                         train_peak_rss_bytes=peak_rss_bytes())
+    if cuda_runtime is not None:
+        store.add_event(run_id, wi, "memory", allocator_peak_bytes=int(torch.cuda.max_memory_allocated(wl.device)),
+                        runtime_bytes=cuda_runtime)
     if strategy.details():
         store.add_event(run_id, wi, "strategy_details", **strategy.details())
     if cfg.final_eval and steps_done and clock.last_eval_step != steps_done - 1:  # outside the training time
@@ -295,13 +313,13 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfile
 
 
 def _step_row(cfg, step: int, wall: float, res, outcome, stepped: bool) -> dict:
-    """The columns of a step's row known when it ends (the times come from its laps, :func:`_write_step`)."""
+    """The columns of a step's row known when it ends (the times, loss and accuracy come from the
+    device once the next step has run, :func:`_write_step`)."""
     return dict(
         step=step, wall_time=wall, samples=res.samples, comm_wait_s=res.comm_wait_s, bubble_s=res.bubble_s,
         averaging_s=outcome.averaging_s if outcome else 0.0,
         comm_s=res.comm_s + (outcome.comm_s if outcome else 0.0),
         comm_bytes=res.comm_bytes + (outcome.comm_bytes if outcome else 0),
-        loss=res.loss, accuracy=None if res.correct is None else res.correct / res.samples,
         warmup=int(step < cfg.warmup_steps), optimizer_stepped=int(stepped),
         global_epoch=outcome.global_epoch if outcome else None,
         averaging_round=int(outcome.averaging_round) if outcome else 0,
@@ -312,10 +330,10 @@ def _step_row(cfg, step: int, wall: float, res, outcome, stepped: bool) -> dict:
 
 
 def _write_step(writer, run_id: str, wi: int, row: dict, res, data_load, compute, optimizer) -> None:
-    """Read a step's laps (seconds; on a GPU waits for the last one) and queue its row."""
+    """Read a step's laps (seconds; on a GPU waits for the last one), loss and hits, and queue its row."""
     res.resolve()
     data_load_s, compute_s, optimizer_s = data_load.seconds(), compute.seconds(), optimizer.seconds()
     step_s = data_load_s + compute_s + optimizer_s
     writer.add_step(run_id, wi, dict(
-        row, data_load_s=data_load_s, forward_s=res.forward_s, backward_s=res.backward_s, optimizer_s=optimizer_s,
+        row, loss=res.loss, accuracy=None if res.correct is None else res.correct / res.samples, data_load_s=data_load_s, forward_s=res.forward_s, backward_s=res.backward_s, optimizer_s=optimizer_s,
         step_s=step_s, samples_per_s=res.samples / step_s if step_s > 0 else None))

@@ -79,9 +79,16 @@ def correct_samples(logits: torch.Tensor, y: torch.Tensor) -> float:
     is scored.
     """
     correct, scored = torch.stack(prediction_counts(logits, y)).tolist()  # one device sync
-    if logits.dim() == 2:
+    return correct_in_samples(correct, scored, logits.dim() > 2, y.shape[0])
+
+
+def correct_in_samples(correct: int, scored: int, per_position: bool, batch: int) -> float:
+    """:func:`prediction_counts` read (``correct`` hits of ``scored`` predictions) in samples' worth
+    for a batch of ``batch`` (:func:`correct_samples`): the hits themselves for class logits,
+    ``batch x correct / scored`` for per-position logits (0 when none is scored)."""
+    if not per_position:
         return correct
-    return correct * y.shape[0] / scored if scored else 0.0
+    return correct * batch / scored if scored else 0.0
 
 
 class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
