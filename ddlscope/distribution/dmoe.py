@@ -62,8 +62,9 @@ TRANSFORMER_HEADS = 16
 class ServerEvent(BaseModel):
     """When an expert server starts, is killed, or comes back (``[[dmoe.server_events]]``).
 
-    Times are seconds after the launcher starts the run. A server without an event starts at 0
-    and runs to the end. ``kill_at_s`` ends the server's process with SIGKILL (what a crashed or
+    Times are seconds after the run's first stored step (as a swarm's churn schedule counts them,
+    so that start-up, 3-20 s, does not shift them); ``start_at_s = 0`` starts the server with the
+    run, before the trainers. A server without an event starts with the run and runs to the end. ``kill_at_s`` ends the server's process with SIGKILL (what a crashed or
     disconnected volunteer looks like); ``restart_at_s`` then starts a new process hosting the
     same expert ids (fresh parameters, a new peer id), which trainers find through the DHT.
     """
@@ -71,10 +72,10 @@ class ServerEvent(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     server: int = Field(ge=0, description="index of the server, 0 .. servers - 1")
-    start_at_s: float = Field(0.0, ge=0, le=86_400, description="start the server this late (0: with the run)")
-    kill_at_s: float | None = Field(None, gt=0, le=86_400, description="SIGKILL the server at this time")
+    start_at_s: float = Field(0.0, ge=0, le=86_400, description="start the server this long after the first step (0: with the run)")
+    kill_at_s: float | None = Field(None, gt=0, le=86_400, description="SIGKILL the server this long after the first step")
     restart_at_s: float | None = Field(None, gt=0, le=86_400,
-                                       description="start a new server with the same experts at this time")
+                                       description="start a new server with the same experts this long after the first step")
 
     @model_validator(mode="after")
     def _ordered(self) -> "ServerEvent":

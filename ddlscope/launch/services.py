@@ -5,7 +5,9 @@ servers) are started by :class:`ServiceSupervisor` before the workers: the first
 starts at time 0 alone, until it has recorded its multiaddrs in the store's ``services`` table; then
 the others with those multiaddrs as initial peers. While the run goes, :meth:`ServiceSupervisor.tick`
 carries out each service's schedule (start late, SIGKILL, start again as a new process — a new
-*generation* of the same service) and records what happens in the store (``services`` rows and
+*generation* of the same service), whose clock starts at the run's first stored step, as a swarm's
+churn schedule does: start-up (hivemind's server start took 3-20 s on 2 busy cores) does not shift
+it, so a kill at 5 s always falls into training and records what happens in the store (``services`` rows and
 ``service_started`` / ``service_killed`` / ``service_died`` events). A service that dies is not a
 failure of the run: the workers decide whether they can go on. When the run ends every service's
 process group is ended like the workers' (:func:`ddlscope.launch.processes.stop_processes`).
@@ -72,6 +74,7 @@ class ServiceSupervisor:
     first_namespace: int = 0
     processes: list[_Process] = field(default_factory=list)
     t0: float = 0.0
+    schedule_t0: float | None = None
     _done: set[tuple[int, str]] = field(default_factory=set)
 
     # ------------------------------------------------------------------ start
@@ -147,14 +150,18 @@ class ServiceSupervisor:
 
     # ------------------------------------------------------------------ schedule
     def tick(self, store: ResultsStore) -> None:
-        """Carry out what the schedules say is due now, and record services that died on their own."""
+        """Carry out what the schedules say is due now (seconds since the run's first stored step;
+        nothing before it), and record services that died on their own."""
         now = time.monotonic() - self.t0
+        if self.schedule_t0 is None and store.step_counts(self.run_id):
+            self.schedule_t0 = time.monotonic()
+        scheduled = time.monotonic() - self.schedule_t0 if self.schedule_t0 is not None else -1.0
         for position, s in enumerate(self.services):
-            if s.start_at_s > 0 and now >= s.start_at_s and self._once(position, "start"):
+            if s.start_at_s > 0 and scheduled >= s.start_at_s and self._once(position, "start"):
                 self._spawn(store, position, 0)
-            if s.kill_at_s is not None and now >= s.kill_at_s and self._once(position, "kill"):
-                self._kill(store, position, now)
-            if s.restart_at_s is not None and now >= s.restart_at_s and self._once(position, "restart"):
+            if s.kill_at_s is not None and scheduled >= s.kill_at_s and self._once(position, "kill"):
+                self._kill(store, position, now, scheduled)
+            if s.restart_at_s is not None and scheduled >= s.restart_at_s and self._once(position, "restart"):
                 self._spawn(store, position, 1 + max(p.generation for p in self.processes if p.service is s))
         for proc in self.processes:
             if not proc.ended and proc.popen.poll() is not None:
@@ -174,7 +181,7 @@ class ServiceSupervisor:
         self._done.add(key)
         return True
 
-    def _kill(self, store: ResultsStore, position: int, now: float) -> None:
+    def _kill(self, store: ResultsStore, position: int, now: float, scheduled: float) -> None:
         s = self.services[position]
         for proc in self.processes:
             if proc.service is s and not proc.ended:
@@ -183,7 +190,7 @@ class ServiceSupervisor:
                 wait_group_gone(proc.popen.pid, 5.0)
                 proc.ended = True
                 store.upsert_service(self.run_id, s.kind, s.index, proc.generation, status="killed",
-                                     reason=f"killed with SIGKILL at {now:.1f} s, as scheduled", ended_at=time.time())
+                                     reason=f"killed with SIGKILL {scheduled:.1f} s after the first step, as scheduled", ended_at=time.time())
                 store.add_event(self.run_id, None, "service_killed", service=s.kind, index=s.index,
                                 generation=proc.generation, at_s=round(now, 3))
 
