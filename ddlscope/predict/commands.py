@@ -210,6 +210,8 @@ def register(app: typer.Typer) -> None:
         local_updates: bool = typer.Option(False, "--local-updates", help="collaborative: use_local_updates"),
         loader_workers: int = typer.Option(0, "--loader-workers", min=0),
         threads: int = typer.Option(1, "--threads", min=1, help="cores of the profiled device (CPU)"),
+        device: str = typer.Option("cpu", "--device", help="cpu or cuda: the device the workload is profiled on (a "
+                                   "cluster of kind 'local' is that device; other kinds are scaled from it)"),
         cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="profile cache (default <results>/profiles)"),
         as_json: bool = typer.Option(False, "--json", help="print the ranking as JSON only (progress goes to stderr)"),
         optimizer: str = typer.Option("sgd", "--optimizer", help=OPTIMIZER_HELP),
@@ -221,12 +223,13 @@ def register(app: typer.Typer) -> None:
         """Rank the distribution models for a job on a cluster and recommend the fastest that fits."""
         from ddlscope.cli import echo_json, renamed, stdout_to_stderr
         from ddlscope.modeling.cluster import load_cluster
-        from ddlscope.modeling.devices import compute_scale
+        from ddlscope.modeling.devices import check_profile_device, compute_scale
         from ddlscope.modeling.recommend import candidate_settings, recommend
         from ddlscope.profiling.profile import load_or_profile
         from ddlscope.workloads.datasets import DATASETS
 
         matchmaking_time_s = renamed(ctx, "matchmaking_time_s", "old_matchmaking_time")
+        check_profile_device(device)
         spec = load_cluster(cluster)
         if dataset not in DATASETS:
             raise UserError(f"unknown dataset {dataset!r}; allowed: {', '.join(sorted(DATASETS))}")
@@ -261,13 +264,15 @@ def register(app: typer.Typer) -> None:
                                       matchmaking_time_s=matchmaking_time_s, use_local_updates=local_updates,
                                       model_options=swarm_opts)
         with stdout_to_stderr(as_json):
-            profile = load_or_profile(model, dataset, batch_size, threads=threads, loader_workers=(loader_workers,),
-                                      cache_dir=cache_dir, progress=not as_json, optimizer=optimizer)
+            profile = load_or_profile(model, dataset, batch_size, device, threads=threads,
+                                      loader_workers=(loader_workers,), cache_dir=cache_dir, progress=not as_json,
+                                      optimizer=optimizer)
         scale = compute_scale(profile, batch_size, spec.device.kind)
         rec = recommend(profile, spec, settings, scale.factor, (scale.low, scale.high))
         if spec.device.kind != "local":
             rec.notes.append(f"compute scaled from {profile.device.name} to {spec.device.kind}: x{scale.factor:.3g} "
                              f"(band x{scale.low:.3g} .. x{scale.high:.3g}; {scale.method})")
+            rec.notes.extend(scale.warnings)
         if as_json:
             echo_json(rec.to_dict())
         else:
@@ -283,16 +288,26 @@ def register(app: typer.Typer) -> None:
         predict_only: bool = typer.Option(False, "--predict-only", help="store and report predictions, run nothing"),
         db: Optional[Path] = typer.Option(None, "--db", help="results database (default ./ddlscope-results/ddlscope.db)"),
         progress: bool = typer.Option(True, "--progress/--no-progress"),
+        device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda: where the workloads are profiled and "
+                                             "the cells run (default: the grid's device, cpu unless it says)"),
         as_json: bool = typer.Option(False, "--json", help="print the validation (the report's validation.json and its "
                                                            "path) as JSON on stdout; everything else goes to stderr"),
     ):
         """Predict every cell of a grid, run it for real here, and report error, recommendation correctness and regret."""
         from ddlscope.cli import echo_json, stdout_to_stderr
         from ddlscope.experiments.validate import load_grid, run_validation
+        from ddlscope.modeling.devices import check_profile_device
         from ddlscope.predict.validation_report import print_validation, write_validation_report
         from ddlscope.store.db import default_db_path
 
         spec = load_grid(grid)
+        if device is not None:
+            spec = spec.model_copy(update={"device": device})
+        if spec.device == "cuda" and cluster is None:
+            raise UserError("validate on cuda needs --cluster FILE: calibrating this machine times gloo collectives "
+                            "between CPU cores, not nccl between GPUs; allowed: --cluster with kind = \"local\" and "
+                            "the GPUs' [cluster.link] figures, or --device cpu")
+        check_profile_device(spec.device)
         db_path = Path(db) if db else default_db_path()
         with stdout_to_stderr(as_json):
             cl = _local_cluster(cluster, db_path, spec.workers, spec.threads, spec.matchmaking_time_s)
