@@ -9,7 +9,7 @@ the markers is kept byte for byte.
     from _docs import update_docs_block, predictor_markdown
     update_docs_block(DOCS_PAGE, "predictor", predictor_markdown(result))
 
-Used by ``benchmarks/predictor.py``, ``benchmarks/overhead.py`` and ``benchmarks/dmoe_overhead.py``; tested by
+Used by ``benchmarks/predictor.py``, ``benchmarks/overhead.py``, ``benchmarks/peers.py`` and ``benchmarks/dmoe_overhead.py``; tested by
 ``tests/test_docs.py``. Torch-free (the machine description asks torch only if it is installed).
 """
 
@@ -308,6 +308,51 @@ def overhead_markdown(result: Mapping[str, Any], header: str | None = None) -> s
     table = markdown_table(["workload", "timed steps", "repeats", "plain ms/step", "ddlscope ms/step",
                             "overhead (median)", "target", "met"], rows)
     return f"{header}{where}\n\n{table}"
+
+
+def peers_markdown(result: Mapping[str, Any], header: str | None = None) -> str:
+    """The block of ``benchmarks/peers.py``: samples per second of each multi-worker distribution
+    model under ``ddlscope run`` and as the plain script a user would write, and their ratios.
+
+    Args:
+        result: the dict written to ``benchmarks/results/peers.json``: ``device``, ``gpu``, ``model``,
+            ``dataset``, ``batch_size``, ``workers``, ``cores_per_worker``, ``warmup_steps``, ``steps``,
+            ``repeats``, ``microbatches``, ``stage_bounds`` (None when no pipeline ran),
+            ``target_batch_size``, ``matchmaking_time_s``, ``averaging_timeout_s``; ``models``, each
+            ``{model, plain_samples_per_s, ddlscope_samples_per_s, ratio, ddlscope_wall_samples_per_s,
+            wall_ratio, target, meets_target, note}`` (figures None and ``meets_target`` None for a
+            model that was not run); ``measured_at`` optional.
+        header: the line above the table (default: :func:`provenance` of this machine, now).
+
+    Raises:
+        UserError: ``result`` lacks one of those keys (not a peers result).
+    """
+    def num(v: float | None, spec: str) -> str:
+        return "–" if v is None else format(v, spec)
+
+    met = {True: "yes", False: "**no**", None: "–"}
+    try:
+        cut = f", cut at layers {result['stage_bounds']}" if result["stage_bounds"] else ""
+        intro = (f"{result['model']} / {result['dataset']}, batch {result['batch_size']} per worker; "
+                 f"{result['workers']} workers of {result['cores_per_worker']} core each; {result['steps']} measured "
+                 f"steps per worker after {result['warmup_steps']} warm-up; {result['repeats']} repeats, plain and "
+                 f"ddlscope alternating; pipelines: {result['microbatches']} micro-batches{cut}; collaborative: "
+                 f"target batch size {result['target_batch_size']}, matchmaking {result['matchmaking_time_s']:g} s, "
+                 f"averaging timeout {result['averaging_timeout_s']:g} s. Samples/s of all workers, median over the "
+                 f"repeats. Plain: from a barrier after the warm-up to a barrier after the last step (swarm: the time "
+                 f"every peer trained); ddlscope: what it reports for the stored run (`measure_run`), and its "
+                 f"wall-clock window (first measured step's start to the last one's end).")
+        rows = [[m["model"], num(m["plain_samples_per_s"], ".1f"), num(m["ddlscope_samples_per_s"], ".1f"),
+                 num(m["ratio"], ".3f"), num(m["ddlscope_wall_samples_per_s"], ".1f"), num(m["wall_ratio"], ".3f"),
+                 f">= {m['target']:g}", met[m["meets_target"]], m["note"]] for m in result["models"]]
+    except (KeyError, TypeError) as e:
+        raise UserError(f"not a benchmarks/peers.py result: missing {e}; allowed: the dict it writes to "
+                        "benchmarks/results/peers.json") from None
+    header = header or provenance("benchmarks/peers.py", str(result.get("measured_at", ""))[:16] or None)
+    device = f"Device: {result.get('gpu') or result['device']}."
+    table = markdown_table(["model", "plain samples/s", "ddlscope samples/s", "ratio", "ddlscope wall samples/s",
+                            "wall ratio", "target (both ratios)", "met", "note"], rows)
+    return "\n\n".join([header, f"{device} {intro}", table])
 
 
 def dmoe_overhead_markdown(result: Mapping[str, Any], header: str | None = None) -> str:
