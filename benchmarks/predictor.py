@@ -11,6 +11,7 @@
 
     python benchmarks/predictor.py [--grid local] [--cluster FILE] [--db DB]
     sudo python benchmarks/predictor.py --grid links     # emulated links (root): every model that runs on them
+    sudo python benchmarks/predictor.py --grid churn     # a collaborative pair with a peer killed and back
 
 With ``--grid links`` (or ``moe-links``) the errors are also reported per distribution model and
 emulated link (``"ddp @ 50 Mbit/s"``), each such cell group against the same <= 10 % target, and

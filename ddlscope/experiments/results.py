@@ -98,12 +98,104 @@ def swarm_window(steps: list[dict]) -> tuple[float, float] | None:
     end = min(b for _, b in spans.values())
     if end <= start:
         return None
+    return end - start, samples_within(steps, start, end)
+
+
+def samples_within(steps: list[dict], start: float, end: float) -> float:
+    """Samples of ``steps`` trained between Unix times ``start`` and ``end``; a step across either
+    end counts with the share of its time inside."""
     samples = 0.0
     for s in steps:
         inside = min(end, s["wall_time"] + s["step_s"]) - max(start, s["wall_time"])
         if inside > 0:
             samples += s["samples"] * (inside / s["step_s"] if s["step_s"] > 0 else 1.0)
-    return end - start, samples
+    return samples
+
+
+@dataclass
+class ChurnWindow:
+    """A swarm run with churn, measured where its churn schedule applies (:func:`churn_window`).
+
+    Attributes:
+        start_wall: Unix time of the window's start: the last initial peer's first measured step.
+        run_s: the window's length, seconds: to the first end of a peer that finished its own
+            work (later, the peers left would train alone: not the schedule's swarm).
+        samples: samples of every peer's steps inside the window (pro rata for a step across an end).
+        samples_lost: samples of killed peers' steps after their last averaging round
+            (:func:`ddlscope.analyze.swarm.samples_lost`): counted by hivemind, never averaged.
+        schedule: each peer's churn as it happened, seconds from ``start_wall``: the launcher's
+            ``peer_join`` / ``peer_leave`` / ``peer_kill`` / ``peer_rejoin`` events as
+            :class:`~ddlscope.distribution.collaborative.ChurnEvent` fields (``peer``,
+            ``join_at_s``, ``leave_at_s`` / ``kill_at_s``, ``rejoin_at_s``); events after the
+            window are left out.
+    """
+
+    start_wall: float
+    run_s: float
+    samples: float
+    samples_lost: int
+    schedule: list[dict] = field(default_factory=list)
+
+    @property
+    def samples_trained(self) -> float:
+        """Samples that reached an averaging round: ``samples - samples_lost``."""
+        return self.samples - self.samples_lost
+
+
+CHURN_EVENT_FIELDS = {"peer_join": "join_at_s", "peer_leave": "leave_at_s", "peer_kill": "kill_at_s",
+                      "peer_rejoin": "rejoin_at_s"}
+"""The launcher's churn events (:mod:`ddlscope.launch.churn`) and the schedule field each one is."""
+
+
+def churn_window(store: ResultsStore, run_id: str) -> ChurnWindow | None:
+    """Where a swarm run's churn schedule applies, and what the swarm trained in it.
+
+    The window starts when every peer present from the start has taken its first measured step and
+    ends when the first peer ends on its own (its work done; a peer that left or was killed for
+    good does not end it). Each peer's churn is read from the events the launcher stored when it
+    acted, so a prediction of the window (:func:`ddlscope.distribution.collaborative.predict_collaborative`
+    with ``churn = schedule`` and ``run_s``) is given what happened, not what was asked for.
+
+    Returns:
+        None when the run has no churn events, a peer left, was killed or rejoined before the
+        window starts (the schedule would start inside a change), a peer has more than one
+        change of a kind, or the window is empty.
+    """
+    from ddlscope.analyze.swarm import samples_lost
+
+    events = [e for e in store.rows("events", run_id) if e["kind"] in CHURN_EVENT_FIELDS]
+    steps = [dict(s) for s in store.rows("steps", run_id)]
+    if not events or not steps:
+        return None
+    by_peer: dict[int, list[dict]] = {}
+    for s in steps:
+        by_peer.setdefault(int(s["worker_index"]), []).append(s)
+    changes: dict[int, dict[str, float]] = {}
+    for e in events:
+        mine = changes.setdefault(int(e["worker_index"]), {})
+        name = CHURN_EVENT_FIELDS[e["kind"]]
+        if name in mine:
+            return None
+        mine[name] = float(e["wall_time"])
+    initial = [p for p in by_peer if "join_at_s" not in changes.get(p, {})]
+    measured = {p: [s for s in rows if not s["warmup"]] or rows for p, rows in by_peer.items()}
+    start = max(min(s["wall_time"] for s in measured[p]) for p in initial) if initial else None
+    if start is None or any(t <= start for c in changes.values() for k, t in c.items() if k != "join_at_s"):
+        return None
+    gone_for_good = {p for p, c in changes.items() if ("leave_at_s" in c or "kill_at_s" in c) and "rejoin_at_s" not in c}
+    ends = [max(s["wall_time"] + s["step_s"] for s in rows) for p, rows in by_peer.items() if p not in gone_for_good]
+    end = min(ends) if ends else None
+    if end is None or end <= start:
+        return None
+    samples = samples_within(steps, start, end)
+    lost = sum(samples_lost(by_peer.get(p, []), c["kill_at_s"]) for p, c in changes.items()
+               if "kill_at_s" in c and c["kill_at_s"] < end)
+    schedule = []
+    for p, c in sorted(changes.items()):
+        entry = {"peer": p, **{k: round(max(0.0, t - start), 3) for k, t in c.items() if t < end}}
+        if len(entry) > 1 and not (set(entry) == {"peer", "rejoin_at_s"}):
+            schedule.append(entry)
+    return ChurnWindow(start_wall=start, run_s=end - start, samples=samples, samples_lost=lost, schedule=schedule)
 
 
 def measure_run(store: ResultsStore, run_id: str) -> Measurement | None:

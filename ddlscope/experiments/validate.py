@@ -25,7 +25,9 @@ and an uneven pair of 200 and 20 Mbit/s, where communication dominates: root onl
 ``bandwidths_mbit_per_s`` adds, for the models that run on emulated networks, cells per entry: the
 run's workers each in a network namespace with links of that rate (or, for a list, worker i's link
 at the i-th rate), predicted with the cluster's links at those rates (:func:`over_links`);
-``loopback = false`` leaves out the loopback cells.
+``loopback = false`` leaves out the loopback cells. A grid's ``churn`` runs its collaborative cells
+with that churn schedule (``collaborative.churn``; preset ``churn``) and predicts each for the
+churn that happened (:func:`churn_outcome`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, field_validator, model_validator
 
@@ -42,7 +44,8 @@ from ddlscope.config import (MAX_BATCH_SIZE, MAX_PEERS, _bad_numbers, _format_va
                              read_toml)
 from ddlscope.errors import UserError
 from ddlscope.experiments import check_known
-from ddlscope.experiments.results import measure_run
+from ddlscope.distribution.collaborative import ChurnEvent
+from ddlscope.experiments.results import churn_window, measure_run
 from ddlscope.experiments.runner import Cell, RunFn, run_cells
 from ddlscope.network.emulated import emulated_models
 from ddlscope.store.db import ResultsStore
@@ -69,7 +72,8 @@ class ValidationGrid(BaseModel):
     measurement spans several averaging rounds; ``model_measured_batches`` overrides either per
     model). Models whose runs pay a start-up once (collaborative: the first global epoch plus
     one, hivemind's peer discovery and first matchmaking) exclude those steps too, as the other
-    models exclude their allocator's warm-up.
+    models exclude their allocator's warm-up. The workloads are profiled, and the cells run, on
+    ``device`` (cpu or cuda).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -98,6 +102,12 @@ class ValidationGrid(BaseModel):
                                           "rate per worker (an uneven swarm); each gets cells of its own for the "
                                           "models that run on emulated networks")
     loopback: bool = Field(True, description="also run every model over loopback (the cells without emulated links)")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where the workloads are profiled and every cell runs "
+                                           "(its run config's device); `ddlscope validate --device` overrides it")
+    churn: list[ChurnEvent] = Field(
+        default_factory=list, description="the cells of swarm models (collaborative) run with this churn schedule "
+                                          "(seconds from the swarm's first step) and are predicted for the churn "
+                                          "that happened")
 
     @field_validator("bandwidths_mbit_per_s")
     @classmethod
@@ -116,6 +126,16 @@ class ValidationGrid(BaseModel):
         if not self.loopback and not self.bandwidths_mbit_per_s:
             raise ValueError("loopback = false with no bandwidths_mbit_per_s leaves no cell; allowed: loopback = true "
                              "or at least one link rate")
+        churning = [m for m in self.strategies if distribution.get(m).churn is not None]
+        if self.churn and not churning:
+            raise ValueError("churn applies to the cells of swarm models, and the grid has none; allowed: churn with "
+                             f"one of {', '.join(m.name for m in distribution.all_models() if m.churn is not None)} "
+                             f"among the strategies")
+        bad = sorted({e.peer for e in self.churn if e.peer >= self.workers} |
+                     {e.peer for e in self.churn if [f.peer for f in self.churn].count(e.peer) > 1})
+        if bad:
+            raise ValueError(f"churn: peers {bad} are outside 0..{self.workers - 1} or have two schedules; allowed: "
+                             f"one schedule per peer of the {self.workers} workers")
         return self
 
     @field_validator("strategies")
@@ -171,6 +191,11 @@ PRESETS: dict[str, dict] = {
     "moe-links": dict(name="validation-moe-links", datasets=["mnist"], networks=["moe_cnn"], strategies=["dmoe"],
                       workers=2, batch_size=32, warmup_batches=3, measured_batches=20, synthetic_train_size=256,
                       bandwidths_mbit_per_s=[50.0, 10.0], loopback=False),
+    # churn measured and predicted: peer 1 of a collaborative pair killed and back (seconds from the swarm's
+    # first stored step: after the warm-up and start-up steps), on loopback and on 50 Mbit/s links (needs root)
+    "churn": dict(name="validation-churn", datasets=["mnist"], networks=["mobilenet_v2"], strategies=["collaborative"],
+                  workers=2, batch_size=64, target_batch_size=128, model_measured_batches={"collaborative": 64},
+                  bandwidths_mbit_per_s=[50.0], churn=[dict(peer=1, kill_at_s=20.0, rejoin_at_s=30.0)]),
     "tiny": dict(name="validation-tiny", datasets=["mnist"], networks=["tiny_cnn"],
                  strategies=["single", "ddp", "gpipe"], workers=2, batch_size=16, microbatches=2,
                  warmup_batches=1, measured_batches=3, synthetic_train_size=64),
@@ -216,6 +241,17 @@ def cell_key(setting: Setting, network: str, dataset: str, rates: float | list[f
     return f"{setting.strategy}-{network}-{dataset}-{setting.workers}w-b{setting.global_batch_size}{mb}{link}"
 
 
+def _churns(grid: ValidationGrid, strategy: str) -> bool:
+    """Whether ``strategy``'s cells of ``grid`` run with the grid's churn schedule (a model whose
+    registry descriptor carries churn out: a swarm)."""
+    return bool(grid.churn) and distribution.get(strategy).churn is not None
+
+
+def _key(grid: ValidationGrid, setting: Setting, network: str, dataset: str, rates: float | list[float] | None) -> str:
+    """:func:`cell_key`, with ``-churn`` for a cell run with the grid's churn schedule."""
+    return cell_key(setting, network, dataset, rates) + ("-churn" if _churns(grid, setting.strategy) else "")
+
+
 def _table_values(grid: ValidationGrid, model: distribution.DistributionModel, setting: Setting) -> dict[str, Any]:
     """The model's own config table for a setting: each field from the setting's field or option of
     the same name, else the grid's (when set); fields neither has keep their defaults."""
@@ -238,15 +274,19 @@ def validation_cell(grid: ValidationGrid, setting: Setting, network: str, datase
     was predicted rather than a cut re-measured at start-up. Its ``config`` raises UserError when
     the values are invalid (the runner then stores the cell as failed). ``mbit_per_s``: the run's
     peers each in a network namespace with links of this rate, or per worker for a list
-    (:mod:`ddlscope.network.emulated`)."""
+    (:mod:`ddlscope.network.emulated`). The run's device is the grid's ``device``; a collaborative
+    cell of a grid with ``churn`` runs that schedule."""
     model = distribution.get(setting.strategy)
     table = _table_values(grid, model, setting)
     warmup = grid.warmup_batches + model.startup_steps_of(setting.batch_size, setting.workers, table)
     measured = grid.measured_batches_of(model.name)
-    key = cell_key(setting, network, dataset, mbit_per_s)
+    key = _key(grid, setting, network, dataset, mbit_per_s)
+    table.pop("churn", None)  # the grid's schedule, when it applies, as plain tables
+    if _churns(grid, setting.strategy):
+        table["churn"] = [e.model_dump(exclude_none=True) for e in grid.churn]
     values: dict[str, Any] = dict(
         name=key, strategy=setting.strategy, model=network, dataset=dataset, data_root=str(data_root),
-        batch_size=setting.batch_size, peers=setting.workers, vcpus_per_peer=grid.threads, device="cpu",
+        batch_size=setting.batch_size, peers=setting.workers, vcpus_per_peer=grid.threads, device=grid.device,
         loader_workers=grid.loader_workers, augment=False, final_eval=False, warmup_steps=warmup,
         sample_budget=(warmup + measured) * setting.batch_size * model.data_parallel_size(setting.workers),
     )
@@ -284,7 +324,8 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
     profile_dir = Path(profile_dir or Path(db_path).parent / "profiles")
     for ds in grid.datasets:
         write_synthetic(ds, root, train_size=max(grid.synthetic_train_size, grid.batch_size), test_size=32, seed=0)
-    planned = []  # (dataset, network, link, predict_s, [(candidate, prediction id, cell)], link goodput both ways)
+    planned = []  # (dataset, network, link, predict_s, [(candidate, prediction id, cell)], link goodput both ways,
+    #             profile, the cluster predicted)
     goodput: dict[str, float] = {}  # per link entry: the share of the rate carried each way with both ways busy
 
     def key_of(rates: float | list[float]) -> str:
@@ -295,7 +336,7 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
             if progress:
                 print(f"validate {grid.name}: profiling {net} on {ds} and predicting", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
-            profile = load_or_profile(net, ds, grid.batch_size, threads=grid.threads,
+            profile = load_or_profile(net, ds, grid.batch_size, grid.device, threads=grid.threads,
                                       loader_workers=(grid.loader_workers,), data_root=root, cache_dir=profile_dir)
             settings = candidate_settings(
                 grid.strategies, grid.workers, grid.batch_size, DATASETS[ds].train_size,
@@ -317,7 +358,8 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
                 over = None if mbit is None else over_links(cluster, mbit, grid.workers, goodput[key_of(mbit)])
                 rec = recommend(profile, cluster if mbit is None else over, here)
                 with ResultsStore(db_path) as store:
-                    entries = [(c, _store_prediction(store, grid.name, c, c is rec.best, net, ds, mbit),
+                    entries = [(c, _store_prediction(store, grid.name, c, c is rec.best, net, ds,
+                                                     _key(grid, c.setting, net, ds, mbit)),
                                 validation_cell(grid, c.setting, net, ds, root,
                                                 c.prediction.inputs.get("stage_bounds") if c.prediction else None, mbit))
                                for c in rec.candidates]
@@ -325,16 +367,21 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
                 label = net if link is None else f"{net} @ {link}"
                 # the profile's time counts once, with the first cell of this network
                 planned.append((ds, label, link, (t1 - t0 if first else 0.0) + time.perf_counter() - t1, entries,
-                                None if mbit is None else goodput[key_of(mbit)]))
+                                None if mbit is None else goodput[key_of(mbit)], profile, over or cluster))
                 first = False
     runs: dict[str, tuple[str | None, str, str | None]] = {}
     if run_real:
-        cells = [cell for *_, entries, _ in planned for _, _, cell in entries]
+        cells = [cell for *_, entries, _, _, _ in planned for _, _, cell in entries]
         for o in run_cells(cells, db_path, grid.name, progress=progress, rerun=rerun, run_fn=run_fn, what="validate"):
             runs[o.cell.key] = (o.run_id, o.status, o.reason)
     out = []
-    for ds, net, link, predict_s, entries, both_ways in planned:
+    for ds, net, link, predict_s, entries, both_ways, profile, predicted_on in planned:
         outcomes = [_outcome(db_path, cand, pid, runs.get(cell.key)) for cand, pid, cell in entries]
+        for k, (cand, _, cell) in enumerate(entries):
+            run = runs.get(cell.key)
+            if _churns(grid, cand.setting.strategy) and run is not None and outcomes[k].measured:
+                outcomes[k] = churn_outcome(outcomes[k], db_path, run[0], profile, predicted_on, cand.setting,
+                                            grid.name, cell.key)
         out.append(ValidationCell(dataset=ds, network=net, workers=grid.workers, outcomes=outcomes,
                                   predict_s=predict_s, link=link, link_goodput=both_ways))
     return out
@@ -387,11 +434,11 @@ def links_goodput(rates_mbit_per_s: float | list[float], workers: int) -> float:
 
 
 def _store_prediction(store: ResultsStore, group: str, cand: Candidate, recommended: bool, net: str, ds: str,
-                      mbit_per_s: float | list[float] | None = None) -> str:
-    """Store one candidate's prediction under its cell's key; return the prediction id."""
+                      key: str) -> str:
+    """Store one candidate's prediction under its cell's ``key``; return the prediction id."""
     s, p = cand.setting, cand.prediction
     return store.add_prediction(
-        cell_key(s, net, ds, mbit_per_s), s.strategy, s.workers, s.batch_size, group_name=group, microbatches=s.microbatches,
+        key, s.strategy, s.workers, s.batch_size, group_name=group, microbatches=s.microbatches,
         predicted_step_s=p.step_s if p else None, predicted_epoch_s=p.epoch_s if p else None,
         memory_bytes=cand.memory_bytes, capacity_bytes=cand.capacity_bytes, fits=cand.fits,
         dominant_cost=p.dominant_cost if p else None,
@@ -430,4 +477,45 @@ def _outcome(db_path: Path, cand: Candidate, prediction_id: str,
     else:  # failed, interrupted, or completed without a measured step
         outcome.status = "failed"
         outcome.reason = row["reason"] or f"run {run_id} ended {row['status']} without measured steps"
+    return outcome
+
+
+def churn_outcome(outcome: StrategyOutcome, db_path: Path, run_id: str, profile, cluster: ClusterSpec,
+                  setting: Setting, group: str, key: str) -> StrategyOutcome:
+    """A collaborative cell run with churn: measured and predicted over its churn window.
+
+    The measurement is :func:`ddlscope.experiments.results.churn_window` of the run: seconds per
+    epoch of the real dataset = ``run_s x epoch_samples / samples trained`` (the samples that
+    reached an averaging round) in the window where the schedule applies. The prediction is the
+    collaborative cost model with the churn that happened (the launcher's events) and the window's
+    length (``churn`` and ``run_s`` options, :func:`ddlscope.distribution.collaborative.predict_collaborative`):
+    what it predicts is how many samples the swarm trains in that time. It is stored as a prediction
+    of its own under ``key``, linked to the run. A run whose window cannot be measured (see
+    :func:`churn_window`) becomes ``failed`` with the reason.
+    """
+    import dataclasses
+
+    from ddlscope.modeling.prediction import predict
+
+    with ResultsStore(db_path) as store:
+        window = churn_window(store, run_id)
+        if window is None or window.samples_trained <= 0:
+            outcome.status, outcome.measured_epoch_s = "failed", None
+            outcome.reason = (f"run {run_id}: its churn could not be measured (no churn events, a change before every "
+                              f"peer trained, or no common time)")
+            return outcome
+        options = {**setting.options, "churn": window.schedule, "run_s": window.run_s}
+        try:
+            p = predict(profile, cluster, dataclasses.replace(setting, options=options))
+        except UserError as err:
+            outcome.predicted_epoch_s, outcome.reason = None, f"churn prediction: {err}"
+            return outcome
+        pid = store.add_prediction(
+            key, setting.strategy, setting.workers, setting.batch_size, group_name=group, predicted_step_s=p.step_s,
+            predicted_epoch_s=p.epoch_s, dominant_cost=p.dominant_cost,
+            detail={"breakdown_s": p.breakdown_s, "inputs": p.inputs, "churn_window": dataclasses.asdict(window),
+                    "recommended": False})
+        store.link_prediction(pid, run_id)
+    outcome.predicted_epoch_s, outcome.predicted_parts_s = p.epoch_s, dict(p.breakdown_s)
+    outcome.measured_epoch_s = window.run_s * setting.epoch_samples / window.samples_trained
     return outcome
