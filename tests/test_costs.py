@@ -7,6 +7,7 @@ import math
 import pytest
 
 from ddlscope.errors import UserError
+from ddlscope.distribution.collaborative import lone_peer_samples
 from ddlscope.distribution.ddp import ddp_buckets, eq_5_1_epoch_s
 from ddlscope.distribution.pipeline import pipeline_ops, simulate_pipeline
 from ddlscope.modeling.cluster import ClusterSpec, CollectiveFit, DeviceSpec, HivemindFit, LinkSpec, PeerSpec
@@ -449,6 +450,14 @@ def test_collaborative_auxiliary_and_client_peers_and_declared_bandwidths():
     assert client.inputs["grad_round_s"] > trainers.inputs["grad_round_s"]  # the client sends, then receives
 
 
+def test_a_lone_peer_trains_to_its_epochs_end_then_waits_for_a_partner_until_the_timeout():
+    # epoch 10 s at 4 samples/s, timeout 20 s: 5 s to the first epoch's end, a wait, then whole epochs
+    assert lone_peer_samples(3.0, 4.0, 10.0, 20.0) == pytest.approx(12.0)
+    assert lone_peer_samples(25.0, 4.0, 10.0, 20.0) == pytest.approx(20.0)  # the wait ends with the stretch
+    assert lone_peer_samples(30.0, 4.0, 10.0, 20.0) == pytest.approx(40.0)  # 5 s, wait 20 s, 5 s of the next
+    assert lone_peer_samples(0.0, 4.0, 10.0, 20.0) == 0.0
+
+
 def test_collaborative_churn_is_predicted_stretch_by_stretch():
     prof = make_profile()
     cl = make_cluster(bw=1.0, peers=[PeerSpec(compute_share=1.0, bandwidth_gb_per_s=1.0) for _ in range(3)])
@@ -480,5 +489,17 @@ def test_collaborative_churn_is_predicted_stretch_by_stretch():
     assert steady.step_s < back.step_s < killed.step_s
     with pytest.raises(UserError, match="run_s"):
         predict(prof, cl, setting([{"peer": 2, "leave_at_s": 50.0}], run_s=None))
+    # a pair whose peer 1 is killed: peer 0 alone trains to its epoch's end, then waits in a round nobody
+    # joins until peer 1 is back (hivemind's averager needs a group of 2)
+    pair = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=256, matchmaking_time_s=0.01,
+                   options={"churn": [{"peer": 1, "kill_at_s": 30.0, "rejoin_at_s": 60.0}], "run_s": 100.0,
+                            "averaging_timeout_s": 20.0})
+    lone = predict(prof, cl, pair).inputs["churn_stretches"][1]
+    assert lone["peers"] == [0] and lone["alone"]
+    solo = predict(prof, cl, Setting("collaborative", 1, 8, epoch_samples=3200, target_batch_size=256,
+                                     matchmaking_time_s=0.01))
+    per_s = solo.inputs["samples_per_global_epoch"] / solo.step_s
+    assert lone["samples"] == pytest.approx(lone_peer_samples(lone["to_s"] - lone["from_s"], per_s, solo.step_s, 20.0))
+    assert lone["samples"] < (lone["to_s"] - lone["from_s"]) * per_s
     with pytest.raises(UserError, match="allowed: 0..2"):
         predict(prof, cl, setting([{"peer": 5, "leave_at_s": 50.0}]))

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 DEFAULT_MATCHMAKING_TIME_S = 10.0
 """Thesis 000's fixed matchmaking time: the one default everywhere (runs, predictions, recommendations)."""
+DEFAULT_AVERAGING_TIMEOUT_S = 300.0
+"""hivemind's ``averaging_timeout`` by default (seconds), thesis 000's."""
 
 
 class ChurnEvent(BaseModel):
@@ -138,7 +140,7 @@ class CollaborativeConfig(BaseModel):
     use_local_updates: bool = Field(False, description="step the local optimizer every batch and average parameters (LU)")
     matchmaking_time_s: float = Field(DEFAULT_MATCHMAKING_TIME_S, gt=0,
                                       description="seconds peers wait to form an averaging group")
-    averaging_timeout_s: float = Field(300.0, gt=0, description="give up an averaging round after this many seconds")
+    averaging_timeout_s: float = Field(DEFAULT_AVERAGING_TIMEOUT_S, gt=0, description="give up an averaging round after this many seconds")
     gradient_compression: Literal["none", "float16", "scaled-float16", "uniform8bit"] = "none"
     average_state_every: int = Field(1, ge=1, description="average parameters and optimizer state every N global epochs")
     listen_host: str = Field("127.0.0.1", description="address peers listen on; loopback unless you ask")
@@ -339,7 +341,8 @@ def swarm_options(cfg: "RunConfig") -> dict[str, Any]:
             "use_local_updates": c.use_local_updates, "target_group_size": c.target_group_size,
             "auxiliary_peers": c.auxiliary_peers, "client_mode_peers": c.client_mode_peers,
             "declared_bandwidths_mbit_per_s": c.declared_bandwidths_mbit_per_s,
-            "churn": [e.model_dump() for e in c.churn_events(cfg.peers)], "run_s": cfg.time_limit_s}
+            "churn": [e.model_dump() for e in c.churn_events(cfg.peers)], "run_s": cfg.time_limit_s,
+            "averaging_timeout_s": c.averaging_timeout_s}
 
 
 def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scale: float = 1.0) -> Prediction:
@@ -407,9 +410,13 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     epoch of that swarm). A peer that joins or rejoins first loads the swarm's state
     (``load_state_from_peers``: parameters and optimizer state over its link, plus the collective's
     fixed cost) and trains only after it; a killed peer loses on average half of what it
-    contributes to a global epoch (its samples since the last round). The prediction is then the
-    run's mean global epoch: ``run_s x TBS / samples trained``; ``inputs["churn_stretches"]`` lists
-    each stretch.
+    contributes to a global epoch (its samples since the last round). A peer left alone (no other
+    peer to average with: hivemind's averager needs a group of at least 2) trains to the end of its
+    global epoch, half an epoch of its own on average, and then waits in the round for a partner
+    until another peer arrives or the option ``averaging_timeout_s`` (default 300 s) runs out, epoch
+    after epoch (:func:`lone_peer_samples`; seen in validation: a survivor of a pair stalled from its
+    next round until the killed peer was back). The prediction is then the run's mean global epoch:
+    ``run_s x TBS / samples trained``; ``inputs["churn_stretches"]`` lists each stretch.
 
     Raises:
         UserError: churn without ``run_s``, churn naming a peer outside the setting, or a schedule
@@ -526,6 +533,7 @@ def _predict_churn(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     """The run's mean global epoch under ``churn`` (see :func:`predict_collaborative`)."""
     roles = _peer_roles(s)
     _, bws, _ = _peer_links(cluster, s)
+    timeout_s = float(s.options.get("averaging_timeout_s") or DEFAULT_AVERAGING_TIMEOUT_S)
     state_bytes = float(profile.param_bytes + profile.optimizer_state_bytes)
     events = {e.peer: e for e in churn}
     # when each peer trains: [start, end) spans, a (re)join's start moved past its state load
@@ -553,8 +561,12 @@ def _predict_churn(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
             else None
         per_s = p.inputs["samples_per_global_epoch"] / p.step_s if p else 0.0
         swarms.append(p)
+        if p is not None and len(present) < 2:  # nobody to average with: the round waits
+            samples = lone_peer_samples(b - a, per_s, p.step_s, timeout_s)
+        else:
+            samples = (b - a) * per_s
         stretches.append({"from_s": a, "to_s": b, "peers": present, "epoch_s": p.step_s if p else None,
-                          "samples": (b - a) * per_s})
+                          "samples": samples, "alone": len(present) < 2})
     samples = sum(st["samples"] for st in stretches)
     lost = 0.0
     for t, i in kills:  # the killed peer's samples since the last round: half an epoch's share on average
@@ -575,6 +587,25 @@ def _predict_churn(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     return make_prediction(s, parts, s.target_batch_size, inputs=inputs, notes=full.notes + [
         f"collaborative: churn over {run_s:g} s: {len(stretches)} stretches of constant swarm, {lost:.0f} samples "
         f"lost to kills; the step is the run's mean global epoch"])
+
+
+def lone_peer_samples(stretch_s: float, samples_per_s: float, epoch_s: float, timeout_s: float) -> float:
+    """Samples a peer alone in the swarm trains in ``stretch_s`` seconds (see :func:`predict_collaborative`).
+
+    It trains at ``samples_per_s`` to the end of the global epoch it is in (half an epoch,
+    ``epoch_s / 2``, on average), then waits ``timeout_s`` in a round nobody joins, then trains a
+    whole epoch, and so on; the stretch ends when another peer arrives (which ends the wait).
+
+    Args:
+        stretch_s / epoch_s / timeout_s: seconds (>= 0, > 0, >= 0); samples_per_s: its pace alone.
+    """
+    samples, t, train_s = 0.0, 0.0, epoch_s / 2
+    while t < stretch_s:
+        run = min(train_s, stretch_s - t)
+        samples += run * samples_per_s
+        t += run + timeout_s
+        train_s = epoch_s
+    return samples
 
 
 def memory_collaborative(profile: WorkloadProfile, s: Setting) -> list[MemoryEstimate]:
