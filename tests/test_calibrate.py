@@ -190,10 +190,11 @@ def test_calibrate_cli_quick_writes_a_loadable_cluster_with_what_hivemind_adds(t
     assert hm.reference_param_bytes > 40e6 and "resnet18" in hm.reference
     assert hm.matchmaking_time_s == pytest.approx(0.8)  # the swarm ran at the matchmaking time asked for
     assert "32/8" in hm.reference and hm.overhead_steps >= 0  # one swarm per reference batch size
+    assert 0.5 < hm.peer_startup_s < 60  # a fresh interpreter's imports, a DHT join and an optimizer: seconds
 
 
 def test_fit_swarm_reads_whole_epochs_after_the_first_and_fits_overhead_against_the_step():
-    from ddlscope.profiling.swarm import STEPS_PER_EPOCH, fit_swarm, swarm_epochs
+    from ddlscope.profiling.swarm import STEPS_PER_EPOCH, fit_peer_startup, fit_swarm, swarm_epochs
 
     def swarm(batch, alone, round_s):
         # [compute s, hivemind step s, epoch after, background CPU s]; epoch 1 ends at step 2 (start-up),
@@ -218,6 +219,11 @@ def test_fit_swarm_reads_whole_epochs_after_the_first_and_fits_overhead_against_
     # more overhead at the shorter step: no slope, the mean overhead
     flat = fit_swarm(swarm_epochs([{**worker, "swarms": [swarm(32, 1.0, 0.2), swarm(8, 0.25, 1.5)]}] * 2), 1000, 0.7)
     assert flat.overhead_steps == 0.0 and flat.epoch_overhead_s == pytest.approx((1.2 - 0.8 + 1.55) / 2)
+    assert fit_peer_startup([worker] * 2) is None  # a result from before start-up was measured
+    first = {**worker, "import_s": 3.0, "join_s": None,
+             "swarms": [{**sw, "optimizer_init_s": 0.5} for sw in worker["swarms"]]}
+    second = {**first, "import_s": 4.0, "join_s": 1.5, "swarms": [{**sw, "optimizer_init_s": 0.7} for sw in worker["swarms"]]}
+    assert fit_peer_startup([first, second]) == pytest.approx(3.5 + 1.5 + 0.6)  # medians of each part
     short = {**worker, "swarms": [swarm(32, 1.0, 1.0), {**swarm(8, 0.25, 0.6), "steps": swarm(8, 0.25, 0.6)["steps"][:6]}]}
     with pytest.raises(ValueError, match="batch 8: worker 0 timed 1 whole global epochs"):
         swarm_epochs([short])

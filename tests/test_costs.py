@@ -487,6 +487,12 @@ def test_collaborative_churn_is_predicted_stretch_by_stretch():
     assert back.inputs["state_load_s"][2] == pytest.approx(load)
     assert [st["from_s"] for st in back.inputs["churn_stretches"]] == pytest.approx([0.0, 30.0, 60.0 + load])
     assert steady.step_s < back.step_s < killed.step_s
+    assert any("no hivemind.peer_startup_s" in n for n in back.notes)
+    # with the calibrated start-up of a joining peer it trains that much later
+    started = predict(prof, cl.model_copy(update={"hivemind": HivemindFit(epoch_overhead_s=0.0, peer_startup_s=5.0)}),
+                      setting([{"peer": 2, "kill_at_s": 30.0, "rejoin_at_s": 60.0}]))
+    assert [st["from_s"] for st in started.inputs["churn_stretches"]] == pytest.approx([0.0, 30.0, 65.0 + load])
+    assert started.inputs["peer_startup_s"] == 5.0 and not any("peer_startup_s" in n for n in started.notes)
     with pytest.raises(UserError, match="run_s"):
         predict(prof, cl, setting([{"peer": 2, "leave_at_s": 50.0}], run_s=None))
     # a pair whose peer 1 is killed: peer 0 alone trains to its epoch's end, then waits in a round nobody

@@ -134,7 +134,7 @@ def test_a_swarm_run_config_is_predicted_with_its_roles_links_and_churn():
     from ddlscope.config import load_config
     from ddlscope.distribution.collaborative import swarm_options
     from ddlscope.examples import resolve_example
-    from ddlscope.experiments.validate import over_links
+    from ddlscope.modeling.links import over_links
     from ddlscope.modeling.prediction import predict
 
     cfg = load_config(resolve_example("examples/swarm-churn.toml"))

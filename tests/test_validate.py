@@ -12,7 +12,8 @@ import pytest
 
 from ddlscope import distribution
 from ddlscope.errors import UserError
-from ddlscope.experiments.validate import over_links, ValidationGrid, load_grid, predicted_models, run_validation, validation_cell
+from ddlscope.modeling.links import over_links
+from ddlscope.experiments.validate import ValidationGrid, load_grid, predicted_models, run_validation, validation_cell
 from ddlscope.modeling.prediction import Setting
 from ddlscope.store.db import ResultsStore
 from tests.test_costs import make_cluster, make_profile

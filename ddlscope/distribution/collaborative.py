@@ -407,9 +407,10 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     **Churn** (the option ``churn``: :class:`ChurnEvent` tables; ``run_s``: the run's length in
     seconds from the swarm's first step, needed with churn): the run is cut where a peer joins,
     leaves, dies or rejoins, and each stretch is predicted for the peers present in it (a global
-    epoch of that swarm). A peer that joins or rejoins first loads the swarm's state
-    (``load_state_from_peers``: parameters and optimizer state over its link, plus the collective's
-    fixed cost) and trains only after it; a killed peer loses on average half of what it
+    epoch of that swarm). A peer that joins or rejoins first starts (its process, hivemind's DHT
+    and optimizer: the calibrated ``hivemind.peer_startup_s``, 0 with a note where the cluster file
+    lacks it), then loads the swarm's state (``load_state_from_peers``: parameters and optimizer
+    state over its link, plus the collective's fixed cost) and trains only after both; a killed peer loses on average half of what it
     contributes to a global epoch (its samples since the last round). A peer left alone (no other
     peer to average with: hivemind's averager needs a group of at least 2) trains to the end of its
     global epoch, half an epoch of its own on average, and then waits in the round for a partner
@@ -536,7 +537,8 @@ def _predict_churn(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     timeout_s = float(s.options.get("averaging_timeout_s") or DEFAULT_AVERAGING_TIMEOUT_S)
     state_bytes = float(profile.param_bytes + profile.optimizer_state_bytes)
     events = {e.peer: e for e in churn}
-    # when each peer trains: [start, end) spans, a (re)join's start moved past its state load
+    # when each peer trains: [start, end) spans, a (re)join's start moved past its start-up and state load
+    startup_s = cluster.hivemind.peer_startup_s if cluster.hivemind is not None else None
     spans: dict[int, list[tuple[float, float]]] = {}
     load_s: list[float] = []
     kills: list[tuple[float, int]] = []
@@ -546,9 +548,10 @@ def _predict_churn(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
         if e is None:
             spans[i] = [(0.0, run_s)]
             continue
-        mine = [(e.join_at_s + (load_s[i] if e.join_at_s > 0 else 0.0), e.gone_at_s if e.gone_at_s is not None else run_s)]
+        ready_s = (startup_s or 0.0) + load_s[i]
+        mine = [(e.join_at_s + (ready_s if e.join_at_s > 0 else 0.0), e.gone_at_s if e.gone_at_s is not None else run_s)]
         if e.rejoin_at_s is not None:
-            mine.append((e.rejoin_at_s + load_s[i], run_s))
+            mine.append((e.rejoin_at_s + ready_s, run_s))
         if e.kill_at_s is not None and e.kill_at_s < run_s:
             kills.append((e.kill_at_s, i))
         spans[i] = [(a, min(b, run_s)) for a, b in mine if a < min(b, run_s)]
@@ -583,8 +586,13 @@ def _predict_churn(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     epoch_s = run_s * s.target_batch_size / trained
     parts = {k: v * epoch_s / full.step_s for k, v in full.breakdown_s.items() if v}
     inputs = {**full.inputs, "run_s": run_s, "churn_stretches": stretches, "state_load_s": load_s,
+              "peer_startup_s": startup_s,
               "samples_trained": trained, "samples_lost_to_kills": lost, "epoch_s_without_churn": full.step_s}
-    return make_prediction(s, parts, s.target_batch_size, inputs=inputs, notes=full.notes + [
+    joins = any(e.join_at_s > 0 or e.rejoin_at_s is not None for e in churn)
+    unknown = ["collaborative: the cluster file has no hivemind.peer_startup_s (calibrate --hivemind measures it), so "
+               "joining peers are taken to train right after loading the swarm's state"] \
+        if joins and startup_s is None else []
+    return make_prediction(s, parts, s.target_batch_size, inputs=inputs, notes=full.notes + unknown + [
         f"collaborative: churn over {run_s:g} s: {len(stretches)} stretches of constant swarm, {lost:.0f} samples "
         f"lost to kills; the step is the run's mean global epoch"])
 

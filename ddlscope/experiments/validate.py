@@ -24,7 +24,7 @@ and an uneven pair of 200 and 20 Mbit/s, where communication dominates: root onl
 (dmoe's trainers and expert servers on emulated links) and ``tiny`` (for tests). A grid's
 ``bandwidths_mbit_per_s`` adds, for the models that run on emulated networks, cells per entry: the
 run's workers each in a network namespace with links of that rate (or, for a list, worker i's link
-at the i-th rate), predicted with the cluster's links at those rates (:func:`over_links`);
+at the i-th rate), predicted with the cluster's links at those rates (:func:`ddlscope.modeling.links.over_links`);
 ``loopback = false`` leaves out the loopback cells. A grid's ``churn`` runs its collaborative cells
 with that churn schedule (``collaborative.churn``; preset ``churn``) and predicts each for the
 churn that happened (:func:`churn_outcome`).
@@ -47,6 +47,7 @@ from ddlscope.experiments import check_known
 from ddlscope.distribution.collaborative import ChurnEvent
 from ddlscope.experiments.results import churn_window, measure_run
 from ddlscope.experiments.runner import Cell, RunFn, run_cells
+from ddlscope.modeling.links import links_goodput, over_links
 from ddlscope.network.emulated import emulated_models
 from ddlscope.store.db import ResultsStore
 
@@ -328,9 +329,6 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
     #             profile, the cluster predicted)
     goodput: dict[str, float] = {}  # per link entry: the share of the rate carried each way with both ways busy
 
-    def key_of(rates: float | list[float]) -> str:
-        return link_label(rates)
-
     for ds in grid.datasets:
         for net in grid.networks:
             if progress:
@@ -349,13 +347,13 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
                 if not here:
                     continue
                 t1 = time.perf_counter()
-                if mbit is not None and key_of(mbit) not in goodput:  # measured once per link entry, not timed
-                    goodput[key_of(mbit)] = links_goodput(mbit, grid.workers) if run_real and run_fn is None else 1.0
+                if mbit is not None and link_label(mbit) not in goodput:  # measured once per link entry, not timed
+                    goodput[link_label(mbit)] = links_goodput(mbit, grid.workers) if run_real and run_fn is None else 1.0
                     if progress:
-                        print(f"validate {grid.name}: links {key_of(mbit)} carry {goodput[key_of(mbit)]:.3f} of "
+                        print(f"validate {grid.name}: links {link_label(mbit)} carry {goodput[link_label(mbit)]:.3f} of "
                               f"their rate each way with both ways busy", file=sys.stderr, flush=True)
                     t1 = time.perf_counter()
-                over = None if mbit is None else over_links(cluster, mbit, grid.workers, goodput[key_of(mbit)])
+                over = None if mbit is None else over_links(cluster, mbit, grid.workers, goodput[link_label(mbit)])
                 rec = recommend(profile, cluster if mbit is None else over, here)
                 with ResultsStore(db_path) as store:
                     entries = [(c, _store_prediction(store, grid.name, c, c is rec.best, net, ds,
@@ -367,7 +365,7 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
                 label = net if link is None else f"{net} @ {link}"
                 # the profile's time counts once, with the first cell of this network
                 planned.append((ds, label, link, (t1 - t0 if first else 0.0) + time.perf_counter() - t1, entries,
-                                None if mbit is None else goodput[key_of(mbit)], profile, over or cluster))
+                                None if mbit is None else goodput[link_label(mbit)], profile, over or cluster))
                 first = False
     runs: dict[str, tuple[str | None, str, str | None]] = {}
     if run_real:
@@ -385,52 +383,6 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
         out.append(ValidationCell(dataset=ds, network=net, workers=grid.workers, outcomes=outcomes,
                                   predict_s=predict_s, link=link, link_goodput=both_ways))
     return out
-
-
-def over_links(cluster: ClusterSpec, rates_mbit_per_s: float | list[float], workers: int,
-               both_ways: float = 1.0) -> ClusterSpec:
-    """``cluster`` as an emulated network of ``workers`` workers puts it: each worker a peer with a
-    link of its rate (a list: worker i's at the i-th; latency as calibrated) and the devices' links
-    at the slowest rate (a ring is as fast as its slowest link), for predicting a cell run on
-    emulated links. Collectives send both ways at once, so the ring's and the peers' links carry
-    ``both_ways`` of their rate each way (:func:`ddlscope.network.duplex.measure_duplex_goodput`);
-    the pipelines' point-to-point link keeps the full rate (their activations and gradients take
-    turns). The peers keep the cluster's listed compute shares; where the cluster lists none they
-    share this machine's cores, so each computes at ``1 / contention`` of a device alone
-    (:func:`ddlscope.modeling.collectives.contention`).
-
-    Raises:
-        ValueError: ``both_ways`` outside (0, 1].
-    """
-    from ddlscope.modeling.cluster import LinkSpec, PeerSpec
-    from ddlscope.modeling.collectives import contention
-
-    if not 0 < both_ways <= 1:
-        raise ValueError(f"both_ways = {both_ways}; allowed: a share of the link's rate in (0, 1]")
-    rates = rates_mbit_per_s if isinstance(rates_mbit_per_s, list) else [rates_mbit_per_s] * workers
-    latency = cluster.intra_node.latency_s
-    link = LinkSpec(bandwidth_gb_per_s=min(rates) * both_ways / 8e3, latency_s=latency)
-    p2p = LinkSpec(bandwidth_gb_per_s=min(rates) / 8e3, latency_s=latency)
-    shared = 1.0 / contention(cluster, min(workers, cluster.devices_per_node))
-    shares = [p.compute_share for p in cluster.peers[:workers]] if len(cluster.peers) >= workers else [shared] * workers
-    peers = [PeerSpec(compute_share=c, bandwidth_gb_per_s=r * both_ways / 8e3, latency_s=latency)
-             for c, r in zip(shares, rates)]
-    return cluster.model_copy(update={"intra_node": link, "p2p_link": p2p, "peers": peers,
-                                      "inter_node": link if cluster.inter_node is not None else None})
-
-
-def links_goodput(rates_mbit_per_s: float | list[float], workers: int) -> float:
-    """The share of its rate an emulated link of a grid entry carries each way with both ways busy:
-    measured on the entry's two slowest links (:func:`ddlscope.network.duplex.measure_duplex_goodput`),
-    or 1.0 (the full rate, with a warning on stderr) where emulated networks cannot be built."""
-    from ddlscope.network.duplex import measure_duplex_goodput
-
-    rates = sorted(rates_mbit_per_s if isinstance(rates_mbit_per_s, list) else [rates_mbit_per_s] * workers)
-    try:
-        return measure_duplex_goodput(rates[0], rates[1] if len(rates) > 1 else rates[0]).both_ways
-    except UserError as err:
-        print(f"validate: links of {rates} predicted at their full rate both ways ({err})", file=sys.stderr)
-        return 1.0
 
 
 def _store_prediction(store: ResultsStore, group: str, cand: Candidate, recommended: bool, net: str, ds: str,

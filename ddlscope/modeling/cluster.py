@@ -112,6 +112,10 @@ class HivemindFit(BaseModel):
         matchmaking_time_s: the swarm's hivemind ``matchmaking_time`` (seconds). Overhead and
             overshoot depend on it (:mod:`ddlscope.profiling.swarm`); a prediction at another
             matchmaking time says so in its notes. ``None``: a file from before it was recorded.
+        peer_startup_s: seconds from starting a peer's process to its first step, beyond loading
+            the swarm's state: a fresh interpreter importing torch and hivemind, joining the DHT
+            and making the ``hivemind.Optimizer`` (:func:`ddlscope.profiling.swarm.fit_peer_startup`);
+            what a joining or rejoining peer takes before it trains. ``None``: not measured.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # finite numbers only
@@ -123,6 +127,7 @@ class HivemindFit(BaseModel):
     reference: str = ""
     reference_param_bytes: int = Field(0, ge=0)
     matchmaking_time_s: float | None = Field(None, gt=0)
+    peer_startup_s: float | None = Field(None, ge=0)
 
 
 class DMoEFit(BaseModel):

@@ -9,7 +9,7 @@ emulated links: 0.96 of the rate one way, 0.83 both ways at 50 Mbit/s, 0.71 for 
 and 20 Mbit/s links). :func:`measure_duplex_goodput` measures it for a pair of links: bulk TCP
 between two network namespaces of an :class:`~ddlscope.network.emulated.EmulatedNetwork`, first
 one way, then both ways at once. The cost models' collectives over emulated links use the both-ways
-figure (:func:`ddlscope.experiments.validate.over_links`).
+figure (:func:`ddlscope.modeling.links.over_links`).
 
 Run as ``python -m ddlscope.network.duplex server|client MY_ADDRESS PEER_ADDRESS BYTES BOTH``
 inside a namespace (that is how :func:`measure_duplex_goodput` starts the two ends); it prints the

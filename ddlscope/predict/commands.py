@@ -243,7 +243,7 @@ def register(app: typer.Typer) -> None:
         if n < 2:
             raise UserError(f"the cluster {spec.name!r} has one device; describe at least 2 devices or peers, or pass --workers")
         if swarm_cfg is not None and swarm_cfg.network.emulate:  # the swarm's emulated links, unlimited ones as the cluster's
-            from ddlscope.experiments.validate import links_goodput, over_links
+            from ddlscope.modeling.links import links_goodput, over_links
 
             own = spec.intra_node.bandwidth_gb_per_s * 8e3
             rates = [min(up or own, down or own) for up, down in swarm_cfg.network.rates(n)]

@@ -879,7 +879,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         ddp=(step_s("ddp", "plain"), step_s("ddp", "wrapped")), notes=notes)
     swarm, swarm_raw = None, []
     if hivemind:
-        from ddlscope.profiling.swarm import fit_swarm, swarm_epochs
+        from ddlscope.profiling.swarm import fit_peer_startup, fit_swarm, swarm_epochs
 
         try:
             swarm_raw = swarm_epochs([w["swarm"] for w in raw])
@@ -887,9 +887,11 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         except ValueError as e:
             notes.append(f"hivemind swarm not fitted ({e}): collaborative predictions leave hivemind's own work out")
         else:
-            swarm = swarm.model_copy(update={k: _sig(getattr(swarm, k))
-                                             for k in ("epoch_overhead_s", "overhead_steps", "overshoot_steps",
-                                                       "epoch_cpu_s")})
+            startup = fit_peer_startup([w["swarm"] for w in raw])
+            swarm = swarm.model_copy(update={**{k: _sig(getattr(swarm, k))
+                                                for k in ("epoch_overhead_s", "overhead_steps", "overshoot_steps",
+                                                          "epoch_cpu_s")},
+                                             "peer_startup_s": _sig(startup) if startup is not None else None})
     cluster = ClusterSpec(  # 4 significant digits: far more than the measurements' precision
         name=name or f"local-{workers}x{threads}core", nodes=1, devices_per_node=workers,
         device=DeviceSpec(kind="local"),
@@ -983,7 +985,9 @@ def print_calibration(result: CalibrationResult, console=None) -> None:
         rows.append(("hivemind", f"{hm.reference}: {hm.epoch_overhead_s:.2f} s + {hm.overhead_steps:.2f} steps per "
                                  f"global epoch beyond compute "
                                  f"({hm.epoch_cpu_s:.2f} CPU-s of hivemind's processes), overshoot "
-                                 f"{hm.overshoot_steps:.2f} steps per peer, at matchmaking {hm.matchmaking_time_s:g} s"))
+                                 f"{hm.overshoot_steps:.2f} steps per peer, at matchmaking {hm.matchmaking_time_s:g} s"
+                                 + (f"; a joining peer starts in {hm.peer_startup_s:.1f} s"
+                                    if hm.peer_startup_s is not None else "")))
     if c.dmoe is not None:
         rows.append(("dmoe", describe_dmoe(c.dmoe)))
     for label, text in rows:

@@ -31,7 +31,11 @@ draws a line through them:
   compute at the speed measured just before, a trimmed mean over peers and epochs of each swarm;
 - ``overshoot_steps``: mean steps per peer per epoch beyond the target batch, over both swarms;
 - ``epoch_cpu_s``: median CPU seconds of hivemind's processes and threads per epoch
-  (:func:`ddlscope.measure.host.background_cpu_s`), for the record.
+  (:func:`ddlscope.measure.host.background_cpu_s`), for the record;
+- ``peer_startup_s``: what a peer that joins a running swarm takes before its first step, beside
+  loading the swarm's state (:func:`fit_peer_startup`): a fresh interpreter importing torch and
+  hivemind, joining the DHT, making the ``hivemind.Optimizer``. A rejoining peer in a churn
+  validation run took 7.6 s from its start to its first step.
 
 These figures depend on ``matchmaking_time_s`` too: hivemind pre-schedules the gradient round
 once the epoch's estimated end is that close, and the earlier it starts matchmaking the more of its
@@ -82,8 +86,14 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
     Returns:
         ``param_bytes``, ``matchmaking_time_s`` and ``swarms``: per batch size ``batch_size``,
         ``compute_alone_s`` (median step compute before the optimizer existed, seconds) and
-        ``steps``: per step ``[compute s, hivemind step s, local epoch after, background CPU s]``.
+        ``steps``: per step ``[compute s, hivemind step s, local epoch after, background CPU s]``,
+        ``optimizer_init_s`` (seconds to make its ``hivemind.Optimizer``); ``import_s`` (a fresh
+        interpreter importing torch and hivemind, seconds) and ``join_s`` (joining the DHT through
+        worker 0's address; None on worker 0, which starts it).
     """
+    import subprocess
+    import sys
+
     import hivemind
     import torch
     import torch.distributed as dist
@@ -94,20 +104,26 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
     network, family = REFERENCE
     torch.manual_seed(rank)
     model = build_model(network, family)
+    t0 = time.perf_counter()  # what a new peer's process does before anything of the swarm
+    subprocess.run([sys.executable, "-c", "import torch, hivemind"], check=True, capture_output=True, timeout=300)
+    import_s = time.perf_counter() - t0
+    join_s = None
     maddrs: list[Any] = [None]
     if rank == 0:
         dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, **p2p_options())
         maddrs = [[str(a) for a in dht.get_visible_maddrs()]]
     dist.broadcast_object_list(maddrs, src=0)
     if rank != 0:
+        t0 = time.perf_counter()
         dht = hivemind.DHT(initial_peers=maddrs[0], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, **p2p_options())
+        join_s = time.perf_counter() - t0
     try:
         swarms = [_one_swarm(hivemind, dht, model, batch, workers, epochs, deadline_s / len(BATCH_SIZES),
                              matchmaking_time_s, say) for batch in BATCH_SIZES]
     finally:
         dht.shutdown()
     return {"param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "matchmaking_time_s": matchmaking_time_s, "swarms": swarms}
+            "matchmaking_time_s": matchmaking_time_s, "swarms": swarms, "import_s": import_s, "join_s": join_s}
 
 
 def _one_swarm(hivemind, dht, model, batch: int, workers: int, epochs: int, deadline_s: float,
@@ -133,11 +149,13 @@ def _one_swarm(hivemind, dht, model, batch: int, workers: int, epochs: int, dead
     model.zero_grad()
     alone = statistics.median(time_repeats(compute, 5))
     model.zero_grad()
+    t0 = time.perf_counter()
     opt = hivemind.Optimizer(
         dht=dht, run_id=f"ddlscope-calibrate-swarm-b{batch}", batch_size_per_step=batch,
         optimizer=build_optimizer(model.parameters(), "sgd"),
         target_batch_size=STEPS_PER_EPOCH * workers * batch, matchmaking_time=matchmaking_time_s,
         averaging_timeout=ROUND_TIMEOUT_S, verbose=False)
+    optimizer_init_s = time.perf_counter() - t0
     dist.barrier()
     steps: list[list[float]] = []
     deadline = time.monotonic() + deadline_s
@@ -156,7 +174,7 @@ def _one_swarm(hivemind, dht, model, batch: int, workers: int, epochs: int, dead
     dist.barrier()  # no peer of this swarm still averaging when the next one starts
     say(f"hivemind swarm: {REFERENCE[0]} on {REFERENCE[1]} shapes, batch {batch}, {len(steps)} steps, "
         f"global epoch {opt.local_epoch}")
-    return {"batch_size": batch, "compute_alone_s": alone, "steps": steps}
+    return {"batch_size": batch, "compute_alone_s": alone, "steps": steps, "optimizer_init_s": optimizer_init_s}
 
 
 def swarm_epochs(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -189,6 +207,20 @@ def swarm_epochs(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"batch_size": raw[0]["swarms"][i]["batch_size"], "compute_alone_s": statistics.median(alone),
                     "overhead_s": overheads, "extra_steps": extra, "cpu_s": cpu})
     return out
+
+
+def fit_peer_startup(raw: list[dict[str, Any]]) -> float | None:
+    """A joining peer's start-up, seconds: the median over workers of a fresh interpreter's imports,
+    plus the median DHT join (workers other than 0), plus the median ``hivemind.Optimizer``
+    creation (every worker and swarm), from :func:`measure_swarm`'s results ``raw``. The peer's
+    own workload (building its network and data loaders) is not in it. None when a part is missing
+    (a result from before these were measured)."""
+    imports = [w["import_s"] for w in raw if w.get("import_s") is not None]
+    joins = [w["join_s"] for w in raw if w.get("join_s") is not None]
+    inits = [sw["optimizer_init_s"] for w in raw for sw in w["swarms"] if sw.get("optimizer_init_s") is not None]
+    if not (imports and joins and inits):
+        return None
+    return statistics.median(imports) + statistics.median(joins) + statistics.median(inits)
 
 
 def fit_swarm(swarms: list[dict[str, Any]], param_bytes: int, matchmaking_time_s: float) -> HivemindFit:

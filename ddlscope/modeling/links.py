@@ -1,0 +1,59 @@
+"""A cluster as an emulated network puts it, for predicting runs on emulated links.
+
+:func:`over_links` rewrites a calibrated :class:`~ddlscope.modeling.cluster.ClusterSpec` so that
+its workers are peers on links of given rates (:mod:`ddlscope.network.emulated`), at the share of
+the rate a link carries each way with both ways busy; :func:`links_goodput` measures that share
+(:mod:`ddlscope.network.duplex`). Used by ``ddlscope validate`` (the grids' ``bandwidths_mbit_per_s``
+cells) and ``ddlscope recommend --swarm`` (a run config's emulated links).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ddlscope.errors import UserError
+from ddlscope.modeling.cluster import ClusterSpec, LinkSpec, PeerSpec
+from ddlscope.modeling.collectives import contention
+
+
+def over_links(cluster: ClusterSpec, rates_mbit_per_s: float | list[float], workers: int,
+               both_ways: float = 1.0) -> ClusterSpec:
+    """``cluster`` as an emulated network of ``workers`` workers puts it: each worker a peer with a
+    link of its rate (a list: worker i's at the i-th; latency as calibrated) and the devices' links
+    at the slowest rate (a ring is as fast as its slowest link), for predicting a cell run on
+    emulated links. Collectives send both ways at once, so the ring's and the peers' links carry
+    ``both_ways`` of their rate each way (:func:`ddlscope.network.duplex.measure_duplex_goodput`);
+    the pipelines' point-to-point link keeps the full rate (their activations and gradients take
+    turns). The peers keep the cluster's listed compute shares; where the cluster lists none they
+    share this machine's cores, so each computes at ``1 / contention`` of a device alone
+    (:func:`ddlscope.modeling.collectives.contention`).
+
+    Raises:
+        ValueError: ``both_ways`` outside (0, 1].
+    """
+    if not 0 < both_ways <= 1:
+        raise ValueError(f"both_ways = {both_ways}; allowed: a share of the link's rate in (0, 1]")
+    rates = rates_mbit_per_s if isinstance(rates_mbit_per_s, list) else [rates_mbit_per_s] * workers
+    latency = cluster.intra_node.latency_s
+    link = LinkSpec(bandwidth_gb_per_s=min(rates) * both_ways / 8e3, latency_s=latency)
+    p2p = LinkSpec(bandwidth_gb_per_s=min(rates) / 8e3, latency_s=latency)
+    shared = 1.0 / contention(cluster, min(workers, cluster.devices_per_node))
+    shares = [p.compute_share for p in cluster.peers[:workers]] if len(cluster.peers) >= workers else [shared] * workers
+    peers = [PeerSpec(compute_share=c, bandwidth_gb_per_s=r * both_ways / 8e3, latency_s=latency)
+             for c, r in zip(shares, rates)]
+    return cluster.model_copy(update={"intra_node": link, "p2p_link": p2p, "peers": peers,
+                                      "inter_node": link if cluster.inter_node is not None else None})
+
+
+def links_goodput(rates_mbit_per_s: float | list[float], workers: int) -> float:
+    """The share of its rate an emulated link of a grid entry carries each way with both ways busy:
+    measured on the entry's two slowest links (:func:`ddlscope.network.duplex.measure_duplex_goodput`),
+    or 1.0 (the full rate, with a warning on stderr) where emulated networks cannot be built."""
+    from ddlscope.network.duplex import measure_duplex_goodput
+
+    rates = sorted(rates_mbit_per_s if isinstance(rates_mbit_per_s, list) else [rates_mbit_per_s] * workers)
+    try:
+        return measure_duplex_goodput(rates[0], rates[1] if len(rates) > 1 else rates[0]).both_ways
+    except UserError as err:
+        print(f"validate: links of {rates} predicted at their full rate both ways ({err})", file=sys.stderr)
+        return 1.0
