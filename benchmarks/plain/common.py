@@ -49,6 +49,19 @@ def pin(core_sets: str | None, local_rank: int) -> None:
         torch.set_num_threads(len(cores))
 
 
+def start_worker(args: argparse.Namespace) -> tuple[int, int, int]:
+    """``(rank, local rank, world size)`` of this torchrun worker, pinned (:func:`pin`), on its GPU
+    when ``--device cuda``, with the default process group started (nccl on CUDA, gloo on CPU)."""
+    import torch.distributed as dist
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    pin(args.core_sets, local_rank)
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    return rank, local_rank, dist.get_world_size()
+
+
 def workload(args: argparse.Namespace, data_rank: int, local_rank: int
              ) -> tuple[torch.nn.Module, Iterator, torch.device]:
     """``(network, endless batches, device)`` of one worker, built as ddlscope builds them.

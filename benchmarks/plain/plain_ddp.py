@@ -9,7 +9,6 @@ timed window (see ``common.timed_window``) and the samples trained in it.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
@@ -20,12 +19,7 @@ import common
 
 def main() -> None:
     args = common.parser(__doc__).parse_args()
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    common.pin(args.core_sets, local_rank)
-    if args.device == "cuda":
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    world = dist.get_world_size()
+    rank, local_rank, world = common.start_worker(args)
     model, batches, device = common.workload(args, data_rank=rank, local_rank=local_rank)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = common.sgd(ddp.parameters(), args)

@@ -11,7 +11,6 @@ timed window (see ``common.timed_window``) and the samples trained in it.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
@@ -23,12 +22,7 @@ import common
 
 def main() -> None:
     args = common.parser(__doc__).parse_args()
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    common.pin(args.core_sets, local_rank)
-    if args.device == "cuda":
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    world = dist.get_world_size()
+    rank, local_rank, world = common.start_worker(args)
     model, batches, device = common.workload(args, data_rank=rank, local_rank=local_rank)
     mesh = init_device_mesh(device.type, (world,))
     for child in model.children():

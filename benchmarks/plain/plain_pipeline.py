@@ -15,7 +15,6 @@ batch stream (the first needs the inputs, the last the labels). Rank 0 writes th
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import torch
@@ -33,12 +32,7 @@ def main() -> None:
     p.add_argument("--stage-bounds", required=True, help="comma-separated cut, e.g. 0,6,11")
     p.add_argument("--microbatches", type=int, default=4)
     args = p.parse_args()
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    common.pin(args.core_sets, local_rank)
-    if args.device == "cuda":
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    stages = dist.get_world_size()
+    rank, local_rank, stages = common.start_worker(args)
     bounds = [int(b) for b in args.stage_bounds.split(",")]
     model, batches, device = common.workload(args, data_rank=0, local_rank=local_rank)
     mine = torch.nn.Sequential(OrderedDict(list(model.named_children())[bounds[rank]:bounds[rank + 1]])).to(device)
