@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -159,6 +160,7 @@ def test_time_repeats_warms_up_untimed_and_syncs_around_every_call():
 def test_calibrate_cli_quick_writes_a_loadable_cluster_with_what_hivemind_adds(tmp_path):
     """One real calibration (collectives, DDP and FSDP in steps, and the hivemind swarms) checked as a whole."""
     out = tmp_path / "cluster.toml"
+    sockets = set(Path("/tmp").glob("hivemind-*.sock"))  # hivemind's socket files go with the calibration's folder
     proc = subprocess.run([sys.executable, "-m", "ddlscope", "calibrate", "--quick", "--workers", "2", "--hivemind",
                            "--out", str(out), "--matchmaking-time-s", "0.8", "--json"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
@@ -191,6 +193,7 @@ def test_calibrate_cli_quick_writes_a_loadable_cluster_with_what_hivemind_adds(t
     assert hm.matchmaking_time_s == pytest.approx(0.8)  # the swarm ran at the matchmaking time asked for
     assert "32/8" in hm.reference and hm.overhead_steps >= 0  # one swarm per reference batch size
     assert 0.5 < hm.peer_startup_s < 60  # a fresh interpreter's imports, a DHT join and an optimizer: seconds
+    assert set(Path("/tmp").glob("hivemind-*.sock")) <= sockets
 
 
 def test_fit_swarm_reads_whole_epochs_after_the_first_and_fits_overhead_against_the_step():

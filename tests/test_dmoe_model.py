@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -474,7 +475,7 @@ def test_real_calibration_fits_positive_costs_and_leaves_nothing_running():
                 found.add(p.info["pid"])
         return found
 
-    before = ours()
+    before, sockets = ours(), set(Path("/tmp").glob("hivemind-*.sock"))
     lines: list[str] = []
     cal = calibrate_dmoe(lines.append)
     fit = cal.fit
@@ -488,3 +489,4 @@ def test_real_calibration_fits_positive_costs_and_leaves_nothing_running():
         assert cal.shared is not None and cal.shared["together_cpu_s"]["second"] > 0
         assert fit.colocated_cpu_ratio == pytest.approx(cal.shared["ratio"], rel=1e-3)
     assert ours() <= before  # every process group of the calibration is gone
+    assert set(Path("/tmp").glob("hivemind-*.sock")) <= sockets  # and hivemind's socket files with its folder

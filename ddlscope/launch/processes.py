@@ -159,14 +159,18 @@ def remove_run_temp_dir(path: str | Path | None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def route_hivemind_sockets() -> None:
+def route_hivemind_sockets(folder: str | None = None) -> None:
     """Make hivemind put its Unix socket files (p2pd's and each client's ``hivemind-*.sock``) in
-    ``$TMPDIR`` when that is a run's own folder (:func:`make_run_temp_dir`), instead of ``/tmp``,
-    where hivemind 1.1.12 leaves the clients' sockets behind. Call it in a worker before hivemind
-    starts a DHT; it changes nothing when ``$TMPDIR`` is not a run's folder.
+    ``folder`` (default: ``$TMPDIR`` when that is a run's own folder, :func:`make_run_temp_dir`)
+    instead of ``/tmp``, where hivemind 1.1.12 leaves the clients' sockets behind. Call it in a
+    process before hivemind starts a DHT, with a folder that is removed when the process's work
+    ends (a run's, a calibration's); it changes nothing without such a folder, or where the
+    folder's path is too long for a Unix socket's.
     """
-    tmp = os.environ.get("TMPDIR", "")
-    if not Path(tmp).name.startswith(RUN_TMP_PREFIX) or len(tmp) + 40 > UNIX_SOCKET_PATH_MAX:
+    tmp = folder if folder is not None else os.environ.get("TMPDIR", "")
+    if folder is None and not Path(tmp).name.startswith(RUN_TMP_PREFIX):
+        return
+    if not tmp or len(tmp) + 40 > UNIX_SOCKET_PATH_MAX:
         return
     from hivemind.p2p.p2p_daemon import P2P
 

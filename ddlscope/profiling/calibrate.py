@@ -596,7 +596,10 @@ def _worker_main(argv: list[str] | None = None) -> int:
 
         out = _measure(rank, workers, plan, say)
         if plan.get("hivemind"):  # 6. hivemind's own per-epoch cost and overshoot, on a reference network
+            from ddlscope.launch.processes import route_hivemind_sockets
             from ddlscope.profiling.swarm import EPOCHS, measure_swarm
+
+            route_hivemind_sockets(workdir)  # its socket files go with the calibration's folder
 
             out["swarm"] = measure_swarm(rank, workers, EPOCHS, plan["timeout_s"] / 2, say, plan["matchmaking_time_s"])
         dist.barrier()

@@ -820,6 +820,9 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--core", type=int, required=True)
     p.add_argument("--parent-pid", type=int, required=True)
     args = p.parse_args(argv)
+    from ddlscope.launch.processes import route_hivemind_sockets
+
+    route_hivemind_sockets(args.dir)  # hivemind's socket files go with the calibration's folder
     try:
         role = _serve if args.serve else _client if args.client else _second_client
         return role(args.dir, args.core, args.parent_pid)

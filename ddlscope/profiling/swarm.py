@@ -101,9 +101,7 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
     from ddlscope.launch.network import p2p_options
     from ddlscope.workloads.models import build_model
 
-    network, family = REFERENCE
-    torch.manual_seed(rank)
-    model = build_model(network, family)
+    param_bytes = sum(p.numel() * p.element_size() for p in build_model(*REFERENCE).parameters())
     t0 = time.perf_counter()  # what a new peer's process does before anything of the swarm
     subprocess.run([sys.executable, "-c", "import torch, hivemind"], check=True, capture_output=True, timeout=300)
     import_s = time.perf_counter() - t0
@@ -118,24 +116,32 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
         dht = hivemind.DHT(initial_peers=maddrs[0], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, **p2p_options())
         join_s = time.perf_counter() - t0
     try:
-        swarms = [_one_swarm(hivemind, dht, model, batch, workers, epochs, deadline_s / len(BATCH_SIZES),
+        swarms = [_one_swarm(hivemind, dht, rank, batch, workers, epochs, deadline_s / len(BATCH_SIZES),
                              matchmaking_time_s, say) for batch in BATCH_SIZES]
     finally:
         dht.shutdown()
-    return {"param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "matchmaking_time_s": matchmaking_time_s, "swarms": swarms, "import_s": import_s, "join_s": join_s}
+    return {"param_bytes": param_bytes, "matchmaking_time_s": matchmaking_time_s, "swarms": swarms, "import_s": import_s, "join_s": join_s}
 
 
-def _one_swarm(hivemind, dht, model, batch: int, workers: int, epochs: int, deadline_s: float,
+def _one_swarm(hivemind, dht, rank: int, batch: int, workers: int, epochs: int, deadline_s: float,
                matchmaking_time_s: float, say: Callable[[str], None]) -> dict[str, Any]:
-    """One swarm of :func:`measure_swarm` at ``batch`` samples per step (its own hivemind run id)."""
+    """One swarm of :func:`measure_swarm` at ``batch`` samples per step (its own hivemind run id).
+
+    Each swarm trains its own copy of :data:`REFERENCE` (seeded by ``rank``): the previous swarm's
+    ``hivemind.Optimizer`` may still be shutting down in the background (``shutdown_hivemind`` gives
+    up waiting after a few seconds), and its pending parameter round then copies the averaged
+    parameters into its model, which must not be the one the next swarm is differentiating (a CI
+    run failed with "modified by an inplace operation" when the swarms shared one).
+    """
     import torch
     import torch.distributed as dist
 
     from ddlscope.strategies.collaborative import shutdown_hivemind
-    from ddlscope.workloads.models import input_spec
+    from ddlscope.workloads.models import build_model, input_spec
     from ddlscope.workloads.step import build_optimizer, loss_function
 
+    torch.manual_seed(rank)
+    model = build_model(*REFERENCE)
     spec = input_spec(REFERENCE[1])
     x = torch.randn(batch, spec.channels, spec.height, spec.width)
     y = torch.randint(0, spec.num_classes, (batch,))
