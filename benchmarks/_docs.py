@@ -187,7 +187,7 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
             validation grid's fields), ``speed`` (``profile_and_predict_s``, ``further_cluster_s``,
             ``further_strategy_s``), ``validation_wall_s``, ``summary`` (``ValidationSummary.to_dict()``:
             ``per_model`` / ``per_reference`` of ``{count, median_abs_error, max_abs_error,
-            median_error}`` as fractions (and ``per_link`` / ``per_link_reference``, keyed
+            median_error, median_run_spread}`` as fractions (and ``per_link`` / ``per_link_reference``, keyed
             ``"<model> @ <link>"``, on emulated links), ``targets`` of ``{name, value, threshold, comparison,
             passed}``, ``top1_correct``, ``top1_determined``, ``median_regret``, ``tau_pooled``,
             ``cells``), ``measured_at`` and ``speed_targets_s`` (``{profile_and_predict_s, further_s}``).
@@ -231,6 +231,8 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
              + f"target batch size "
              f"{grid.get('target_batch_size') or grid.get('batch_size', '?')}, matchmaking time "
              f"{grid.get('matchmaking_time_s', '?')} s); {summary.get('cells', '?')} cells"
+             + (f", each run {grid['repeats']} times (interleaved; a cell shows its median run, the spread is "
+                f"(max - min) / median of its runs)" if (grid.get("repeats") or 1) > 1 else "")
              + (f"; the real runs took {wall / 60:.1f} min." if wall else "."), ""]
     rows = []
     per_link, per_link_ref = summary.get("per_link") or {}, summary.get("per_link_reference") or {}
@@ -241,16 +243,16 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
                 if key.split(" ", 1)[0] == model and key.partition(" @ ")[2] == link]
         count = m.get("count")
         rows.append([name, "–" if count is None else str(count), _pct(m.get("median_abs_error")),
-                     _pct(m.get("max_abs_error")), _pct(m.get("median_error"), signed=True), ", ".join(refs),
-                     *target(f"median abs error {name}")])
+                     _pct(m.get("max_abs_error")), _pct(m.get("median_error"), signed=True),
+                     _pct(m.get("median_run_spread")), ", ".join(refs), *target(f"median abs error {name}")])
     goodput = {c.get("link"): c.get("link_goodput") for c in result.get("cells", []) if c.get("link")}
     if goodput:
         lines += ["Emulated links, measured before predicting their cells: the share of its rate a link carried each "
                   "way with both ways busy (`ddlscope.network.duplex`): "
                   + ", ".join(f"{link} {'–' if g is None else f'{g:.3f}'}" for link, g in goodput.items()) + ".", ""]
     lines += [markdown_table(["distribution model (@ emulated link)", "cells", "median abs error", "max abs error",
-                              "median error (signed)", "thesis reference: median abs error", "target", "met"],
-                             rows), ""]
+                              "median error (signed)", "run-to-run spread (median)",
+                              "thesis reference: median abs error", "target", "met"], rows), ""]
     top1 = f"{summary.get('top1_correct', '–')} / {summary.get('top1_determined', '–')}"
     tau = summary.get("tau_pooled")
     limits = result.get("speed_targets_s", {})

@@ -9,9 +9,13 @@
    error <= 10 % for every distribution model, top-1 recommendation correct in >= 90 % of
    cells, median regret <= 5 %.
 
-    python benchmarks/predictor.py [--grid local] [--cluster FILE] [--db DB]
+    python benchmarks/predictor.py [--grid local] [--cluster FILE] [--db DB] [--repeats N]
     sudo python benchmarks/predictor.py --grid links     # emulated links (root): every model that runs on them
-    sudo python benchmarks/predictor.py --grid churn     # a collaborative pair with a peer killed and back
+    sudo python benchmarks/predictor.py --grid churn     # a collaborative pair with a peer killed and back, 3 runs each
+
+``--repeats N`` (or the grid's ``repeats``) runs every cell N times, interleaved; each cell shows
+its median run and the tables the median run-to-run spread per model, so that an error can be
+told from the noise of this machine.
 
 With ``--grid links`` (or ``moe-links``) the errors are also reported per distribution model and
 emulated link (``"ddp @ 50 Mbit/s"``), each such cell group against the same <= 10 % target, and
@@ -76,6 +80,8 @@ def main() -> None:
     ap.add_argument("--other-cluster", type=Path, default=HERE.parent / "ddlscope" / "examples" / "cluster-4xv100-nvlink.toml")
     ap.add_argument("--db", type=Path, help="results database (default: a fresh temporary one)")
     ap.add_argument("--rerun", action="store_true")
+    ap.add_argument("--repeats", type=int, choices=range(1, 11), metavar="1-10",
+                    help="real runs per cell (default: the grid's); a cell shows its median run")
     ap.add_argument("--docs", type=Path, default=DOCS_PAGE, help="docs page whose 'predictor' block is rewritten")
     ap.add_argument("--no-docs", action="store_true", help="leave the docs page as it is")
     args = ap.parse_args()
@@ -84,6 +90,8 @@ def main() -> None:
         check_docs_block(args.docs, block)
 
     grid = load_grid(args.grid)
+    if args.repeats is not None:
+        grid = grid.model_copy(update={"repeats": args.repeats})
     tmp = Path(tempfile.mkdtemp(prefix="ddlscope-predictor-"))
     db = args.db or tmp / "ddlscope.db"
     if args.cluster:

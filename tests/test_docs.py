@@ -97,14 +97,22 @@ def test_predictor_table_shows_each_model_and_target():
     assert lines[0] == HEADER
     single = next(line for line in lines if line.startswith("| single |"))
     ddp = next(line for line in lines if line.startswith("| ddp |"))
-    assert single == "| single | 6 | 5.1 % | 7.6 % | -2.0 % |  | <= 10.0 % | yes |"
-    assert ddp == "| ddp | 6 | 12.3 % | 20.0 % | +10.0 % | eq5.1: 10.4 % | <= 10.0 % | **no** |"
+    assert single == "| single | 6 | 5.1 % | 7.6 % | -2.0 % | – |  | <= 10.0 % | yes |"
+    assert ddp == "| ddp | 6 | 12.3 % | 20.0 % | +10.0 % | – | eq5.1: 10.4 % | <= 10.0 % | **no** |"
     assert "| recommendation = measured fastest (cells) | 1 / 1 | >= 90.0 % | yes |" in lines
     assert "| Kendall tau, predicted vs. measured order (pooled) | 0.91 |  |  |" in lines
     assert "| a further cluster / a further distribution model | 0.001 s / < 0.001 s | <= 1 s | yes |" in lines
     assert "Grid `tiny`: mnist x tiny_cnn; global batch 16; 2 workers of 1 core(s) each against one" in body
     assert "(collaborative 48, target batch size 16, matchmaking time 1.0 s); 1 cells" in body
     assert "the real runs took 1.5 min." in body
+    assert "each run" not in body
+    # a grid run 3 times per cell: said with the grid, each model's median spread in its row
+    repeated = fake_predictor_result()
+    repeated["grid"]["repeats"] = 3
+    repeated["summary"]["per_model"]["ddp"]["median_run_spread"] = 0.187
+    body = docs.predictor_markdown(repeated, header=HEADER)
+    assert "1 cells, each run 3 times (interleaved; a cell shows its median run" in body
+    assert "| ddp | 6 | 12.3 % | 20.0 % | +10.0 % | 18.7 % | eq5.1: 10.4 % | <= 10.0 % | **no** |" in body.splitlines()
 
 
 def test_default_header_names_script_date_machine_and_commit():

@@ -91,6 +91,56 @@ def test_validation_stores_predictions_links_runs_and_resumes(tmp_path, monkeypa
     assert {o.status for o in not_run[0].outcomes} == {"not-run"}
 
 
+def test_repeats_run_every_cell_again_interleaved_and_show_its_median_run(tmp_path, monkeypatch):
+    """repeats = 3: every cell once, then again; a cell's figures are its median run's (the
+    prediction linked to it), every completed repeat is kept for the spread, a failed repeat is
+    named; a grid whose repeats grow runs only the new repeats."""
+    import ddlscope.profiling.profile
+
+    from ddlscope.predict.validation_report import cells_table, model_error_table, summarize
+
+    monkeypatch.setattr(ddlscope.profiling.profile, "load_or_profile", lambda *a, **k: make_profile())
+    grid = ValidationGrid(name="v", datasets=["mnist"], networks=["tiny_cnn"], strategies=["single", "ddp"],
+                          workers=2, batch_size=16, warmup_batches=1, measured_batches=2, threads_per_device=1,
+                          synthetic_train_size=16)
+    db = tmp_path / "r.db"
+    step_s = {"": 0.5, "-r2": 0.8, "-r3": 0.4}  # seconds per step of each repeat
+    calls = []
+
+    def run(cfg, *args, **kwargs):
+        calls.append(cfg.run_label)
+        suffix = next((k for k in ("-r2", "-r3") if cfg.run_label.endswith(k)), "")
+        fail = {"single-tiny_cnn-mnist-1w-b16-r3"}
+        return fake_run_fn(fail=fail, step_s=step_s[suffix])[0](cfg, *args, **kwargs)
+
+    (one,) = run_validation(grid, make_cluster(), db, progress=False, run_fn=run)
+    assert one.outcome("ddp").measured_repeats_epoch_s == [] and one.outcome("ddp").run_spread is None
+    (cell,) = run_validation(grid.model_copy(update={"repeats": 3}), make_cluster(), db, progress=False, run_fn=run)
+    base = ["ddp-tiny_cnn-mnist-2w-b16", "single-tiny_cnn-mnist-1w-b16"]
+    assert calls == base + [k + r for r in ("-r2", "-r3") for k in base]  # the first runs were reused
+    per_step_epoch = 60_000 / 16
+    ddp = cell.outcome("ddp")
+    assert ddp.measured_epoch_s == pytest.approx(0.5 * per_step_epoch)
+    assert ddp.measured_repeats_epoch_s == pytest.approx([x * per_step_epoch for x in (0.5, 0.8, 0.4)])
+    assert ddp.run_spread == pytest.approx((0.8 - 0.4) / 0.5) and ddp.reason is None
+    single = cell.outcome("single")  # two completed: the faster of the middle two, and the failed repeat named
+    assert single.status == "completed" and single.measured_epoch_s == pytest.approx(0.5 * per_step_epoch)
+    assert single.reason.startswith("1 of 3 repeats did not complete: failed") and "boom" in single.reason
+    with ResultsStore(db) as store:
+        runs = {r["run_id"]: r["cell_key"] for r in store.runs("v")}
+        linked = {p["strategy"]: runs[p["run_id"]] for p in store.predictions("v")}
+    assert linked == {"ddp": base[0], "single": base[1]}  # the median runs
+    rows = {r["model"]: r for r in cells_table([cell])}
+    assert rows["ddp"]["runs"] == 3 and rows["ddp"]["run spread"] == "80.0 %" and rows["single"]["runs"] == 2
+    spread = {r["prediction"]: r["run spread"] for r in model_error_table(summarize([cell]))}
+    assert spread["ddp"] == "80.0 %" and spread["single"] == "46.2 %"  # 0.3 / 0.65
+    with pytest.raises(ValueError, match="repeats"):
+        ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], repeats=0)
+    bad = _cli("validate", "tiny", "--repeats", "0", "--db", str(tmp_path / "cli.db"))
+    assert bad.returncode == 2 and "--repeats" in bad.stderr and "greater than or equal to 1" in bad.stderr
+    assert not (tmp_path / "cli.db").exists()
+
+
 def _validate_links(tmp_path, monkeypatch, strategies, **grid_fields):
     """run_validation of tiny_cnn with a stand-in profile and runs: (cells, {run label: run config})."""
     import ddlscope.profiling.profile

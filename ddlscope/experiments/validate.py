@@ -109,6 +109,9 @@ class ValidationGrid(BaseModel):
         default_factory=list, description="the cells of swarm models (collaborative) run with this churn schedule "
                                           "(seconds from the swarm's first step) and are predicted for the churn "
                                           "that happened")
+    repeats: int = Field(1, ge=1, le=10, description="real runs per cell, interleaved (every cell once, then "
+                                                     "again); a cell's measured figures are its median run's, "
+                                                     "and every repeat's seconds per epoch is kept for the spread")
 
     @field_validator("bandwidths_mbit_per_s")
     @classmethod
@@ -193,10 +196,11 @@ PRESETS: dict[str, dict] = {
                       workers=2, batch_size=32, warmup_batches=3, measured_batches=20, synthetic_train_size=256,
                       bandwidths_mbit_per_s=[50.0, 10.0], loopback=False),
     # churn measured and predicted: peer 1 of a collaborative pair killed and back (seconds from the swarm's
-    # first stored step: after the warm-up and start-up steps), on loopback and on 50 Mbit/s links (needs root)
+    # first stored step: after the warm-up and start-up steps), on loopback and on 50 Mbit/s links (needs root).
+    # Three runs per cell: two runs of one such cell differed by 36 % on 2 cores, more than the model's error
     "churn": dict(name="validation-churn", datasets=["mnist"], networks=["mobilenet_v2"], strategies=["collaborative"],
                   workers=2, batch_size=64, target_batch_size=128, model_measured_batches={"collaborative": 64},
-                  bandwidths_mbit_per_s=[50.0], churn=[dict(peer=1, kill_at_s=20.0, rejoin_at_s=30.0)]),
+                  bandwidths_mbit_per_s=[50.0], churn=[dict(peer=1, kill_at_s=20.0, rejoin_at_s=30.0)], repeats=3),
     "tiny": dict(name="validation-tiny", datasets=["mnist"], networks=["tiny_cnn"],
                  strategies=["single", "ddp", "gpipe"], workers=2, batch_size=16, microbatches=2,
                  warmup_batches=1, measured_batches=3, synthetic_train_size=64),
@@ -248,9 +252,13 @@ def _churns(grid: ValidationGrid, strategy: str) -> bool:
     return bool(grid.churn) and distribution.get(strategy).churn is not None
 
 
-def _key(grid: ValidationGrid, setting: Setting, network: str, dataset: str, rates: float | list[float] | None) -> str:
-    """:func:`cell_key`, with ``-churn`` for a cell run with the grid's churn schedule."""
-    return cell_key(setting, network, dataset, rates) + ("-churn" if _churns(grid, setting.strategy) else "")
+def _key(grid: ValidationGrid, setting: Setting, network: str, dataset: str, rates: float | list[float] | None,
+         repeat: int = 0) -> str:
+    """:func:`cell_key`, with ``-churn`` for a cell run with the grid's churn schedule and ``-r2``,
+    ``-r3``, ... for its second, third ... run (``repeat`` counts from 0; the first keeps the plain
+    key, so a grid's stored runs are found again when its ``repeats`` grows)."""
+    return (cell_key(setting, network, dataset, rates) + ("-churn" if _churns(grid, setting.strategy) else "")
+            + (f"-r{repeat + 1}" if repeat else ""))
 
 
 def _table_values(grid: ValidationGrid, model: distribution.DistributionModel, setting: Setting) -> dict[str, Any]:
@@ -268,7 +276,8 @@ def _table_values(grid: ValidationGrid, model: distribution.DistributionModel, s
 
 
 def validation_cell(grid: ValidationGrid, setting: Setting, network: str, dataset: str, data_root: Path,
-                    stage_bounds: list[int] | None = None, mbit_per_s: float | list[float] | None = None) -> Cell:
+                    stage_bounds: list[int] | None = None, mbit_per_s: float | list[float] | None = None,
+                    repeat: int = 0) -> Cell:
     """The real run of a predicted setting, as an experiment cell: same batch, micro-batches, workers
     and cores per device, the model's table from the setting (see the module docstring), and for
     pipelines the predicted stage cut (``stage_bounds``), so that the run is the configuration that
@@ -276,12 +285,13 @@ def validation_cell(grid: ValidationGrid, setting: Setting, network: str, datase
     the values are invalid (the runner then stores the cell as failed). ``mbit_per_s``: the run's
     peers each in a network namespace with links of this rate, or per worker for a list
     (:mod:`ddlscope.network.emulated`). The run's device is the grid's ``device``; a collaborative
-    cell of a grid with ``churn`` runs that schedule."""
+    cell of a grid with ``churn`` runs that schedule. ``repeat``: which of the grid's ``repeats`` runs
+    of the cell this is (0: the first; see :func:`_key`)."""
     model = distribution.get(setting.strategy)
     table = _table_values(grid, model, setting)
     warmup = grid.warmup_batches + model.startup_steps_of(setting.batch_size, setting.workers, table)
     measured = grid.measured_batches_of(model.name)
-    key = _key(grid, setting, network, dataset, mbit_per_s)
+    key = _key(grid, setting, network, dataset, mbit_per_s, repeat)
     table.pop("churn", None)  # the grid's schedule, when it applies, as plain tables
     if _churns(grid, setting.strategy):
         table["churn"] = [e.model_dump(exclude_none=True) for e in grid.churn]
@@ -358,8 +368,9 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
                 with ResultsStore(db_path) as store:
                     entries = [(c, _store_prediction(store, grid.name, c, c is rec.best, net, ds,
                                                      _key(grid, c.setting, net, ds, mbit)),
-                                validation_cell(grid, c.setting, net, ds, root,
-                                                c.prediction.inputs.get("stage_bounds") if c.prediction else None, mbit))
+                                [validation_cell(grid, c.setting, net, ds, root,
+                                                 c.prediction.inputs.get("stage_bounds") if c.prediction else None,
+                                                 mbit, repeat) for repeat in range(grid.repeats)])
                                for c in rec.candidates]
                 link = None if mbit is None else link_label(mbit)
                 label = net if link is None else f"{net} @ {link}"
@@ -369,17 +380,15 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
                 first = False
     runs: dict[str, tuple[str | None, str, str | None]] = {}
     if run_real:
-        cells = [cell for *_, entries, _, _, _ in planned for _, _, cell in entries]
+        # repeats interleaved: every cell once, then every cell again, so that a drift of the machine
+        # (another load, thermal state) spreads over all cells rather than biasing some
+        cells = [repeats[r] for r in range(grid.repeats) for *_, entries, _, _, _ in planned for _, _, repeats in entries]
         for o in run_cells(cells, db_path, grid.name, progress=progress, rerun=rerun, run_fn=run_fn, what="validate"):
             runs[o.cell.key] = (o.run_id, o.status, o.reason)
     out = []
     for ds, net, link, predict_s, entries, both_ways, profile, predicted_on in planned:
-        outcomes = [_outcome(db_path, cand, pid, runs.get(cell.key)) for cand, pid, cell in entries]
-        for k, (cand, _, cell) in enumerate(entries):
-            run = runs.get(cell.key)
-            if _churns(grid, cand.setting.strategy) and run is not None and outcomes[k].measured:
-                outcomes[k] = churn_outcome(outcomes[k], db_path, run[0], profile, predicted_on, cand.setting,
-                                            grid.name, cell.key)
+        outcomes = [_repeated_outcome(grid, db_path, cand, pid, [(cell.key, runs.get(cell.key)) for cell in repeats],
+                                      profile, predicted_on) for cand, pid, repeats in entries]
         out.append(ValidationCell(dataset=ds, network=net, workers=grid.workers, outcomes=outcomes,
                                   predict_s=predict_s, link=link, link_goodput=both_ways))
     return out
@@ -399,9 +408,43 @@ def _store_prediction(store: ResultsStore, group: str, cand: Candidate, recommen
                 "recommended": recommended})
 
 
-def _outcome(db_path: Path, cand: Candidate, prediction_id: str,
-             run: tuple[str | None, str, str | None] | None) -> StrategyOutcome:
-    """A candidate's prediction next to its real run (``run``: id, runner status, reason; None: not run)."""
+def _repeated_outcome(grid: ValidationGrid, db_path: Path, cand: Candidate, prediction_id: str,
+                      runs: list[tuple[str, tuple[str | None, str, str | None] | None]], profile,
+                      cluster: ClusterSpec) -> StrategyOutcome:
+    """A candidate's prediction next to its cell's real runs: ``runs`` holds per repeat its cell key
+    and run (id, runner status, reason; None: not run).
+
+    Each repeat gets :func:`_outcome` (and, for a cell run with churn, :func:`churn_outcome`: its
+    own prediction for the churn that happened in it). The cell's outcome is its **median run**'s:
+    of the completed repeats ordered by measured seconds per epoch, the middle one (of an even
+    number, the faster of the middle two); without a completed repeat, the first repeat's. The
+    prediction ``prediction_id`` is linked to that run. With more than one repeat the outcome also
+    keeps every completed repeat's measured (and, with churn, predicted) seconds per epoch, in run
+    order, and says in ``reason`` how many failed and why the first did.
+    """
+    tried = []
+    for key, run in runs:
+        o = _outcome(db_path, cand, run)
+        if _churns(grid, cand.setting.strategy) and run is not None and o.measured:
+            o = churn_outcome(o, db_path, run[0], profile, cluster, cand.setting, grid.name, key)
+        tried.append((o, run))
+    done = sorted((t for t in tried if t[0].measured), key=lambda t: t[0].measured_epoch_s)
+    outcome, run = done[(len(done) - 1) // 2] if done else tried[0]
+    if run is not None and run[0] is not None:
+        with ResultsStore(db_path) as store:
+            store.link_prediction(prediction_id, run[0])
+    if len(tried) > 1:
+        outcome.measured_repeats_epoch_s = [o.measured_epoch_s for o, _ in tried if o.measured]
+        if _churns(grid, cand.setting.strategy):
+            outcome.predicted_repeats_epoch_s = [o.predicted_epoch_s for o, _ in tried if o.measured]
+        failed = [o for o, _ in tried if not o.measured]
+        if failed and done:
+            outcome.reason = f"{len(failed)} of {len(tried)} repeats did not complete: {failed[0].status}: {failed[0].reason}"
+    return outcome
+
+
+def _outcome(db_path: Path, cand: Candidate, run: tuple[str | None, str, str | None] | None) -> StrategyOutcome:
+    """A candidate's prediction next to one real run (``run``: id, runner status, reason; None: not run)."""
     from ddlscope.predict.validation_report import StrategyOutcome
 
     p = cand.prediction
@@ -418,7 +461,6 @@ def _outcome(db_path: Path, cand: Candidate, prediction_id: str,
         outcome.status, outcome.reason = "failed", reason or status
         return outcome
     with ResultsStore(db_path) as store:
-        store.link_prediction(prediction_id, run_id)
         row = store.run(run_id)
         measured = measure_run(store, run_id)
     if measured is not None and measured.epoch_s:

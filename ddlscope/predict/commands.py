@@ -290,6 +290,9 @@ def register(app: typer.Typer) -> None:
         progress: bool = typer.Option(True, "--progress/--no-progress"),
         device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda: where the workloads are profiled and "
                                              "the cells run (default: the grid's device, cpu unless it says)"),
+        repeats: Optional[int] = typer.Option(None, "--repeats", min=1, max=10,
+                                              help="real runs per cell, 1-10; a cell shows its median run and the "
+                                                   "spread (default: the grid's repeats, 1 unless it says)"),
         as_json: bool = typer.Option(False, "--json", help="print the validation (the report's validation.json and its "
                                                            "path) as JSON on stdout; everything else goes to stderr"),
     ):
@@ -303,6 +306,8 @@ def register(app: typer.Typer) -> None:
         spec = load_grid(grid)
         if device is not None:
             spec = spec.model_copy(update={"device": device})
+        if repeats is not None:
+            spec = spec.model_copy(update={"repeats": repeats})
         if spec.device == "cuda" and cluster is None:
             raise UserError("validate on cuda needs --cluster FILE: calibrating this machine times gloo collectives "
                             "between CPU cores, not nccl between GPUs; allowed: --cluster with kind = \"local\" and "

@@ -95,6 +95,10 @@ class StrategyOutcome:
     predicted_runtime_bytes: int | None = None
     measured_allocator_bytes: int | None = None
     measured_runtime_bytes: int | None = None
+    # a grid with repeats > 1: every completed repeat's measured seconds per epoch in run order (the figures
+    # above are the median run's), and, where each repeat had a prediction of its own (churn), theirs
+    measured_repeats_epoch_s: list[float] = field(default_factory=list)
+    predicted_repeats_epoch_s: list[float] = field(default_factory=list)
 
     @property
     def measured(self) -> bool:
@@ -122,6 +126,14 @@ class StrategyOutcome:
         if not self.predicted_runtime_bytes or not self.measured_runtime_bytes:
             return None
         return relative_error(self.predicted_runtime_bytes, self.measured_runtime_bytes)
+
+    @property
+    def run_spread(self) -> float | None:
+        """Run-to-run spread of the measured seconds per epoch over the cell's completed repeats:
+        ``(max - min) / median``; None with fewer than 2. A prediction error well inside it cannot
+        be told from noise."""
+        runs = self.measured_repeats_epoch_s
+        return (max(runs) - min(runs)) / statistics.median(runs) if len(runs) >= 2 else None
 
     @property
     def reference_errors(self) -> dict[str, float]:
@@ -159,7 +171,7 @@ class ModelError:
     ``count``: outcomes with both a prediction and a measurement; ``outcomes``: all outcomes of the
     model; ``without_measurement``: outcomes whose real run failed or did not run;
     ``without_prediction``: measured outcomes without a prediction. Statistics are None when
-    ``count`` is 0.
+    ``count`` is 0; ``median_run_spread`` is None without outcomes measured more than once.
     """
 
     count: int
@@ -169,6 +181,7 @@ class ModelError:
     median_abs_error: float | None
     max_abs_error: float | None
     median_error: float | None          # signed: > 0 the model overestimates on the median
+    median_run_spread: float | None = None  # median StrategyOutcome.run_spread of outcomes with repeats
 
 
 @dataclass
@@ -394,13 +407,15 @@ def check_cells(cells: list[ValidationCell]) -> None:
 def _model_error(outcomes: list[StrategyOutcome], errors: list[float | None]) -> ModelError:
     vals = [abs(e) for e in errors if e is not None]
     signed = [e for e in errors if e is not None]
+    spreads = [o.run_spread for o in outcomes if o.run_spread is not None]
     return ModelError(
         count=len(vals), outcomes=len(outcomes),
         without_measurement=sum(not o.measured for o in outcomes),
         without_prediction=sum(o.measured and o.predicted_epoch_s is None for o in outcomes),
         median_abs_error=statistics.median(vals) if vals else None,
         max_abs_error=max(vals) if vals else None,
-        median_error=statistics.median(signed) if signed else None)
+        median_error=statistics.median(signed) if signed else None,
+        median_run_spread=statistics.median(spreads) if spreads else None)
 
 
 def summarize(cells: list[ValidationCell]) -> ValidationSummary:
@@ -553,7 +568,8 @@ def summary_table(summary: ValidationSummary) -> list[dict]:
 
 
 def model_error_table(summary: ValidationSummary) -> list[dict]:
-    """Per distribution model, then per reference closed form: count, median/max |error|, median error."""
+    """Per distribution model, then per reference closed form: count, median/max |error|, median
+    error, and the median run-to-run spread of cells measured more than once (grid ``repeats``)."""
     rows = []
     for kind, group in (("model", summary.per_model), ("reference", summary.per_reference),
                         ("memory: allocator", summary.per_model_memory),
@@ -563,7 +579,8 @@ def model_error_table(summary: ValidationSummary) -> list[dict]:
                 continue
             rows.append({"prediction": name, "kind": kind, "n": m.count, "median abs err": _pct(m.median_abs_error, False),
                          "max abs err": _pct(m.max_abs_error, False), "median err": _pct(m.median_error),
-                         "not measured": m.without_measurement, "no prediction": m.without_prediction})
+                         "not measured": m.without_measurement, "no prediction": m.without_prediction,
+                         "run spread": _pct(m.median_run_spread, False)})
     return rows
 
 
@@ -644,7 +661,8 @@ def cells_table(cells: list[ValidationCell]) -> list[dict]:
             rows.append({
                 "dataset": c.dataset, "network": c.network, "workers": c.workers, "model": o.strategy,
                 "predicted s/epoch": o.predicted_epoch_s, "measured s/epoch": o.measured_epoch_s,
-                "error": _pct(o.error), "reference error": ref,
+                "runs": max(1, len(o.measured_repeats_epoch_s)) if o.measured else 0,
+                "run spread": _pct(o.run_spread, False), "error": _pct(o.error), "reference error": ref,
                 "memory MiB": None if o.predicted_memory_bytes is None else o.predicted_memory_bytes / 2**20,
                 "memory error (allocator / runtime)": f"{_pct(o.memory_error)} / {_pct(o.runtime_memory_error)}",
                 "fits": "-" if o.fits is None else ("yes" if o.fits else "no"),
