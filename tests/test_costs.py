@@ -509,3 +509,45 @@ def test_collaborative_churn_is_predicted_stretch_by_stretch():
     assert lone["samples"] < (lone["to_s"] - lone["from_s"]) * per_s
     with pytest.raises(UserError, match="allowed: 0..2"):
         predict(prof, cl, setting([{"peer": 5, "leave_at_s": 50.0}]))
+
+
+def test_a_kill_inside_a_gradient_round_stalls_the_swarm_until_the_rounds_timeout():
+    """hivemind's all-reduce waits for a member killed in the middle of it until averaging_timeout_s:
+    the prediction is the likelier outcome and names the other."""
+    import dataclasses
+
+    from ddlscope.distribution.collaborative import kill_in_round_risk
+
+    prof = make_profile()
+    one_kill = ({"peer": 1, "kill_at_s": 30.0, "rejoin_at_s": 60.0},)
+
+    def killed(bw_gb_per_s, timeout_s=20.0, kills=one_kill, peers=2):
+        cl = make_cluster(bw=bw_gb_per_s, peers=[PeerSpec(compute_share=1.0, bandwidth_gb_per_s=bw_gb_per_s)
+                                                 for _ in range(peers)])
+        return predict(prof, cl, Setting("collaborative", peers, 8, epoch_samples=3200, target_batch_size=64,
+                                         matchmaking_time_s=0.01,
+                                         options={"churn": list(kills), "run_s": 200.0, "averaging_timeout_s": timeout_s}))
+
+    # one kill, a short round in the epoch: likelier without the stall; two kills in rounds that are
+    # nearly half of each epoch: likelier with one
+    fast = killed(1.0)
+    slow = killed(1e-2, peers=3, kills=(*one_kill, {"peer": 2, "kill_at_s": 100.0, "rejoin_at_s": 130.0}))
+    for p in (fast, slow):
+        assert 0 < p.inputs["kill_in_round_probability"] < 1 and p.inputs["kill_in_round_stall_s"] > 0
+    assert fast.inputs["kill_in_round_probability"] < 0.5 < slow.inputs["kill_in_round_probability"]
+    assert not fast.inputs["predicted_kill_in_round"] and fast.inputs["epoch_s_other_outcome"] > fast.step_s
+    assert slow.inputs["predicted_kill_in_round"] and slow.inputs["epoch_s_other_outcome"] < slow.step_s
+    assert any("no stall, the more likely outcome" in n for n in fast.notes)
+    assert any("predicted: that stall" in n for n in slow.notes)
+    # a longer timeout stalls longer
+    assert killed(1.0, timeout_s=60.0).inputs["epoch_s_other_outcome"] > fast.inputs["epoch_s_other_outcome"]
+    # nobody killed (a clean leave): no risk, no note
+    left = killed(1.0, kills=({"peer": 1, "leave_at_s": 30.0},))
+    assert left.inputs["kill_in_round_probability"] == 0 and not any("gradient round" in n for n in left.notes)
+    # the stall window takes the samples of the stretches it covers: 10 s of a 100-sample/s stretch
+    stretches = [{"from_s": 0.0, "to_s": 50.0, "peers": [0, 1], "samples": 5000.0}]
+    # the window: the gradient round's 0.5 s plus half the slowest peer's 1.0 s step, of a 4 s epoch
+    swarm = dataclasses.replace(fast, step_s=4.0, inputs={**fast.inputs, "grad_round_s": 0.5, "peer_step_s": [1.0, 0.8]})
+    risk = kill_in_round_risk(stretches, [swarm], [(20.0, 1)], ["trainer", "trainer"], timeout_s=10.5, run_s=50.0)
+    assert risk["probability"] == pytest.approx(0.25) and risk["stall_s"] == pytest.approx(10.0)
+    assert risk["stall_samples"] == pytest.approx(1000.0)

@@ -416,8 +416,12 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     global epoch, half an epoch of its own on average, and then waits in the round for a partner
     until another peer arrives or the option ``averaging_timeout_s`` (default 300 s) runs out, epoch
     after epoch (:func:`lone_peer_samples`; seen in validation: a survivor of a pair stalled from its
-    next round until the killed peer was back). The prediction is then the run's mean global epoch:
-    ``run_s x TBS / samples trained``; ``inputs["churn_stretches"]`` lists each stretch.
+    next round until the killed peer was back). A kill that lands inside a gradient round the
+    killed peer takes part in stalls the swarm until that round's ``averaging_timeout_s``
+    (:func:`kill_in_round_risk`): the prediction is the more likely of the two outcomes (the stall
+    where its probability is at least 1/2; with several kills, the stalled outcome has every kill
+    stall) and ``inputs`` and a note give the other. The prediction is then the run's mean global
+    epoch: ``run_s x TBS / samples trained``; ``inputs["churn_stretches"]`` lists each stretch.
 
     Raises:
         UserError: churn without ``run_s``, churn naming a peer outside the setting, or a schedule
@@ -582,19 +586,76 @@ def _predict_churn(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     if trained <= 0:
         raise UserError(f"the churn schedule leaves no peer training in {run_s:g} s; allowed: at least one trainer "
                         f"present for part of the run")
+    risk = kill_in_round_risk(stretches, swarms, kills, roles, timeout_s, run_s)
+    stalled = trained - risk["stall_samples"]
+    in_round = risk["probability"] >= 0.5 and stalled > 0  # the more likely outcome is the prediction
     full = _predict_swarm(profile, cluster, s, scale, list(range(s.workers)))
-    epoch_s = run_s * s.target_batch_size / trained
+    epoch_s = run_s * s.target_batch_size / (stalled if in_round else trained)
     parts = {k: v * epoch_s / full.step_s for k, v in full.breakdown_s.items() if v}
+    other_s = run_s * s.target_batch_size / (trained if in_round else stalled) if stalled > 0 else None
     inputs = {**full.inputs, "run_s": run_s, "churn_stretches": stretches, "state_load_s": load_s,
               "peer_startup_s": startup_s,
-              "samples_trained": trained, "samples_lost_to_kills": lost, "epoch_s_without_churn": full.step_s}
+              "samples_trained": stalled if in_round else trained, "samples_lost_to_kills": lost,
+              "epoch_s_without_churn": full.step_s, "kill_in_round_probability": risk["probability"],
+              "kill_in_round_stall_s": risk["stall_s"], "predicted_kill_in_round": in_round,
+              "epoch_s_other_outcome": other_s}
     joins = any(e.join_at_s > 0 or e.rejoin_at_s is not None for e in churn)
     unknown = ["collaborative: the cluster file has no hivemind.peer_startup_s (calibrate --hivemind measures it), so "
                "joining peers are taken to train right after loading the swarm's state"] \
         if joins and startup_s is None else []
-    return make_prediction(s, parts, s.target_batch_size, inputs=inputs, notes=full.notes + unknown + [
+    risky = []
+    if risk["probability"] > 0:
+        other = "-" if other_s is None else f"{other_s:.1f} s"
+        risky.append(f"collaborative: a kill inside a gradient round (probability {risk['probability']:.0%}) stalls the "
+                     f"swarm until the round's averaging_timeout_s ({risk['stall_s']:.0f} s more); predicted: "
+                     + (f"that stall (mean epoch without it: {other})" if in_round else
+                        f"no stall, the more likely outcome (mean epoch with it: {other})"))
+    return make_prediction(s, parts, s.target_batch_size, inputs=inputs, notes=full.notes + unknown + risky + [
         f"collaborative: churn over {run_s:g} s: {len(stretches)} stretches of constant swarm, {lost:.0f} samples "
         f"lost to kills; the step is the run's mean global epoch"])
+
+
+def kill_in_round_risk(stretches: list[dict[str, Any]], swarms: list[Prediction | None], kills: list[tuple[float, int]],
+                       roles: list[str], timeout_s: float, run_s: float) -> dict[str, float]:
+    """What a kill costs when it lands inside a gradient round the killed peer takes part in.
+
+    hivemind's all-reduce does not notice a member that died in the middle of it: the others wait
+    for its parts until the round's ``averaging_timeout_s``, then step with their local gradients
+    (seen in the churn validation: a survivor's round failed after the 60 s timeout with 48.6 % of
+    its results, and the rejoined peer waited 38.8 s in its own round meanwhile). The group is
+    fixed once matchmaking formed it, at the epoch's estimated end (the round is pre-scheduled);
+    the killed peer reaches it when its step in progress ends, half its step on average, and then
+    the all-reduce runs. So a kill lands in such a round with probability ``window / epoch``,
+    ``window = grad_round_s + peer step / 2`` of the swarm it leaves (its slowest peer's step; the
+    parameter round where there is no gradient round, ``use_local_updates``); the swarm then trains
+    nothing for the rest of the round's timeout, ``timeout_s - window / 2`` on average. The window
+    is a reasoned estimate, not a fitted one: of six validation runs one kill landed in a round.
+
+    Args:
+        stretches / swarms: per stretch of constant swarm (``from_s``, ``to_s``, ``peers``,
+            ``samples``) and its prediction (None: nobody trains), as :func:`_predict_churn` makes them.
+        kills: ``(seconds from the run's start, peer)`` per kill; roles: per peer; timeout_s, run_s: seconds.
+
+    Returns:
+        ``probability`` that at least one kill lands in a round (0 without kills of a trainer in a
+        swarm of 2 or more), ``stall_s`` (the longest stall, seconds) and ``stall_samples`` (the
+        stretches' samples inside every kill's stall window, where nobody trains then).
+    """
+    miss, stall_s, stall_samples = 1.0, 0.0, 0.0
+    for t, i in kills:
+        k = next((k for k, st in enumerate(stretches) if st["from_s"] < t <= st["to_s"] and i in st["peers"]), None)
+        p = swarms[k] if k is not None else None
+        if p is None or roles[i] == "auxiliary" or len(stretches[k]["peers"]) < 2:
+            continue
+        round_s = p.inputs.get("grad_round_s") or p.inputs.get("state_round_s") or 0.0
+        window = min(p.step_s, round_s + max(p.inputs.get("peer_step_s") or [0.0]) / 2)
+        miss *= 1.0 - window / p.step_s
+        wait = max(0.0, timeout_s - window / 2)
+        stall_s = max(stall_s, wait)
+        end = min(run_s, t + wait)
+        stall_samples += sum(st["samples"] * max(0.0, min(end, st["to_s"]) - max(t, st["from_s"]))
+                             / (st["to_s"] - st["from_s"]) for st in stretches if st["to_s"] > st["from_s"])
+    return {"probability": 1.0 - miss, "stall_s": stall_s, "stall_samples": stall_samples}
 
 
 def lone_peer_samples(stretch_s: float, samples_per_s: float, epoch_s: float, timeout_s: float) -> float:
