@@ -12,6 +12,11 @@ the end of the last step (on a GPU, after the device finished it).
 Target (issue 16): median overhead < 2 % on every workload.
 
     python benchmarks/overhead.py [--device cpu|cuda] [--workload resnet18:digits:32 ...] [--steps 40] [--repeats 5]
+                                  [--min-window-s 10]
+
+Each repeat times at least ``--steps`` steps and enough of them to last ``--min-window-s`` seconds
+of the plain loop (measured by one untimed probe first): 37 steps of ``tiny_cnn`` last under a
+second, where the end of training and the machine's noise outweigh a per-step cost.
 
 Prints a table, writes ``benchmarks/results/overhead.json`` (``workloads``: one entry per workload)
 and rewrites the results block of ``docs/validation.md`` (``--no-docs`` to leave it).
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -100,22 +106,44 @@ def check_device(device: str) -> None:
                         f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); allowed here: --device cpu")
 
 
+def timed_steps_for(step_s: float, min_steps: int, min_window_s: float, max_steps: int = 5000) -> int:
+    """Timed steps of one repeat: at least ``min_steps``, and enough that a step of ``step_s`` seconds
+    fills ``min_window_s`` seconds (at most ``max_steps``).
+
+    A short window measures ddlscope's end of training (its last rows committed) and the machine's
+    noise rather than its per-step cost: with 37 timed steps of ``tiny_cnn`` (25 ms each, a 0.9 s
+    window) repeats of the plain loop alone spread from 0.88 to 1.20 s.
+
+    >>> timed_steps_for(0.025, 37, 10.0)
+    400
+    >>> timed_steps_for(1.0, 37, 10.0)
+    37
+    """
+    return max(min_steps, min(max_steps, math.ceil(min_window_s / max(step_s, 1e-9))))
+
+
 def measure(workload: str, device: str, args) -> dict:
-    """Plain vs. ddlscope seconds of one workload, ``args.repeats`` times each, alternating."""
+    """Plain vs. ddlscope seconds of one workload, ``args.repeats`` times each, alternating, each
+    repeat long enough for ``args.min_window_s`` (:func:`timed_steps_for`, from one untimed probe
+    of the plain loop)."""
     model, dataset, batch_size = parse_workload(workload)
-    cfg = validate_config(dict(model=model, dataset=dataset, batch_size=batch_size, device=device,
-                               sample_budget=args.steps * batch_size, warmup_steps=args.warmup, loader_workers=1,
-                               final_eval=False))
-    prepare_dataset(cfg)
+    probe = validate_config(dict(model=model, dataset=dataset, batch_size=batch_size, device=device,
+                                 sample_budget=args.steps * batch_size, warmup_steps=args.warmup, loader_workers=1,
+                                 final_eval=False))
+    prepare_dataset(probe)
+    timed = timed_steps_for(plain_loop_s(probe, args.warmup, args.steps) / (args.steps - args.warmup),
+                            args.steps - args.warmup, args.min_window_s)
+    cfg = probe.model_copy(update={"sample_budget": (args.warmup + timed) * batch_size})
+    steps = args.warmup + timed
     plain, instrumented = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
-            plain.append(plain_loop_s(cfg, args.warmup, args.steps))
+            plain.append(plain_loop_s(cfg, args.warmup, steps))
             instrumented.append(ddlscope_loop_s(cfg, args.warmup, Path(tmp) / f"r{r}.db"))
             print(f"{workload} repeat {r + 1}/{args.repeats}: plain {plain[-1]:.3f} s, "
                   f"ddlscope {instrumented[-1]:.3f} s", flush=True)
     p, i = statistics.median(plain), statistics.median(instrumented)
-    overhead, timed_steps = i / p - 1.0, args.steps - args.warmup
+    overhead, timed_steps = i / p - 1.0, timed
     return dict(model=model, dataset=dataset, batch_size=batch_size, device=device, timed_steps=timed_steps,
                 repeats=args.repeats, plain_s=plain, ddlscope_s=instrumented, plain_median_s=p, ddlscope_median_s=i,
                 plain_step_ms=1000 * p / timed_steps, ddlscope_step_ms=1000 * i / timed_steps,
@@ -127,7 +155,9 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--workload", action="append", default=None,
                         help=f"model:dataset:batch_size, repeatable (default: {' '.join(WORKLOADS)})")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=40, help="steps per repeat, at least (warm-up included)")
+    parser.add_argument("--min-window-s", type=float, default=10.0,
+                        help="seconds a repeat's timed steps should last at least: small steps run more of them")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
@@ -137,9 +167,9 @@ def main() -> None:
     workloads = args.workload or list(WORKLOADS)
     for w in workloads:
         parse_workload(w)
-    if not 0 <= args.warmup < args.steps or args.repeats < 1:
-        raise UserError(f"--warmup {args.warmup} --steps {args.steps} --repeats {args.repeats}; allowed: "
-                        "0 <= warmup < steps, repeats >= 1")
+    if not 0 <= args.warmup < args.steps or args.repeats < 1 or not args.min_window_s >= 0:
+        raise UserError(f"--warmup {args.warmup} --steps {args.steps} --repeats {args.repeats} --min-window-s "
+                        f"{args.min_window_s}; allowed: 0 <= warmup < steps, repeats >= 1, min-window-s >= 0")
     check_device(args.device)
     if not args.no_docs:
         check_docs_block(args.docs, "overhead")
