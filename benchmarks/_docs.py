@@ -185,7 +185,8 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
     Args:
         result: the dict written to ``benchmarks/results/predictor.json``: ``grid`` (the
             validation grid's fields), ``speed`` (``profile_and_predict_s``, ``further_cluster_s``,
-            ``further_strategy_s``), ``validation_wall_s``, ``summary`` (``ValidationSummary.to_dict()``:
+            ``further_strategy_s``), ``validation_wall_s`` (this invocation) and ``runs_s`` (the
+            grid's stored runs, those it reused included; shown where present), ``summary`` (``ValidationSummary.to_dict()``:
             ``per_model`` / ``per_reference`` of ``{count, median_abs_error, max_abs_error,
             median_error, median_run_spread}`` as fractions (and ``per_link`` / ``per_link_reference``, keyed
             ``"<model> @ <link>"``, on emulated links), ``targets`` of ``{name, value, threshold, comparison,
@@ -218,7 +219,7 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
         return [f"<= {limit_s:g} s", met[None if None in values else max(values) <= limit_s]]
 
     threads = grid.get("threads_per_device")
-    wall = result.get("validation_wall_s")
+    wall = result.get("runs_s") or result.get("validation_wall_s")  # runs_s: reused runs' time too
     lines = [header, "",
              f"Grid `{grid.get('name', '?')}`: {', '.join(grid.get('datasets', []))} x "
              f"{', '.join(grid.get('networks', []))}; global batch {grid.get('batch_size', '?')}; "

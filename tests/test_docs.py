@@ -106,6 +106,8 @@ def test_predictor_table_shows_each_model_and_target():
     assert "(collaborative 48, target batch size 16, matchmaking time 1.0 s); 1 cells" in body
     assert "the real runs took 1.5 min." in body
     assert "each run" not in body
+    reused = {**fake_predictor_result(), "validation_wall_s": 18.0, "runs_s": 1302.0}  # stored runs were reused
+    assert "the real runs took 21.7 min." in docs.predictor_markdown(reused, header=HEADER)
     # a grid run 3 times per cell: said with the grid, each model's median spread in its row
     repeated = fake_predictor_result()
     repeated["grid"]["repeats"] = 3
