@@ -24,9 +24,11 @@ def _cfg(**over):
 
 def test_two_trainers_survive_a_killed_server_and_use_its_restart(tmp_path):
     db = tmp_path / "r.db"
-    # trainers train for about 25 s on 2 busy cores; the schedule counts from their first step. Run as a user runs it, in a
-    # process of its own: started from this test process after the rest of the suite, hivemind's server
-    # start hung at its connection handler (twice in CI; cause not found, see docs/validation.md)
+    # trainers train for about 25 s on 2 busy cores; the schedule counts from their first step (as the launcher
+    # sees it in the store). Evaluation (every 40 steps) is left until after the restart: its expert calls are
+    # not training steps' calls, and a kill during an evaluation at step 10 left no failed call in moe_calls (CI).
+    # Run as a user runs it, in a process of its own: started from this test process after the rest of the suite,
+    # hivemind's server start hung at its connection handler (twice in CI; cause not found, see docs/validation.md)
     import subprocess
     import sys
 
@@ -38,7 +40,7 @@ dataset = "digits"
 peers = 2
 batch_size = 16
 sample_budget = 2400
-eval_every_steps = 10
+eval_every_steps = 40
 loader_workers = 0
 [dmoe]
 update_period_s = 2.0

@@ -130,3 +130,17 @@ def test_sigterm_commits_everything_and_sigkill_loses_only_the_last_interval(db_
         proc.kill()
     assert proc.returncode == (130 if sig == signal.SIGTERM else -signal.SIGKILL)
     assert _committed_steps(db_path) == kept
+
+
+@pytest.mark.parametrize("loss, accuracy", [(float("nan"), 0.1), (float("inf"), 0.1), (2.3, float("nan"))])
+def test_a_diverged_evaluation_is_named_not_a_constraint_error(db_path, loss, accuracy):
+    """SQLite stores NaN as NULL, which evals refuses: a diverged run fails saying so (seen in CI: a churned
+    swarm's parameters became NaN after an averaging round and the worker died of an IntegrityError)."""
+    from ddlscope.store.db import TrainingDiverged
+
+    with ResultsStore(db_path) as store:
+        rid = store.create_run("r", "single", tiny_run())
+        with pytest.raises(TrainingDiverged, match=r"worker 0: the held-out loss is .* after step 7: training diverged"):
+            store.add_eval(rid, 0, 7, 1.0, accuracy, loss, 32)
+        store.add_eval(rid, 0, 8, 1.0, 0.5, 2.3, 32)  # a finite one is stored
+        assert [e["step"] for e in store.rows("evals", rid)] == [8]

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import socket
@@ -171,6 +172,10 @@ HOST_COLUMNS = (
 
 class StoreFullError(UserError):
     """The results store could not be written because its disk is full; the message names the file."""
+
+
+class TrainingDiverged(RuntimeError):
+    """A figure to store is not finite (NaN or infinite loss): the training diverged; the message names the worker and step."""
 
 
 DISK_FULL_FREE_BYTES = 1 << 20
@@ -586,7 +591,15 @@ class ResultsStore:
 
     def add_eval(self, run_id: str, worker_index: int, step: int, train_time_s: float, accuracy: float, loss: float,
                  samples: int) -> None:
-        """Store a held-out evaluation after ``step``; ``train_time_s`` is training time so far, evaluations excluded."""
+        """Store a held-out evaluation after ``step``; ``train_time_s`` is training time so far, evaluations excluded.
+
+        Raises:
+            TrainingDiverged: the loss or accuracy is NaN or infinite (SQLite would store NaN as NULL, which the
+                table refuses): the run then fails with this as its reason, not with a constraint error.
+        """
+        if not (math.isfinite(loss) and math.isfinite(accuracy)):
+            raise TrainingDiverged(f"worker {worker_index}: the held-out loss is {loss} (accuracy {accuracy}) after step "
+                                   f"{step}: training diverged (its parameters are not finite)")
         self.conn.execute("INSERT INTO evals VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                           (run_id, worker_index, step, time.time(), train_time_s, accuracy, loss, samples))
 
