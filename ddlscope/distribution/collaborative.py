@@ -577,7 +577,7 @@ def _predict_churn(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     samples = sum(st["samples"] for st in stretches)
     lost = 0.0
     for t, i in kills:  # the killed peer's samples since the last round: half an epoch's share on average
-        k = next((k for k, st in enumerate(stretches) if st["from_s"] < t <= st["to_s"] and i in st["peers"]), None)
+        k = _stretch_of(stretches, t, i)
         p = swarms[k] if k is not None else None
         if p is not None and roles[i] != "auxiliary":
             trainers = [j for j in stretches[k]["peers"] if roles[j] != "auxiliary"]
@@ -643,7 +643,7 @@ def kill_in_round_risk(stretches: list[dict[str, Any]], swarms: list[Prediction 
     """
     miss, stall_s, stall_samples = 1.0, 0.0, 0.0
     for t, i in kills:
-        k = next((k for k, st in enumerate(stretches) if st["from_s"] < t <= st["to_s"] and i in st["peers"]), None)
+        k = _stretch_of(stretches, t, i)
         p = swarms[k] if k is not None else None
         if p is None or roles[i] == "auxiliary" or len(stretches[k]["peers"]) < 2:
             continue
@@ -656,6 +656,11 @@ def kill_in_round_risk(stretches: list[dict[str, Any]], swarms: list[Prediction 
         stall_samples += sum(st["samples"] * max(0.0, min(end, st["to_s"]) - max(t, st["from_s"]))
                              / (st["to_s"] - st["from_s"]) for st in stretches if st["to_s"] > st["from_s"])
     return {"probability": 1.0 - miss, "stall_s": stall_s, "stall_samples": stall_samples}
+
+
+def _stretch_of(stretches: list[dict[str, Any]], t: float, peer: int) -> int | None:
+    """Index of the stretch in which ``peer`` trained at ``t`` seconds (its kill time), or None."""
+    return next((k for k, st in enumerate(stretches) if st["from_s"] < t <= st["to_s"] and peer in st["peers"]), None)
 
 
 def lone_peer_samples(stretch_s: float, samples_per_s: float, epoch_s: float, timeout_s: float) -> float:
