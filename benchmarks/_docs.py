@@ -99,7 +99,10 @@ def update_docs_block(path: Path, name: str, body: str) -> None:
 
 def git_commit(repo: Path = REPO) -> str:
     """The short commit hash of ``repo``'s HEAD, with ``+uncommitted changes`` when the work tree
-    differs from it; ``"unknown"`` when git or the repository is unavailable."""
+    differs from it; ``"unknown"`` when git or the repository is unavailable. ``DDLSCOPE_COMMIT``,
+    when set, is returned as it is: the commit of a copied tree without ``.git`` (a lent GPU machine)."""
+    if os.environ.get("DDLSCOPE_COMMIT"):
+        return os.environ["DDLSCOPE_COMMIT"]
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True,
                               timeout=30).stdout.strip()
@@ -305,12 +308,66 @@ def overhead_markdown(result: Mapping[str, Any], header: str | None = None) -> s
     except (KeyError, TypeError) as e:
         raise UserError(f"not a benchmarks/overhead.py result: missing {e}; allowed: the dict it writes to "
                         "benchmarks/results/overhead.json") from None
-    header = header or provenance("benchmarks/overhead.py", str(result.get("measured_at", ""))[:16] or None)
+    header = header or provenance("benchmarks/overhead.py", str(result.get("measured_at", ""))[:16] or None,
+                                  result.get("machine"), result.get("commit"))
     device = result.get("device")
     where = f"\n\nDevice: {result.get('gpu') or device}." if device else ""
     table = markdown_table(["workload", "timed steps", "repeats", "plain ms/step", "ddlscope ms/step",
                             "overhead (median)", "target", "met"], rows)
     return f"{header}{where}\n\n{table}"
+
+
+def gpu_markdown(result: Mapping[str, Any], header: str | None = None) -> str:
+    """The block of ``benchmarks/gpu.py``: profile vs run (step, allocator peak, runtime) per workload,
+    the scaling bands checked, and the fit search of a workload too big for the GPU.
+
+    Args:
+        result: the dict written to ``benchmarks/results/gpu-<kind>.json``: ``gpu``, ``runs`` (each
+            with ``model``, ``dataset``, ``batch_size``, ``predicted`` and ``measured`` dicts of
+            ``step_s``, ``allocator_bytes``, ``runtime_bytes``, and the ``*_error`` fractions),
+            ``bands`` (``what``, ``source``, ``target``, ``batch_size``, ``predicted_step_s``,
+            ``measured_step_s``, ``low``, ``high``, ``factor``, ``measured_factor``, ``inside``) and
+            ``big`` (None or the fit search); ``machine``, ``commit``, ``measured_at`` optional.
+        header: the line above the tables (default: :func:`provenance` of the result's machine).
+
+    Raises:
+        UserError: ``result`` lacks one of those keys (not a gpu result).
+    """
+    mib = lambda b: "-" if b is None else f"{b / 2**20:,.0f}"  # noqa: E731
+    try:
+        runs = [[f"{r['model']} / {r['dataset']}, batch {r['batch_size']}",
+                 f"{r['predicted']['step_s'] * 1e3:.2f}", f"{r['measured']['step_s'] * 1e3:.2f}",
+                 _pct(r["step_error"], True), mib(r["predicted"]["allocator_bytes"]),
+                 mib(r["measured"]["allocator_bytes"]), _pct(r["allocator_error"], True),
+                 "yes" if r["allocator_within_target"] else "**no**",
+                 mib(r["predicted"]["runtime_bytes"]), mib(r["measured"]["runtime_bytes"])] for r in result["runs"]]
+        bands = [[b["what"], b["source"], b["target"], f"{b['batch_size']}", f"{b['predicted_step_s'] * 1e3:.2f}",
+                  f"{b['measured_step_s'] * 1e3:.2f}", f"x{b['factor']:.3g} [{b['low']:.3g}, {b['high']:.3g}]",
+                  f"x{b['measured_factor']:.3g}", "yes" if b["inside"] else "**no**"] for b in result["bands"]]
+        big, gpu = result["big"], result["gpu"]
+    except (KeyError, TypeError) as e:
+        raise UserError(f"not a benchmarks/gpu.py result: missing {e}; allowed: the dict it writes to "
+                        "benchmarks/results/gpu-<kind>.json") from None
+    header = header or provenance("benchmarks/gpu.py", str(result.get("measured_at", ""))[:16] or None,
+                                  result.get("machine"), result.get("commit"))
+    parts = [header, f"Device: {gpu}. Profile vs a real `single` run (step: whole step with data loading; "
+                     f"memory: allocator peak vs `max_memory_allocated`, runtime vs device memory beyond the "
+                     f"allocator; target +-10 % for the allocator peak):",
+             markdown_table(["workload", "predicted ms/step", "measured ms/step", "step error",
+                             "predicted allocator MiB", "measured allocator MiB", "allocator error", "within 10 %",
+                             "predicted runtime MiB", "measured runtime MiB"], runs)]
+    if bands:
+        parts += ["Scaling bands (compute step: forward, backward, optimizer; the band is the estimate x/÷ 2):",
+                  markdown_table(["scaled", "profiled on", "to", "batch", "predicted ms", "measured ms",
+                                  "factor [band]", "measured factor", "inside"], bands)]
+    if big:
+        fit = (f"{big['largest_fitting_batch_size']}" if big["largest_fitting_batch_size"] else "the asked batch")
+        parts.append(f"Fit search: `{big['model']}` / {big['dataset']}, batch {big['batch_size']}: largest batch "
+                     f"that fits: {fit} (of {mib(big['memory_available_bytes'])} MiB available); measured at "
+                     f"{big['measured_batch_sizes']}; the asked batch {'extrapolated' if big['extrapolated'] else 'measured'}"
+                     f" at {big['step_s'] * 1e3:.1f} ms/step, predicted peak {mib(big['predicted_peak_bytes'])} MiB; "
+                     f"profile took {big['seconds']:.0f} s. Note: {big['fit_note'] or '-'}")
+    return "\n\n".join(parts)
 
 
 def peers_markdown(result: Mapping[str, Any], header: str | None = None) -> str:

@@ -18,8 +18,10 @@ Each repeat times at least ``--steps`` steps and enough of them to last ``--min-
 of the plain loop (measured by one untimed probe first): 37 steps of ``tiny_cnn`` last under a
 second, where the end of training and the machine's noise outweigh a per-step cost.
 
-Prints a table, writes ``benchmarks/results/overhead.json`` (``workloads``: one entry per workload)
-and rewrites the results block of ``docs/validation.md`` (``--no-docs`` to leave it).
+Prints a table, writes ``benchmarks/results/overhead.json`` (``overhead-cuda.json`` on cuda;
+``workloads``: one entry per workload) and rewrites the block ``overhead`` (``overhead-cuda``) of
+``docs/validation.md`` (``--no-docs`` to leave it; ``--docs-from FILE`` renders a result written
+elsewhere, e.g. on a lent GPU machine, without measuring).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from ddlscope.store.db import ResultsStore
 from ddlscope.strategies import WorkerContext
 from ddlscope.train.loop import batches_forever, build_workload, run_worker
 
-from _docs import DOCS_PAGE, check_docs_block, overhead_markdown, update_docs_block
+from _docs import DOCS_PAGE, check_docs_block, git_commit, machine_description, overhead_markdown, update_docs_block
 
 TARGET = 0.02
 WORKLOADS = ("tiny_cnn:digits:32", "resnet18:digits:32")  # a small step and a large one
@@ -85,6 +87,11 @@ def ddlscope_loop_s(cfg, warmup: int, db: Path) -> float:
         first = next(s for s in store.rows("steps", run_id) if s["step"] == warmup)
         end = store.workers(run_id)[0]["train_end_time"]
         return end - first["wall_time"]
+
+
+def block_name(device: str) -> str:
+    """The docs block (and result file stem) of a pass on ``device``: ``overhead``, ``overhead-cuda``."""
+    return "overhead" if device == "cpu" else f"overhead-{device}"
 
 
 def parse_workload(text: str) -> tuple[str, str, int]:
@@ -160,10 +167,18 @@ def main() -> None:
                         help="seconds a repeat's timed steps should last at least: small steps run more of them")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default benchmarks/results/overhead.json (cpu), overhead-cuda.json (cuda)")
     parser.add_argument("--docs", type=Path, default=DOCS_PAGE, help="docs page whose 'overhead' block is rewritten")
     parser.add_argument("--no-docs", action="store_true", help="leave the docs page as it is")
+    parser.add_argument("--docs-from", type=Path, default=None, help="render this result file's block; measure nothing")
     args = parser.parse_args()
+    if args.docs_from is not None:
+        result = json.loads(args.docs_from.read_text())
+        update_docs_block(args.docs, block_name(result["device"]), overhead_markdown(result))
+        print(f"rewrote the '{block_name(result['device'])}' block of {args.docs}")
+        return
+    out = args.out or Path(__file__).parent / "results" / f"{block_name(args.device)}.json"
     workloads = args.workload or list(WORKLOADS)
     for w in workloads:
         parse_workload(w)
@@ -172,12 +187,13 @@ def main() -> None:
                         f"{args.min_window_s}; allowed: 0 <= warmup < steps, repeats >= 1, min-window-s >= 0")
     check_device(args.device)
     if not args.no_docs:
-        check_docs_block(args.docs, "overhead")
+        check_docs_block(args.docs, block_name(args.device))
 
     cores = available_cores()
     torch.set_num_threads(len(cores))
     rows = [measure(w, args.device, args) for w in workloads]
     result = dict(device=args.device, cores=len(cores), torch=torch.__version__, host=os.uname().nodename,
+                  machine=machine_description(), commit=git_commit(),
                   gpu=torch.cuda.get_device_name() if args.device == "cuda" else None, workloads=rows,
                   overhead_fraction=max(r["overhead_fraction"] for r in rows), target_fraction=TARGET,
                   meets_target=all(r["meets_target"] for r in rows), measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
@@ -188,12 +204,12 @@ def main() -> None:
         print(f"{r['model'] + '/' + r['dataset'] + ' bs' + str(r['batch_size']):<30}{r['plain_step_ms']:>15.1f}"
               f"{r['ddlscope_step_ms']:>18.1f}{r['overhead_fraction']:>10.2%}{'< ' + format(TARGET, '.0%'):>8}  "
               f"{'PASS' if r['meets_target'] else 'FAIL'}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out}")
     if not args.no_docs:
-        update_docs_block(args.docs, "overhead", overhead_markdown(result))
-        print(f"rewrote the 'overhead' block of {args.docs}")
+        update_docs_block(args.docs, block_name(args.device), overhead_markdown(result))
+        print(f"rewrote the '{block_name(args.device)}' block of {args.docs}")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ def test_local_kind_on_a_gpu_profile_is_the_profiled_gpu_itself():
 @pytest.mark.parametrize("name, kind", [
     ("NVIDIA H100 80GB HBM3", "h100-80gb"), ("NVIDIA H100 PCIe", None), ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
     ("NVIDIA A100 80GB PCIe", None), ("Tesla V100-SXM2-16GB", "v100-16gb"), ("Tesla T4", "t4"),
-    ("NVIDIA GeForce RTX 3090", "rtx-3090"), ("NVIDIA GeForce RTX 3090 Ti", None), ("NVIDIA H200", None),
+    ("NVIDIA GeForce RTX 3090", "rtx-3090"), ("NVIDIA GeForce RTX 3090 Ti", None), ("NVIDIA H200", "h200-141gb"),
+    ("NVIDIA H200 NVL", None),
     ("AMD EPYC 7763 64-Core Processor", None),
 ])
 def test_gpu_names_match_their_datasheet_kind_only(name, kind):
@@ -83,7 +84,7 @@ def test_launch_bound_network_does_not_speed_up_on_a_faster_gpu():
 
 
 def test_unmatched_gpu_name_uses_the_measured_peaks():
-    est = compute_scale(gpu_profile(name="NVIDIA H200", peak_tflops=50.0), 32, "h100-80gb")
+    est = compute_scale(gpu_profile(name="NVIDIA H200 NVL", peak_tflops=50.0), 32, "h100-80gb")
     big_s = 3e-4 * 32
     assert est.factor == pytest.approx((OVERHEAD_S + big_s * 50.0 / H100.peak_tflops) / (OVERHEAD_S + big_s), rel=1e-6)
     assert "measured" in est.method

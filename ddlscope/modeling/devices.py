@@ -58,6 +58,7 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
     "a100-80gb": DeviceKind(19.5, 2039.0, 80.0, "NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM (2021)"),
     "l4": DeviceKind(30.3, 300.0, 24.0, "NVIDIA L4 Tensor Core GPU datasheet (2023)"),
     "h100-80gb": DeviceKind(67.0, 3350.0, 80.0, "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM (2023)"),
+    "h200-141gb": DeviceKind(67.0, 4800.0, 141.0, "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM (2024)"),
 }
 
 #: How a GPU's name (``torch.cuda.get_device_name``, a profile's ``device.name``) identifies a kind
@@ -75,6 +76,7 @@ GPU_NAME_TOKENS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "a100-80gb": (frozenset({"a100", "80gb"}), frozenset({"pcie"})),
     "l4": (frozenset({"l4"}), frozenset()),
     "h100-80gb": (frozenset({"h100", "80gb"}), frozenset({"pcie", "nvl"})),
+    "h200-141gb": (frozenset({"h200"}), frozenset({"nvl"})),  # torch names the SXM part "NVIDIA H200"
 }
 
 #: Multiplicative half-width of the stated band: the true factor is taken to lie within

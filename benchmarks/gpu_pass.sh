@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One GPU pass of issue 16 on a machine with one CUDA GPU and torch, the project's other packages
+# importable (hivemind not needed): the CUDA tests, the instrumentation overhead on cuda, and
+# benchmarks/gpu.py (profile vs run, memory split, scaling bands, fit search).
+#
+#   OUT=/some/folder bash benchmarks/gpu_pass.sh [extra arguments of benchmarks/gpu.py]
+#
+# Writes under $OUT (default benchmarks/results): log.txt, overhead-cuda.json, gpu.json and
+# profiles.tar.gz (this GPU's profiles, for a GPU -> GPU band on another kind: --from-profiles).
+# Render them into docs/validation.md on any machine with
+#   python benchmarks/overhead.py --docs-from overhead-cuda.json; python benchmarks/gpu.py --docs-from gpu.json
+set -u
+OUT=$(realpath -m "${OUT:-benchmarks/results}")
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DDLSCOPE_DATA=${DDLSCOPE_DATA:-/tmp/ddlscope-gpu-data}
+exec > >(tee -a "$OUT/log.txt") 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+for ds in cifar10 imagenet; do python3 -m ddlscope data synthetic "$ds" --train-size 1024 --test-size 32 >/dev/null; done
+timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_device.py tests/test_timeline.py \
+  tests/test_memory_split.py tests/test_profile_fit.py tests/test_gpu_scaling.py tests/test_preflight.py
+echo "pytest exit: $?"
+(cd benchmarks && timeout "${OVERHEAD_S:-150}" python3 overhead.py --device cuda --workload resnet18:cifar10:256 \
+  --workload vgg11:cifar10:64 --workload mobilenetv2:cifar10:64 --workload resnet50:imagenet:64 \
+  --min-window-s 2 --repeats 3 --out "$OUT/overhead-cuda.json" --no-docs)
+echo "overhead exit: $?"
+(cd benchmarks && timeout "${GPU_CHECK_S:-300}" python3 gpu.py --out "$OUT/gpu.json" --profiles-out /tmp/gpu-profiles \
+  --no-docs "$@")
+echo "gpu.py exit: $?"
+tar -czf "$OUT/profiles.tar.gz" -C /tmp gpu-profiles 2>/dev/null
