@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--workload", action="append", default=None,
                         help=f"model:dataset:batch_size, repeatable (default: {' '.join(WORKLOADS)})")
     parser.add_argument("--cpu-workload", action="append", default=None,
-                        help="also profiled on the CPU and scaled to this GPU (default: resnet18:cifar10:64)")
+                        help="also profiled on the CPU and scaled to this GPU (default: resnet18:cifar10:64; '' for none)")
     parser.add_argument("--cpu-threads", type=int, default=8, help="cores of the CPU profile")
     parser.add_argument("--big", default="resnet152:highres:128", help="a workload too big for the GPU ('' skips)")
     parser.add_argument("--steps", type=int, default=40, help="steps of each real run (warm-up included)")
@@ -145,7 +145,7 @@ def main() -> None:
         print(f"rewrote the 'gpu-{result['kind']}' block of {args.docs}")
         return
     workloads = [parse_workload(w) for w in (args.workload or WORKLOADS)]
-    cpu_workloads = [parse_workload(w) for w in (args.cpu_workload or ["resnet18:cifar10:64"])]
+    cpu_workloads = [parse_workload(w) for w in (args.cpu_workload or ["resnet18:cifar10:64"]) if w]
     big = parse_workload(args.big) if args.big else None
     if not torch.cuda.is_available():
         raise UserError("benchmarks/gpu.py needs a CUDA GPU; torch sees none here")

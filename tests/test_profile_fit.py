@@ -36,9 +36,10 @@ def capped(fake):
 
 
 def _line_at(xs, ys, x):
-    """The least-squares line through (xs, ys) at x, by numpy."""
+    """The least-squares line through (xs, ys) at x, by numpy, kept between the largest batch's value
+    and that value grown in proportion to the batch."""
     slope, intercept = np.polyfit(np.array(xs, dtype=float), np.array(ys, dtype=float), 1)
-    return max(0.0, intercept + slope * x)
+    return min(max(intercept + slope * x, ys[-1]), ys[-1] * x / xs[-1])
 
 
 def test_the_limit_measures_the_batches_that_fit_and_extrapolates_the_others(capped, fake):
@@ -223,3 +224,12 @@ def test_a_run_that_runs_out_of_memory_fails_with_one_line(env_data, db_path, mo
     assert row["reason"] == ("out of memory on cpu: CUDA out of memory. Tried to allocate 2.00 GiB. training tiny_cnn "
                              "at batch size 16; try a smaller batch size, gradient accumulation, or a distribution "
                              "model that splits the model (ddlscope recommend)")
+
+
+def test_extrapolation_stays_between_the_largest_measured_time_and_proportional_growth():
+    # launch-bound: flat times whose line falls with the batch -> the largest measured time
+    assert prof._extrapolate([8.0, 16.0, 32.0, 64.0], [12.1, 12.3, 11.9, 12.0], [512.0]) == [12.0]
+    # a fixed cost that the line does not see: never more than proportional growth from the top
+    assert prof._extrapolate([8.0, 16.0], [1.0, 9.0], [32.0]) == [18.0]
+    # compute-bound: the least-squares line
+    assert prof._extrapolate([8.0, 16.0, 32.0], [1.0, 2.0, 4.0], [64.0]) == pytest.approx([8.0])

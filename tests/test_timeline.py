@@ -133,3 +133,11 @@ def test_the_loop_reads_a_steps_laps_only_after_the_next_step_ran(env_data, db_p
         assert row["backward_s"] == pytest.approx(gap[first + 3])
         assert row["optimizer_s"] == pytest.approx(gap[first + 5])
         assert row["step_s"] == pytest.approx(clock.times[first + 6] - clock.times[first])
+
+
+def test_step_values_stay_where_they_are_off_a_gpu():
+    from ddlscope.strategies.base import values_to_host
+
+    values = torch.tensor([0.5, 3.0, 4.0], dtype=torch.float64)
+    host, copied = values_to_host(values)
+    assert host is values and copied is None

@@ -93,10 +93,13 @@ class BatchResult:
         pending: laps timed on the device and not read yet (CUDA events, see
             :mod:`ddlscope.measure.timeline`): ``{"forward_s": Lap, ...}``; :meth:`resolve` adds
             their seconds to those fields. Code that reads the times calls :meth:`resolve` first.
-        pending_values: the loss and :func:`~ddlscope.workloads.step.prediction_counts` still on
-            the device (a ``[3]`` float64 tensor: loss, correct, scored; ``per_position`` says how
-            to count), so that reading them does not make the step wait for the device between
-            forward and backward; :meth:`resolve` sets ``loss`` and ``correct`` from them.
+        pending_values: the loss and :func:`~ddlscope.workloads.step.prediction_counts` (a ``[3]``
+            float64 tensor: loss, correct, scored; ``per_position`` says how to count), on a GPU
+            being copied into pinned host memory (:func:`values_to_host`), so that reading them
+            neither makes the step wait for the device between forward and backward nor, one
+            step later, for the step queued since; :meth:`resolve` sets ``loss`` and ``correct``
+            from them.
+        values_copied: the CUDA event recorded after that copy (None off a GPU).
     """
 
     samples: int
@@ -110,6 +113,7 @@ class BatchResult:
     comm_bytes: int = 0
     pending: dict[str, Lap] = field(default_factory=dict, repr=False)
     pending_values: torch.Tensor | None = field(default=None, repr=False)
+    values_copied: Any = field(default=None, repr=False)
     per_position: bool = False
 
     def resolve(self) -> "BatchResult":
@@ -122,10 +126,30 @@ class BatchResult:
             setattr(self, name, getattr(self, name) + lap.seconds())
         self.pending = {}
         if self.pending_values is not None:
+            if self.values_copied is not None:
+                self.values_copied.synchronize()
             loss, correct, scored = self.pending_values.tolist()
             self.loss, self.correct = loss, correct_in_samples(int(correct), int(scored), self.per_position, self.samples)
             self.pending_values = None
         return self
+
+
+def values_to_host(values: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """``(host tensor, event)``: on a GPU, ``values`` copied into pinned host memory without the
+    host waiting, and the CUDA event that marks the copy done (the tensor is read only after
+    ``event.synchronize()``); elsewhere ``(values, None)``.
+
+    A plain ``.tolist()`` of a device tensor one step later would wait for everything queued on
+    the stream since, the next step included, so the host could never run ahead of the device:
+    on an H100 that made VGG-11/CIFAR-10 b64 12 % slower than a bare loop.
+    """
+    if values.device.type != "cuda":
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(values.device))
+    return host, event
 
 
 @dataclass
@@ -224,12 +248,13 @@ class Strategy:
             logits = model(x)
             loss = loss_fn(logits, y)
             # loss and hits stay on the device until the step's row is written (resolve): no sync here
-            values = torch.stack([loss.detach().double(), *(c.double() for c in prediction_counts(logits.detach(), y))])
+            values, copied = values_to_host(
+                torch.stack([loss.detach().double(), *(c.double() for c in prediction_counts(logits.detach(), y))]))
             forward = watch.mark()
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             backward = watch.mark()  # on a GPU: not waited for here (the caller resolves it)
         return BatchResult(len(y), None, None, 0.0, 0.0, pending=dict(forward_s=forward, backward_s=backward),
-                           pending_values=values, per_position=logits.dim() > 2)
+                           pending_values=values, values_copied=copied, per_position=logits.dim() > 2)
 
     def step(self, samples: int) -> StepOutcome:
         """Apply the gradients accumulated over ``samples`` samples (``batch_size x GAS``)."""
