@@ -60,7 +60,7 @@ from _docs import DOCS_PAGE, check_docs_block, git_commit, gpu_markdown, machine
 from overhead import parse_workload
 
 WORKLOADS = ("resnet18:cifar10:64", "resnet18:cifar10:256", "resnet50:imagenet:64", "vgg11:cifar10:64",
-             "mobilenetv2:cifar10:64")
+             "mobilenet_v2:cifar10:64")
 MEMORY_TARGET = 0.10
 LOADER_WORKERS = 4  # DataLoader workers of the runs and of the profiles' loading times
 LOCAL_GPU = {"name": "this-gpu", "device": {"kind": "local"},
@@ -138,11 +138,14 @@ def main() -> None:
     parser.add_argument("--docs", type=Path, default=DOCS_PAGE)
     parser.add_argument("--no-docs", action="store_true")
     parser.add_argument("--docs-from", type=Path, default=None, help="render this result file's block; measure nothing")
+    parser.add_argument("--block", default=None, help="with --docs-from: the docs block to rewrite (default: the "
+                                                      "result's own, e.g. an earlier pass kept under another name)")
     args = parser.parse_args()
     if args.docs_from is not None:
         result = json.loads(args.docs_from.read_text())
-        update_docs_block(args.docs, f"gpu-{result['kind']}", gpu_markdown(result))
-        print(f"rewrote the 'gpu-{result['kind']}' block of {args.docs}")
+        block = args.block or f"gpu-{result['kind']}"
+        update_docs_block(args.docs, block, gpu_markdown(result))
+        print(f"rewrote the '{block}' block of {args.docs}")
         return
     workloads = [parse_workload(w) for w in (args.workload or WORKLOADS)]
     cpu_workloads = [parse_workload(w) for w in (args.cpu_workload or ["resnet18:cifar10:64"]) if w]

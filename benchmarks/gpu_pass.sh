@@ -21,8 +21,8 @@ timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider -x tests/test
   tests/test_memory_split.py tests/test_profile_fit.py tests/test_gpu_scaling.py tests/test_preflight.py
 echo "pytest exit: $?"
 (cd benchmarks && timeout "${OVERHEAD_S:-150}" python3 overhead.py --device cuda --workload resnet18:cifar10:256 \
-  --workload vgg11:cifar10:64 --workload mobilenetv2:cifar10:64 --workload resnet50:imagenet:64 \
-  --min-window-s 2 --repeats 3 --out "$OUT/overhead-cuda.json" --no-docs)
+  --workload vgg11:cifar10:64 --workload mobilenet_v2:cifar10:64 --workload resnet50:imagenet:64 \
+  --min-window-s 3 --repeats 5 --out "$OUT/overhead-cuda.json" --no-docs)
 echo "overhead exit: $?"
 (cd benchmarks && timeout "${GPU_CHECK_S:-300}" python3 gpu.py --out "$OUT/gpu.json" --profiles-out /tmp/gpu-profiles \
   --no-docs "$@")

@@ -159,7 +159,7 @@ def test_missing_page_and_wrong_result_are_user_errors(tmp_path):
 def test_the_docs_page_has_the_blocks_the_benchmarks_write():
     """A 15-minute benchmark must not fail at its last step: docs/validation.md has both blocks once."""
     text = docs.DOCS_PAGE.read_text()
-    for name in ("predictor", "overhead", "dmoe-overhead"):
+    for name in ("predictor", "overhead", "overhead-cuda", "gpu-h100-80gb", "dmoe-overhead"):
         assert docs.replace_block(text, name, "x") != text
 
 
@@ -194,3 +194,31 @@ def test_dmoe_overhead_table():
 def test_dmoe_overhead_needs_its_result():
     with pytest.raises(UserError, match="not a benchmarks/dmoe_overhead.py result: missing 'grid_size'"):
         docs.dmoe_overhead_markdown({"model": "x"})
+
+
+def fake_gpu_result() -> dict:
+    run = {"model": "resnet18", "dataset": "cifar10", "batch_size": 64,
+           "predicted": {"step_s": 0.0121, "allocator_bytes": 479 * 2**20, "runtime_bytes": 767 * 2**20},
+           "measured": {"step_s": 0.0110, "allocator_bytes": 480 * 2**20, "runtime_bytes": 769 * 2**20},
+           "step_error": 0.1, "allocator_error": -0.002, "allocator_within_target": True}
+    band = {"what": "cpu -> gpu", "source": "Xeon", "target": "h100-80gb", "batch_size": 64,
+            "predicted_step_s": 0.0041, "measured_step_s": 0.0111, "factor": 0.0089, "low": 0.00445, "high": 0.0178,
+            "measured_factor": 0.0241, "inside": False}
+    big = {"model": "resnet152", "dataset": "highres", "batch_size": 128, "largest_fitting_batch_size": 64,
+           "memory_available_bytes": 79 * 2**30, "measured_batch_sizes": [8, 16, 32, 64], "extrapolated": True,
+           "step_s": 0.688, "predicted_peak_bytes": 112 * 2**30, "seconds": 92.0, "fit_note": "batch 128 does not fit"}
+    return {"gpu": "NVIDIA H100 80GB HBM3", "kind": "h100-80gb", "runs": [run], "bands": [band], "big": big,
+            "machine": "16 cores (of 16), Xeon, 1 x NVIDIA H100 80GB HBM3, Linux 6.18", "commit": "abc1234",
+            "measured_at": "2030-01-02 03:04:05"}
+
+
+def test_gpu_tables_give_each_part_and_the_result_s_own_machine():
+    body = docs.gpu_markdown(fake_gpu_result())
+    lines = body.splitlines()
+    assert "on 2030-01-02 03:04; machine: 16 cores (of 16), Xeon, 1 x NVIDIA H100 80GB HBM3" in lines[0]
+    assert "commit abc1234." in lines[0]
+    assert "| resnet18 / cifar10, batch 64 | 12.10 | 11.00 | +10.0 % | 479 | 480 | -0.2 % | yes | 767 | 769 |" in lines
+    assert "| cpu -> gpu | Xeon | h100-80gb | 64 | 4.10 | 11.10 | x0.0089 [0.00445, 0.0178] | x0.0241 | **no** |" in lines
+    assert "largest batch that fits: 64" in body and "extrapolated at 688.0 ms/step" in body
+    with pytest.raises(UserError, match="not a benchmarks/gpu.py result: missing 'bands'"):
+        docs.gpu_markdown({"gpu": "x", "runs": []})
