@@ -94,6 +94,7 @@ def test_overlap_fraction():
     (dict(workers=2, threads=0), "--threads 0"),
     (dict(workers=2, sizes_bytes=[4096]), "at least 2 distinct sizes"),
     (dict(workers=2, repeats=0), "repeats = 0"),
+    (dict(workers=2, hivemind=True, swarm_epochs=1), r"swarm_epochs = 1; allowed: >= 2"),
 ])
 def test_bad_arguments_are_user_errors(kwargs, match):
     with pytest.raises(UserError, match=match):

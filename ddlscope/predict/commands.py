@@ -140,8 +140,8 @@ def register(app: typer.Typer) -> None:
         workers: int = typer.Option(2, "--workers", help="local worker processes (>= 2), one device each"),
         threads: int = typer.Option(1, "--threads", help="cores and intra-op threads per worker"),
         out: Path = typer.Option(Path("cluster.toml"), "--out", help="cluster file to write (TOML)"),
-        quick: bool = typer.Option(False, "--quick", help="4 sizes (4 KiB..8 MiB), 5 repeats: a few seconds"),
-        repeats: Optional[int] = typer.Option(None, "--repeats", help="timed repeats per size (default 20, --quick 5)"),
+        quick: bool = typer.Option(False, "--quick", help="4 sizes (4 KiB..8 MiB), 10 repeats and, with --hivemind, swarms of 4 timed epochs instead of 10: for tests and a first look"),
+        repeats: Optional[int] = typer.Option(None, "--repeats", help="timed repeats per size (default 20, --quick 10)"),
         timeout_s: float = typer.Option(300.0, "--timeout-s", help="give up (and stop every worker) after this long"),
         json_out: bool = typer.Option(False, "--json", help="print the measurements and the fit as JSON on stdout"),
         hivemind: bool = typer.Option(False, "--hivemind", help="also train ResNet-18 in a short local hivemind swarm "
@@ -174,7 +174,8 @@ def register(app: typer.Typer) -> None:
             with stdout_to_stderr(json_out):
                 result = cal.calibrate(workers=workers, threads=threads, sizes_bytes=sizes, repeats=reps,
                                        timeout_s=timeout_s, progress=lambda msg: typer.echo(msg, err=True),
-                                       hivemind=hivemind, matchmaking_time_s=matchmaking_time_s, dmoe=dmoe)
+                                       hivemind=hivemind, matchmaking_time_s=matchmaking_time_s, dmoe=dmoe,
+                                       swarm_epochs=cal.QUICK_SWARM_EPOCHS if quick else None)
         except cal.CalibrationError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from None

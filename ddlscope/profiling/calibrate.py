@@ -70,9 +70,11 @@ MIB = 1024**2
 #: 4 KiB, 16 KiB, ..., 64 MiB (log-spaced by 4x).
 DEFAULT_SIZES_BYTES = [4 * KIB * 4**k for k in range(8)]
 DEFAULT_REPEATS = 20
-#: ``--quick``: fewer sizes and repeats (a few seconds of measuring; used by tests).
+#: ``--quick``: fewer sizes and repeats (a few seconds of measuring; used by tests), and shorter swarms.
 QUICK_SIZES_BYTES = [4 * KIB, 64 * KIB, 1 * MIB, 8 * MIB]
 QUICK_REPEATS = 10  # the fewest at which the 10 %-trimmed mean cuts a wild repeat from each end
+#: ``--quick``: global epochs timed per hivemind swarm (the full calibration's: ``swarm.EPOCHS``)
+QUICK_SWARM_EPOCHS = 4
 #: all-reduce size of the overlap test (a DDP bucket is 25 MiB by default; smaller keeps it short).
 OVERLAP_BYTES = 4 * MIB
 FSDP_UNITS, FSDP_WIDTH = 8, 32
@@ -597,11 +599,12 @@ def _worker_main(argv: list[str] | None = None) -> int:
         out = _measure(rank, workers, plan, say)
         if plan.get("hivemind"):  # 6. hivemind's own per-epoch cost and overshoot, on a reference network
             from ddlscope.launch.processes import route_hivemind_sockets
-            from ddlscope.profiling.swarm import EPOCHS, measure_swarm
+            from ddlscope.profiling.swarm import measure_swarm
 
             route_hivemind_sockets(workdir)  # its socket files go with the calibration's folder
 
-            out["swarm"] = measure_swarm(rank, workers, EPOCHS, plan["timeout_s"] / 2, say, plan["matchmaking_time_s"])
+            out["swarm"] = measure_swarm(rank, workers, plan["swarm_epochs"], plan["timeout_s"] / 2, say,
+                                         plan["matchmaking_time_s"])
         dist.barrier()
         tmp = os.path.join(workdir, f".result-{rank}.json")
         with open(tmp, "w") as f:
@@ -749,7 +752,8 @@ def _cpu_name() -> str:
 def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None = None,
               repeats: int = DEFAULT_REPEATS, warmup: int = 2, timeout_s: float = 300.0,
               progress: Callable[[str], None] | None = None, name: str | None = None,
-              hivemind: bool = False, matchmaking_time_s: float | None = None, dmoe: bool = False) -> CalibrationResult:
+              hivemind: bool = False, matchmaking_time_s: float | None = None, dmoe: bool = False,
+              swarm_epochs: int | None = None) -> CalibrationResult:
     """Measure this machine's workers and fit a :class:`ClusterSpec` (see the module docstring).
 
     Args:
@@ -764,6 +768,8 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         hivemind: also train a reference network in two short hivemind swarms (about 80 s) and fit
             what hivemind adds per global epoch (:mod:`ddlscope.profiling.swarm`); a swarm that
             cannot be fitted leaves ``hivemind`` unset, with a note.
+        swarm_epochs: global epochs timed after the first in each hivemind swarm (>= 2; default
+            :data:`ddlscope.profiling.swarm.EPOCHS`, ``--quick`` :data:`QUICK_SWARM_EPOCHS`).
         matchmaking_time_s: the swarm's hivemind matchmaking time (seconds, > 0; default
             :data:`ddlscope.profiling.swarm.MATCHMAKING_S`); use the one the predictions will use.
         dmoe: also time hivemind's beam searches and remote expert calls between an expert
@@ -776,7 +782,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
 
     Raises:
         UserError: workers < 2, threads < 1, more cores asked for than this process may use,
-            fewer than 2 distinct sizes, a size or repeats < 1, matchmaking_time_s <= 0.
+            fewer than 2 distinct sizes, a size or repeats < 1, matchmaking_time_s <= 0, swarm_epochs < 2.
         CalibrationError: a worker failed, died or timed out (all workers are stopped first).
     """
     from ddlscope.config import available_cores
@@ -795,7 +801,11 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
     sizes = sorted({max(4, -(-int(s) // 4) * 4) for s in (sizes_bytes or DEFAULT_SIZES_BYTES)})
     if any(int(s) < 1 for s in (sizes_bytes or [])) or len(sizes) < 2:
         raise UserError(f"sizes_bytes = {sizes_bytes}; allowed: at least 2 distinct sizes, each >= 1 byte")
-    from ddlscope.profiling.swarm import MATCHMAKING_S
+    from ddlscope.profiling.swarm import EPOCHS, MATCHMAKING_S
+
+    swarm_epochs = EPOCHS if swarm_epochs is None else swarm_epochs
+    if swarm_epochs < 2:
+        raise UserError(f"swarm_epochs = {swarm_epochs}; allowed: >= 2 (the fit needs 2 whole epochs after the first)")
 
     matchmaking_time_s = MATCHMAKING_S if matchmaking_time_s is None else matchmaking_time_s
     if not matchmaking_time_s > 0:
@@ -803,7 +813,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
     core_sets = [cores[i * threads:(i + 1) * threads] for i in range(workers)]
     plan = dict(workers=workers, threads=threads, core_sets=core_sets, sizes_bytes=sizes, repeats=repeats,
                 warmup=warmup, overlap_bytes=OVERLAP_BYTES, timeout_s=timeout_s,
-                hivemind=hivemind, matchmaking_time_s=matchmaking_time_s)
+                hivemind=hivemind, matchmaking_time_s=matchmaking_time_s, swarm_epochs=swarm_epochs)
     say = progress or (lambda msg: None)
     busy_before = _busy_percent(sum(core_sets, []))
     say(f"calibrating {workers} workers x {threads} thread(s) on cores {core_sets} (gloo over loopback)")
