@@ -192,3 +192,41 @@ def test_peers_of_different_speeds_get_their_own_core_counts():
             validate_config(tiny_run(strategy="collaborative", peers=2, peer_vcpus=bad))
     with pytest.raises(UserError, match="peer_vcpus and vcpus_per_peer both given"):
         validate_config(tiny_run(strategy="collaborative", peers=2, peer_vcpus=[1, 1], vcpus_per_peer=1))
+
+
+# ---------------------------------------------------------------- non-finite averages (hivemind 1.1.12)
+def test_hivemind_averages_a_part_to_nan_when_its_senders_failed_or_weighed_zero():
+    """The upstream behaviour the next test guards against: a part reduced from a total weight of 0."""
+    import asyncio
+
+    import torch
+    from hivemind.averaging.partition import TensorPartReducer
+
+    async def reduce() -> torch.Tensor:
+        reducer = TensorPartReducer(part_shapes=[torch.Size([3])], num_senders=2)
+        part = asyncio.ensure_future(reducer.accumulate_part(0, 0, torch.ones(3), weight=0.0))  # no samples
+        await asyncio.sleep(0.01)
+        reducer.on_sender_failed(1)  # the only peer with a weight fails
+        return await part
+
+    assert torch.isnan(asyncio.run(reduce())).all()
+
+
+def test_a_step_with_non_finite_gradients_is_skipped_and_reported():
+    import torch
+
+    from ddlscope.strategies.collaborative import skip_non_finite_steps
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    skipped = []
+    skip_non_finite_steps(opt, lambda: skipped.append(True))
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()  # finite: applied
+    after_first = [p.detach().clone() for p in model.parameters()]
+    assert skipped == []
+    model.weight.grad[0, 0] = float("nan")  # one averaged part came back NaN
+    opt.step()
+    assert skipped == [True]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), after_first))  # nothing moved, nothing NaN
+    assert all(p.grad is None for p in model.parameters())

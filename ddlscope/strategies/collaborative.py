@@ -46,6 +46,7 @@ import re
 import signal
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -63,6 +64,28 @@ AUX_POLL_S = 0.2
 STOP_SHUTDOWN_S = 1.0
 """Seconds hivemind's shutdown may take when the peer was asked to stop (SIGTERM/SIGINT)."""
 
+
+def skip_non_finite_steps(optimizer: torch.optim.Optimizer, on_skip: Callable[[], None]) -> None:
+    """Make ``optimizer`` skip a step whose gradients are not all finite, and call ``on_skip`` then.
+
+    hivemind 1.1.12's all-reduce divides each part of the tensors by the total weight of the peers
+    that sent it (``TensorPartReducer``). When every sender of a part failed, or those left weighed 0
+    (a trainer that joins a round with no samples accumulated), that weight is 0 and the part
+    averages to NaN. The optimizer step would then write NaN into every parameter it touches.
+    Instead, the step is skipped and the parameters keep their values, as a ``GradScaler`` skips a
+    step with infinite gradients: all gradients are set to None for the step (torch's optimizers
+    skip such parameters). The check is one norm per tensor and one read; the inner step of
+    hivemind's gradient averaging runs once per global epoch.
+    """
+    def check(opt, args, kwargs):
+        grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        if grads and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            on_skip()
+
+    optimizer.register_step_pre_hook(check)
 
 class _RoundLog(logging.Handler):
     """Collects hivemind's status messages about averaging rounds during one step."""
@@ -219,6 +242,7 @@ class CollaborativeStrategy(Strategy):
         self._loggers = [logging.getLogger("hivemind.optim.optimizer"), logging.getLogger("hivemind.optim.state_averager")]
         self._update_s = 0.0
         self._local_step_s = 0.0
+        self._skipped_updates = 0  # optimizer steps skipped for non-finite averaged gradients
         self._stop_watch = threading.Event()
         self.others_done = threading.Event()
         self._background_cpu_s: float | None = None
@@ -256,6 +280,8 @@ class CollaborativeStrategy(Strategy):
             lg.addHandler(self._log)
             lg.setLevel(logging.INFO)
         self._time_local_optimizer_step(optimizer)
+        if not c.use_local_updates:  # the inner step applies averaged gradients once per global epoch
+            skip_non_finite_steps(optimizer, self._record_non_finite_average)
         comp = _compression(c.gradient_compression)
         # Moshpit-style groups, and the bandwidth this peer declares for hivemind's load balancing
         groups = {"target_group_size": c.target_group_size, "initial_group_bits": c.initial_group_bits,
@@ -292,7 +318,8 @@ class CollaborativeStrategy(Strategy):
                 "declared_bandwidth_mbit_per_s": c.declared_bandwidth_mbit_per_s(i, self.cfg.network),
                 # what hivemind's averagers hold (read back: the value their load balancing gathers)
                 "averager_bandwidths": [a.bandwidth for a in averagers if a is not None],
-                "target_group_size": c.target_group_size}
+                "target_group_size": c.target_group_size,
+                "skipped_non_finite_updates": self._skipped_updates}
 
     def _key(self, what: str) -> str:
         return f"ddlscope-{self.ctx.run_id}-{what}"
@@ -339,6 +366,15 @@ class CollaborativeStrategy(Strategy):
                     control.cancel()
             except Exception:  # a round that ends meanwhile
                 continue
+
+    def _record_non_finite_average(self) -> None:
+        self._skipped_updates += 1
+        epoch = self.hm_opt.local_epoch if self.hm_opt is not None else None
+        logging.getLogger(__name__).warning("peer %d: the averaged gradients of global epoch %s are not finite (hivemind reduced a part "
+                    "from peers that all failed or weighed 0); its optimizer step is skipped",
+                    self.ctx.worker_index, epoch)
+        if self.ctx.store is not None:
+            self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, "non_finite_average", epoch=epoch)
 
     def _time_local_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         inner_step = optimizer.step
