@@ -151,6 +151,22 @@ def test_no_tcp_traffic_is_a_measured_zero(tmp_path, monkeypatch):
     assert TcpByteCounter().totals({1}) == (0, 0)
 
 
+def test_sockets_that_close_while_ss_runs_do_not_make_the_bytes_unknown(tmp_path, monkeypatch):
+    import os
+
+    pid = os.getpid()
+    _fake_ss(tmp_path, monkeypatch, "cat <<'X'\n" + SS_OUTPUT.format(pid=pid) + "X\n")
+    monkeypatch.setattr(host, "_tcp_sockets", lambda pids: {("10.0.0.1:5000", "10.0.0.2:6000")})
+    counter = TcpByteCounter()
+    assert counter.totals({pid}) == (1200, 3400)
+    # the peer shuts down: psutil lists a socket that is gone by the time ss runs, and gone after it
+    listed = iter([{("10.0.0.1:5009", "10.0.0.2:6009")}, set()])
+    monkeypatch.setattr(host, "_tcp_sockets", lambda pids: next(listed))
+    _fake_ss(tmp_path, monkeypatch, "exit 0\n")
+    assert counter.totals({pid}) == (1200, 3400)  # what was counted stays counted
+    assert counter.reason is None
+
+
 @pytest.mark.parametrize("case, expected", [
     ("missing", "not installed"),
     ("fails", "exited 1: Cannot open netlink socket"),

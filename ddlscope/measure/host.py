@@ -136,9 +136,12 @@ class TcpByteCounter:
     def totals(self, pids: set[int]) -> tuple[int, int] | None:
         """``(sent_bytes, received_bytes)`` over all TCP sockets of ``pids`` ever seen, or None when
         they cannot be counted (:attr:`reason` says why): ``ss`` is not installed or fails; a process
-        of ``pids`` hold TCP sockets (per psutil) of which ``ss`` attributes none to them (it cannot
-        read their processes); a socket of theirs acknowledges bytes but shows no ``bytes_sent``
-        (a kernel older than 4.19). ``ss`` prints a counter only when it is not zero.
+        of ``pids`` hold TCP sockets (per psutil, open before ``ss`` ran and still after it) of which
+        ``ss`` attributes none to them (it cannot read their processes); a socket of theirs
+        acknowledges bytes but shows no ``bytes_sent`` (a kernel older than 4.19). ``ss`` prints a
+        counter only when it is not zero. Sockets that close while ``ss`` runs (a peer shutting
+        down) are not counted as unreadable: a CI run's last sample of a finishing hivemind peer
+        was stored as unknown that way, and with it the whole worker's bytes.
         """
         if self.ss is None:
             self.reason = "ss (iproute2) is not installed, so TCP bytes cannot be counted"
@@ -166,8 +169,11 @@ class TcpByteCounter:
                     self.reason = "this kernel's TCP info has no bytes_sent counter (needs Linux >= 4.19)"
                     return None
                 self._per_socket[key] = (counts.get("sent", 0), counts.get("received", 0))
-        if held and not held & seen:
-            local, peer = sorted(held)[0]
+        # a socket that psutil saw open before ss ran and still sees open after it must be in ss's list; one
+        # that closed in between (a peer shutting down at the end of its run) is not a sign of unreadable processes
+        still_open = held - seen and held & _tcp_sockets(pids)
+        if still_open and not held & seen:
+            local, peer = sorted(still_open)[0]
             self.reason = (f"ss shows none of the worker's {len(held)} TCP socket(s) as its own (e.g. {local} -> "
                            f"{peer}): it cannot read their processes")
             return None
