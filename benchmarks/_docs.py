@@ -78,6 +78,25 @@ def _with_block(path: Path, name: str, body: str) -> str:
     return replace_block(text, name, body)
 
 
+def add_docs_from_arguments(parser) -> None:
+    """``--docs-from FILE`` and ``--block NAME`` on a benchmark's argparse ``parser``: render a result
+    written elsewhere (e.g. on a lent GPU machine) into the docs, measuring nothing (:func:`docs_from`)."""
+    parser.add_argument("--docs-from", type=Path, default=None, help="render this result file's block; measure nothing")
+    parser.add_argument("--block", default=None, help="with --docs-from: the docs block to rewrite (default: the "
+                                                      "result's own, e.g. an earlier pass kept under another name)")
+
+
+def docs_from(result_file: Path, docs: Path, block: str | None, default_block, markdown) -> None:
+    """Rewrite block ``block`` (default ``default_block(result)``) of ``docs`` with ``markdown(result)``
+    of the JSON result in ``result_file``, and say so."""
+    import json
+
+    result = json.loads(Path(result_file).read_text())
+    block = block or default_block(result)
+    update_docs_block(docs, block, markdown(result))
+    print(f"rewrote the '{block}' block of {docs}")
+
+
 def check_docs_block(path: Path, name: str) -> None:
     """Check that the page at ``path`` has block ``name`` (a benchmark calls this before it measures,
     so that a long run does not fail at its last step). Raises what :func:`update_docs_block` raises."""

@@ -56,7 +56,8 @@ from ddlscope.strategies import WorkerContext
 from ddlscope.train.loop import run_worker
 from ddlscope.workloads.datasets import write_synthetic
 
-from _docs import DOCS_PAGE, check_docs_block, git_commit, gpu_markdown, machine_description, update_docs_block
+from _docs import (DOCS_PAGE, add_docs_from_arguments, check_docs_block, docs_from, git_commit,
+                   gpu_markdown, machine_description, update_docs_block)
 from overhead import parse_workload
 
 WORKLOADS = ("resnet18:cifar10:64", "resnet18:cifar10:256", "resnet50:imagenet:64", "vgg11:cifar10:64",
@@ -137,15 +138,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="default benchmarks/results/gpu-<kind>.json")
     parser.add_argument("--docs", type=Path, default=DOCS_PAGE)
     parser.add_argument("--no-docs", action="store_true")
-    parser.add_argument("--docs-from", type=Path, default=None, help="render this result file's block; measure nothing")
-    parser.add_argument("--block", default=None, help="with --docs-from: the docs block to rewrite (default: the "
-                                                      "result's own, e.g. an earlier pass kept under another name)")
+    add_docs_from_arguments(parser)
     args = parser.parse_args()
     if args.docs_from is not None:
-        result = json.loads(args.docs_from.read_text())
-        block = args.block or f"gpu-{result['kind']}"
-        update_docs_block(args.docs, block, gpu_markdown(result))
-        print(f"rewrote the '{block}' block of {args.docs}")
+        docs_from(args.docs_from, args.docs, args.block, lambda r: f"gpu-{r['kind']}", gpu_markdown)
         return
     workloads = [parse_workload(w) for w in (args.workload or WORKLOADS)]
     cpu_workloads = [parse_workload(w) for w in (args.cpu_workload or ["resnet18:cifar10:64"]) if w]

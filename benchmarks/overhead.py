@@ -45,7 +45,8 @@ from ddlscope.store.db import ResultsStore
 from ddlscope.strategies import WorkerContext
 from ddlscope.train.loop import batches_forever, build_workload, run_worker
 
-from _docs import DOCS_PAGE, check_docs_block, git_commit, machine_description, overhead_markdown, update_docs_block
+from _docs import (DOCS_PAGE, add_docs_from_arguments, check_docs_block, docs_from, git_commit,
+                   machine_description, overhead_markdown, update_docs_block)
 
 TARGET = 0.02
 #: DataLoader workers of both loops: on a GPU, one worker could not keep VGG-11 and MobileNetV2 on
@@ -181,15 +182,10 @@ def main() -> None:
                         help="default benchmarks/results/overhead.json (cpu), overhead-cuda.json (cuda)")
     parser.add_argument("--docs", type=Path, default=DOCS_PAGE, help="docs page whose 'overhead' block is rewritten")
     parser.add_argument("--no-docs", action="store_true", help="leave the docs page as it is")
-    parser.add_argument("--docs-from", type=Path, default=None, help="render this result file's block; measure nothing")
-    parser.add_argument("--block", default=None, help="with --docs-from: the docs block to rewrite (default: the "
-                                                      "result's own, e.g. an earlier pass kept under another name)")
+    add_docs_from_arguments(parser)
     args = parser.parse_args()
     if args.docs_from is not None:
-        result = json.loads(args.docs_from.read_text())
-        block = args.block or block_name(result["device"])
-        update_docs_block(args.docs, block, overhead_markdown(result))
-        print(f"rewrote the '{block}' block of {args.docs}")
+        docs_from(args.docs_from, args.docs, args.block, lambda r: block_name(r["device"]), overhead_markdown)
         return
     out = args.out or Path(__file__).parent / "results" / f"{block_name(args.device)}.json"
     workloads = args.workload or list(WORKLOADS)
