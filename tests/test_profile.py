@@ -12,6 +12,7 @@ import torch
 
 from ddlscope import distribution
 from ddlscope.errors import UserError
+from ddlscope.measure.timeline import HostClock
 from ddlscope.modeling.prediction import Setting
 from ddlscope.modeling.profile import OptimizerSetting, WorkloadProfile, interpolate
 from ddlscope.profiling import profile as prof
@@ -219,3 +220,42 @@ def test_cli_bad_input_is_one_error_line(args, words):
     out = _cli(*args)
     assert out.returncode == 2 and out.stderr.startswith("error:") and "Traceback" not in out.stderr
     assert all(w in out.stderr for w in words)
+
+
+class _TickClock(HostClock):
+    """A host clock whose every mark is ``tick_s`` after the previous one (a Stopwatch's lap reads one tick)."""
+
+    def __init__(self, tick_s: float):
+        self.tick_s, self.now = tick_s, 0.0
+
+    def mark(self) -> float:
+        self.now += self.tick_s
+        return self.now
+
+
+def _counted_steps(timing, tick_s: float) -> tuple[int, int]:
+    """(forward passes, timed steps) of ``_time_steps`` on a tiny network whose laps each read ``tick_s``."""
+    from ddlscope.measure.timeline import Stopwatch
+
+    calls = []
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    model.register_forward_hook(lambda *_: calls.append(1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(2, 4), torch.tensor([0, 2])
+    f, b, o, timed = prof._time_steps(model, optimizer, x, y, timing, Stopwatch(clock=_TickClock(tick_s)))
+    assert (f, b, o) == pytest.approx((tick_s, tick_s, tick_s))
+    return len(calls), timed
+
+
+def test_step_timing_warms_up_and_times_for_its_windows_with_a_cap():
+    from ddlscope.profiling.profile import STEP_TIMING, StepTiming
+
+    # a step reads 3 ticks of 0.01 s: 0.5 s of warm-up is 17 steps, 2 s of timed steps 67
+    timing = StepTiming(warmup_steps=2, warmup_s=0.5, timed_steps=5, window_s=2.0, max_timed_steps=100)
+    assert _counted_steps(timing, 0.01) == (17 + 67, 67)
+    assert _counted_steps(timing, 1.0) == (2 + 5, 5)  # long steps: the counts bound it
+    capped = StepTiming(warmup_steps=1, warmup_s=0.0, timed_steps=5, window_s=2.0, max_timed_steps=10)
+    assert _counted_steps(capped, 0.01) == (1 + 10, 10)
+    assert _counted_steps(STEP_TIMING["cpu"], 0.01) == (1 + 5, 5)  # CPU: one warm-up, five timed
+    cuda = STEP_TIMING["cuda"]  # GPU milliseconds: windows of seconds, not a handful of steps
+    assert cuda.warmup_s >= 0.5 and cuda.window_s >= 1.0 and cuda.max_timed_steps >= 100

@@ -8,13 +8,40 @@ stays cheap.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from ddlscope.modeling.profile import (DataLoadProfile, DeviceProfile, LayerProfile, OptimizerSetting, StepProfile,
                                        WorkloadProfile, gib_text, step_peak_bytes)
 
 STEP_REPEATS = 5
-"""Measured training steps per batch size (after one warm-up step); their median is kept."""
+"""Measured training steps per batch size (at least; after the warm-up); their median is kept."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+    """How many training steps a profile warms up with and times, per batch size.
+
+    At least ``warmup_steps`` steps and ``warmup_s`` seconds of them are run untimed, then at least
+    ``timed_steps`` steps and ``window_s`` seconds of them are timed (at most ``max_timed_steps``);
+    the median of the timed steps is kept. A CPU step takes 0.05-5 s and is steady after one step:
+    1 warm-up and 5 timed steps. A GPU step takes milliseconds and settles over more: cuDNN's
+    algorithm search, the caching allocator's growth and the clocks' ramp come in the first steps,
+    and 1 warm-up + 5 timed steps of ResNet-18/CIFAR-10 b64 gave 15.7, 12.2 and 7.9 ms in three
+    profiles on one H100, against 11.1-11.5 ms in runs (docs/validation.md, GPU section).
+    """
+
+    warmup_steps: int = 1
+    warmup_s: float = 0.0
+    timed_steps: int = STEP_REPEATS
+    window_s: float = 0.0
+    max_timed_steps: int = STEP_REPEATS
+
+
+STEP_TIMING = {"cpu": StepTiming(),
+               "cuda": StepTiming(warmup_steps=3, warmup_s=0.5, timed_steps=STEP_REPEATS, window_s=1.0,
+                                  max_timed_steps=200)}
+"""The :class:`StepTiming` of each device type (another type: the CPU's)."""
 LAYER_REPEATS = 3
 """Timed runs of every layer per batch size (after one warm-up run); the minimum is kept."""
 SYNTHETIC_TRAIN_SIZE = 512
@@ -270,22 +297,27 @@ def _time_layers(model, x, repeats: int = LAYER_REPEATS) -> tuple[list[float], l
     return fwd_s, bwd_s
 
 
-def _time_steps(model, optimizer, x, y, repeats: int = STEP_REPEATS) -> tuple[float, float, float]:
-    """Median (forward + loss, backward, optimizer step + zero_grad) seconds of training steps.
+def _time_steps(model, optimizer, x, y, timing: StepTiming | None = None,
+                watch=None) -> tuple[float, float, float, int]:
+    """Median (forward + loss, backward, optimizer step + zero_grad) seconds of training steps,
+    and how many steps were timed.
 
     The step is :func:`ddlscope.workloads.step.train_step` (the training loop's: its loss,
     backward, ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``), written out here
-    to time its three parts; one warm-up step first.
+    to time its three parts. ``timing`` (default: :data:`STEP_TIMING` of ``x``'s device type) says
+    how many steps warm up and how many are timed; the seconds are the device's
+    (:class:`ddlscope.measure.timeline.Stopwatch`, or ``watch``: tests pass one with a fake clock).
     """
     import statistics
 
     from ddlscope.measure.timeline import Stopwatch
     from ddlscope.workloads.step import loss_function
 
+    timing = timing or STEP_TIMING.get(x.device.type, STEP_TIMING["cpu"])
     loss_fn = loss_function()
-    watch = Stopwatch(x.device)
-    laps = []
-    for r in range(repeats + 1):
+    watch = watch or Stopwatch(x.device)
+
+    def step() -> tuple[float, float, float]:
         watch.start()
         loss = loss_fn(model(x), y)
         loss.item()
@@ -294,10 +326,18 @@ def _time_steps(model, optimizer, x, y, repeats: int = STEP_REPEATS) -> tuple[fl
         b = watch.lap()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        o = watch.lap()
-        if r:
-            laps.append((f, b, o))
-    return tuple(statistics.median(lap[i] for lap in laps) for i in range(3))  # type: ignore[return-value]
+        return f, b, watch.lap()
+
+    warm, warm_s = 0, 0.0
+    while warm < timing.warmup_steps or warm_s < timing.warmup_s:
+        warm_s += sum(step())
+        warm += 1
+    laps: list[tuple[float, float, float]] = []
+    while len(laps) < timing.max_timed_steps and (len(laps) < timing.timed_steps
+                                                    or sum(map(sum, laps)) < timing.window_s):
+        laps.append(step())
+    f, b, o = (statistics.median(lap[i] for lap in laps) for i in range(3))
+    return f, b, o, len(laps)
 
 
 # ---------------------------------------------------------------- device microbenchmarks
@@ -809,7 +849,9 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
       from fake tensors (:func:`_fake_analysis`);
     * per batch size a whole training step as the training loop runs it
       (:func:`ddlscope.workloads.step.train_step`: cross-entropy, ``optimizer``,
-      ``zero_grad(set_to_none=True)``): median of :data:`STEP_REPEATS` steps after a warm-up;
+      ``zero_grad(set_to_none=True)``): the median of the timed steps after a warm-up, as many
+      as the device's :data:`STEP_TIMING` says (CPU: 5 after 1; CUDA: at least 1 s of steps after
+      0.5 s);
       activation peak from fake tensors, and the same quantity measured with real tensors
       (``measured_activation_peak_bytes``, :func:`_measure_real_memory`);
     * the optimizer's state bytes after a step (:func:`_fake_analysis`);
@@ -901,7 +943,7 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
             say(f"training steps at batch {b}")
             x = torch.randn(b, spec.channels, spec.height, spec.width, device=dev)
             y = torch.randint(0, spec.num_classes, (b,), device=dev)
-            f, bk, o = _time_steps(model, opt, x, y)
+            f, bk, o, _ = _time_steps(model, opt, x, y)
             measured = None
             if real_steps is not None and b in real_steps:
                 # the probe's step bytes exclude the input batch (resident before) and include the gradients
