@@ -230,3 +230,37 @@ def test_a_step_with_non_finite_gradients_is_skipped_and_reported():
     assert skipped == [True]
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), after_first))  # nothing moved, nothing NaN
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_state_round_with_non_finite_averages_is_not_applied_and_reported():
+    """hivemind's own state averager, built as hivemind.Optimizer builds it from an optimizer instance."""
+    import hivemind
+    import torch
+    from hivemind.optim.state_averager import TrainingStateAverager
+
+    from ddlscope.strategies.collaborative import skip_non_finite_state
+
+    dht = hivemind.DHT(start=True)
+    try:
+        model = torch.nn.Linear(3, 2)
+        averager = TrainingStateAverager(dht=dht, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         prefix="ddlscope-test-state", start=False)
+        assert not averager.reuse_tensors  # the round's result is copied in by _apply_averaging_results_
+        skipped = []
+        skip_non_finite_state(averager, lambda: skipped.append(True))
+        before = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad(), averager.get_tensors() as averaged:
+            averaged[0].fill_(0.5)
+            averaged[0][0, 0] = float("nan")  # one part reduced from no sender
+        averager._apply_averaging_results_()
+        assert skipped == [True]
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))  # kept, nothing NaN
+        with torch.no_grad(), averager.get_tensors() as averaged:
+            for t in averaged:
+                t.fill_(0.5)
+        averager._apply_averaging_results_()  # a finite round is applied as before
+        assert skipped == [True] and all(bool((p == 0.5).all()) for p in model.parameters())
+        with pytest.raises(TypeError, match="_apply_averaging_results_"):
+            skip_non_finite_state(object(), lambda: None)
+    finally:
+        dht.shutdown()

@@ -65,6 +65,12 @@ STOP_SHUTDOWN_S = 1.0
 """Seconds hivemind's shutdown may take when the peer was asked to stop (SIGTERM/SIGINT)."""
 
 
+def _all_finite(tensors) -> bool:
+    """Whether every element of every tensor in ``tensors`` is finite (one norm per tensor, one read)."""
+    tensors = [t for t in tensors if t.is_floating_point() and t.numel()]
+    return not tensors or bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all())
+
+
 def skip_non_finite_steps(optimizer: torch.optim.Optimizer, on_skip: Callable[[], None]) -> None:
     """Make ``optimizer`` skip a step whose gradients are not all finite, and call ``on_skip`` then.
 
@@ -79,13 +85,46 @@ def skip_non_finite_steps(optimizer: torch.optim.Optimizer, on_skip: Callable[[]
     """
     def check(opt, args, kwargs):
         grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
-        if grads and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()):
+        if not _all_finite(grads):
             for group in opt.param_groups:
                 for p in group["params"]:
                     p.grad = None
             on_skip()
 
     optimizer.register_step_pre_hook(check)
+
+
+def skip_non_finite_state(state_averager, on_skip: Callable[[], None]) -> None:
+    """Make hivemind's ``TrainingStateAverager`` keep the local parameters and optimizer statistics
+    when a state (parameter) averaging round comes back with a non-finite value, and call ``on_skip``.
+
+    The state round goes through the same all-reduce as the gradient round (see
+    :func:`skip_non_finite_steps`), so a part whose senders all failed or weighed 0 comes back NaN
+    there too, and ``_apply_averaging_results_`` (hivemind 1.1.12; ``reuse_tensors = False``, as
+    hivemind.Optimizer builds it) would copy it into the parameters, or add it as a delta with
+    ``delta_rule_averaging``. The wrapped method first checks the averaged tensors; a round with a
+    non-finite value is not applied: the peer keeps its own state, as it does after a failed round.
+    The next round loads the local tensors into the averager again.
+
+    Raises:
+        TypeError: ``state_averager`` has no ``_apply_averaging_results_`` (another hivemind version).
+    """
+    apply = getattr(state_averager, "_apply_averaging_results_", None)
+    if apply is None:
+        raise TypeError(f"{type(state_averager).__name__} has no _apply_averaging_results_ (hivemind 1.1.12's "
+                        "TrainingStateAverager has): cannot guard its state rounds")
+
+    @torch.no_grad()
+    def apply_if_finite() -> None:
+        with state_averager.get_tensors() as averaged:
+            finite = _all_finite(averaged)
+        if finite:
+            apply()
+        else:
+            on_skip()
+
+    state_averager._apply_averaging_results_ = apply_if_finite
+
 
 class _RoundLog(logging.Handler):
     """Collects hivemind's status messages about averaging rounds during one step."""
@@ -243,6 +282,7 @@ class CollaborativeStrategy(Strategy):
         self._update_s = 0.0
         self._local_step_s = 0.0
         self._skipped_updates = 0  # optimizer steps skipped for non-finite averaged gradients
+        self._skipped_state_rounds = 0  # state averaging rounds not applied for non-finite averages
         self._stop_watch = threading.Event()
         self.others_done = threading.Event()
         self._background_cpu_s: float | None = None
@@ -298,6 +338,7 @@ class CollaborativeStrategy(Strategy):
             # says both), so the gradient averager gets them through its factory
             averager_opts=groups, grad_averager_factory=functools.partial(GradientAverager, **groups),
         )
+        skip_non_finite_state(self.hm_opt.state_averager, self._record_non_finite_state)
         self._time_global_update()
         self._time_state_loading()
         self.optimizer = self.hm_opt
@@ -319,7 +360,8 @@ class CollaborativeStrategy(Strategy):
                 # what hivemind's averagers hold (read back: the value their load balancing gathers)
                 "averager_bandwidths": [a.bandwidth for a in averagers if a is not None],
                 "target_group_size": c.target_group_size,
-                "skipped_non_finite_updates": self._skipped_updates}
+                "skipped_non_finite_updates": self._skipped_updates,
+                "skipped_non_finite_state_rounds": self._skipped_state_rounds}
 
     def _key(self, what: str) -> str:
         return f"ddlscope-{self.ctx.run_id}-{what}"
@@ -375,6 +417,15 @@ class CollaborativeStrategy(Strategy):
                     self.ctx.worker_index, epoch)
         if self.ctx.store is not None:
             self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, "non_finite_average", epoch=epoch)
+
+    def _record_non_finite_state(self) -> None:
+        self._skipped_state_rounds += 1
+        epoch = self.hm_opt.local_epoch if self.hm_opt is not None else None
+        logging.getLogger(__name__).warning("peer %d: the averaged parameters of global epoch %s are not finite (hivemind "
+                                            "reduced a part from peers that all failed or weighed 0); the peer keeps "
+                                            "its own", self.ctx.worker_index, epoch)
+        if self.ctx.store is not None:
+            self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, "non_finite_state_average", epoch=epoch)
 
     def _time_local_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         inner_step = optimizer.step
