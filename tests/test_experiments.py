@@ -95,3 +95,22 @@ def test_measured_run_and_speedup(tmp_path):
     items = [("w1", "ddp", 5.0), ("w1", "single", 10.0), ("w2", "ddp", 1.0)]
     base = baseline_times(items, lambda i: i[0], lambda i: i[1], lambda i: i[2])
     assert base == {"w1": 10.0}  # w2 has no baseline run: its speedup is unknown
+
+
+def test_workers_that_wait_only_at_outer_rounds_are_measured_by_their_common_window(tmp_path):
+    """DiLoCo's workers run their inner steps on their own: a step's time is not its slower worker's."""
+    db = tmp_path / "r.db"
+    with ResultsStore(db) as store:
+        ids = {}
+        for strategy in ("diloco", "ddp"):
+            cfg = _cells(strategy, strategy=strategy, peers=2)[0].config
+            rid = ids[strategy] = store.create_run(strategy, strategy, cfg.model_dump(mode="json"), "g")
+            for w, times in enumerate([[0.4, 0.6, 0.4, 0.6], [0.6, 0.4, 0.6, 0.4]]):  # 2.0 s each, out of phase
+                wall = 0.0
+                for i, t in enumerate(times):
+                    store.add_step(rid, w, dict(step=i, wall_time=wall, samples=cfg.batch_size, step_s=t,
+                                                warmup=0, optimizer_stepped=1))
+                    wall += t
+            store.finish_run(rid, "completed")
+        assert measure_run(store, ids["diloco"]).step_s == pytest.approx(0.5)  # 2 s for 4 steps of both workers
+        assert measure_run(store, ids["ddp"]).step_s == pytest.approx(0.6)  # in lockstep: each step's slower worker

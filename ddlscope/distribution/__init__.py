@@ -117,9 +117,10 @@ class DistributionModel:
         baseline: True for the one model every speedup is measured against (reports, sweeps:
             the first completed run of it is the baseline; :func:`baseline`).
         lockstep: True when the workers step together (a step lasts as long as the slowest
-            worker's); False when they step on their own (collaborative peers): a measured step
-            is then the slowest worker's measured window over the samples all workers processed
-            in it (:mod:`ddlscope.experiments.results`).
+            worker's); False when they step on their own (collaborative peers, dmoe trainers,
+            DiLoCo's inner steps between outer rounds): a measured step is then the time all
+            workers trained over the samples they processed in it
+            (:mod:`ddlscope.experiments.results`).
         startup_steps: ``(batch_size, workers, options) -> steps`` a measurement of a run excludes
             besides its warm-up, because the run pays them once at its start (collaborative: the
             first global epoch plus one, hivemind's peer discovery and first matchmaking); None: 0.

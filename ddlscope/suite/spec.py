@@ -42,10 +42,11 @@ TABLE_3_3_BATCH_SIZE = {"mnist": 128, "cifar10": 64, "imagenet": 32, "highres": 
 
 
 def suite_models() -> list[str]:
-    """The distribution models a suite compares with the baseline: every registered model that runs
-    on several workers stepping together (thesis 002's synchronous models; swarms whose peers step on
-    their own are measured by sweeps and ``validate``). A newly registered model joins by itself."""
-    return [m.name for m in distribution.all_models() if m.multi_worker and m.lockstep and not m.baseline]
+    """The distribution models a suite compares with the baseline: every registered model whose
+    workers are one torch.distributed job (``launcher = "torchrun"``: thesis 002's synchronous
+    models, and DiLoCo); swarms whose peers join on their own (collaborative, dmoe) are measured by
+    sweeps and ``validate``. A newly registered model joins by itself."""
+    return [m.name for m in distribution.all_models() if m.multi_worker and m.launcher == "torchrun" and not m.baseline]
 
 
 class SuiteSpec(BaseModel):
