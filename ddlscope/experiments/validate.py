@@ -186,15 +186,18 @@ PRESETS: dict[str, dict] = {
     # every model that runs on emulated networks where communication dominates: each worker in a network
     # namespace, links limited to 200 and 50 Mbit/s, and an uneven pair (200 and 20 Mbit/s); needs root
     # (docs/emulated-networks.md). MobileNetV2: 9 MB of parameters in many small tensors. collaborative
-    # measures its default 48 steps per peer: 16 (~7 global epochs) left its samples per epoch to chance
+    # measures its default 48 steps per peer: 16 (~7 global epochs) left its samples per epoch to chance.
+    # Three runs per cell: single runs of one cell moved by 10-20 % between passes (gpipe +14 % then +5 %,
+    # fsdp at 200 Mbit/s +17 % then -3 %; the uneven pair's collaborative epoch 3,727 s to 5,302 s)
     "links": dict(name="validation-links", datasets=["mnist"], networks=["mobilenet_v2"],
                   strategies=["ddp", "fsdp", "gpipe", "1f1b", "collaborative", "diloco"], workers=2, batch_size=64,
-                  target_batch_size=128, bandwidths_mbit_per_s=[200.0, 50.0, [200.0, 20.0]], loopback=False),
+                  target_batch_size=128, bandwidths_mbit_per_s=[200.0, 50.0, [200.0, 20.0]], loopback=False,
+                  repeats=3),
     # the Decentralized Mixture-of-Experts over emulated links: trainers and expert servers each in a namespace
     # with links of the same rate (a per-worker list would leave the servers' links unlimited)
     "moe-links": dict(name="validation-moe-links", datasets=["mnist"], networks=["moe_cnn"], strategies=["dmoe"],
                       workers=2, batch_size=32, warmup_batches=3, measured_batches=20, synthetic_train_size=256,
-                      bandwidths_mbit_per_s=[50.0, 10.0], loopback=False),
+                      bandwidths_mbit_per_s=[50.0, 10.0], loopback=False, repeats=3),
     # churn measured and predicted: peer 1 of a collaborative pair killed and back (seconds from the swarm's
     # first stored step: after the warm-up and start-up steps), on loopback and on 50 Mbit/s links (needs root).
     # Three runs per cell: two runs of one such cell differed by 36 % on 2 cores, more than the model's error
