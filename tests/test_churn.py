@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,8 @@ from ddlscope.launch.churn import ChurnSchedule
 from ddlscope.launch.local import run_local
 from ddlscope.store.db import ResultsStore
 from tests.conftest import tiny_run
+
+REPO = Path(__file__).resolve().parents[1]
 
 can_emulate = sys.platform.startswith("linux") and os.geteuid() == 0 and shutil.which("tc") is not None
 
@@ -232,8 +236,9 @@ def test_a_step_with_non_finite_gradients_is_skipped_and_reported():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_a_state_round_with_non_finite_averages_is_not_applied_and_reported():
-    """hivemind's own state averager, built as hivemind.Optimizer builds it from an optimizer instance."""
+def _state_round_check() -> None:
+    """hivemind's own state averager, built as hivemind.Optimizer builds it from an optimizer instance,
+    with :func:`skip_non_finite_state`: a non-finite round is kept out, a finite one applied."""
     import hivemind
     import torch
     from hivemind.optim.state_averager import TrainingStateAverager
@@ -264,3 +269,12 @@ def test_a_state_round_with_non_finite_averages_is_not_applied_and_reported():
             skip_non_finite_state(object(), lambda: None)
     finally:
         dht.shutdown()
+
+
+def test_a_state_round_with_non_finite_averages_is_not_applied_and_reported():
+    """Run in a child interpreter: the averager shares its tensors, which starts torch's
+    ``torch_shm_manager`` daemon for the life of the process, and later tests check that the test
+    process has no children left."""
+    code = "from tests.test_churn import _state_round_check; _state_round_check(); print('state rounds checked')"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "state rounds checked" in done.stdout, done.stderr[-3000:]
