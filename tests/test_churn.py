@@ -278,3 +278,25 @@ def test_a_state_round_with_non_finite_averages_is_not_applied_and_reported():
     code = "from tests.test_churn import _state_round_check; _state_round_check(); print('state rounds checked')"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "state rounds checked" in done.stdout, done.stderr[-3000:]
+
+
+def test_a_skipped_round_is_counted_logged_and_stored_by_kind(caplog):
+    from types import SimpleNamespace
+
+    from ddlscope.strategies.collaborative import CollaborativeStrategy
+
+    events = []
+    peer = object.__new__(CollaborativeStrategy)  # only what recording needs, no swarm
+    peer.hm_opt = SimpleNamespace(local_epoch=7)
+    peer.ctx = SimpleNamespace(worker_index=2, run_id="r", store=SimpleNamespace(
+        add_event=lambda run_id, worker, kind, **fields: events.append((run_id, worker, kind, fields))))
+    peer._skipped = {"non_finite_average": 0, "non_finite_state_average": 0}
+    with caplog.at_level("WARNING"):
+        peer._record_non_finite("non_finite_state_average", "parameters", "the peer keeps its own")
+        peer._record_non_finite("non_finite_average", "gradients", "its optimizer step is skipped")
+        peer._record_non_finite("non_finite_average", "gradients", "its optimizer step is skipped")
+    assert peer._skipped == {"non_finite_average": 2, "non_finite_state_average": 1}
+    assert events[0] == ("r", 2, "non_finite_state_average", {"epoch": 7})
+    assert [e[2] for e in events[1:]] == ["non_finite_average"] * 2
+    assert "peer 2: the averaged parameters of global epoch 7 are not finite" in caplog.text
+    assert "its optimizer step is skipped" in caplog.text

@@ -281,8 +281,9 @@ class CollaborativeStrategy(Strategy):
         self._loggers = [logging.getLogger("hivemind.optim.optimizer"), logging.getLogger("hivemind.optim.state_averager")]
         self._update_s = 0.0
         self._local_step_s = 0.0
-        self._skipped_updates = 0  # optimizer steps skipped for non-finite averaged gradients
-        self._skipped_state_rounds = 0  # state averaging rounds not applied for non-finite averages
+        # per event kind: optimizer steps skipped for non-finite averaged gradients ("non_finite_average"),
+        # state averaging rounds not applied for non-finite averaged parameters ("non_finite_state_average")
+        self._skipped = {"non_finite_average": 0, "non_finite_state_average": 0}
         self._stop_watch = threading.Event()
         self.others_done = threading.Event()
         self._background_cpu_s: float | None = None
@@ -321,7 +322,8 @@ class CollaborativeStrategy(Strategy):
             lg.setLevel(logging.INFO)
         self._time_local_optimizer_step(optimizer)
         if not c.use_local_updates:  # the inner step applies averaged gradients once per global epoch
-            skip_non_finite_steps(optimizer, self._record_non_finite_average)
+            skip_non_finite_steps(optimizer, functools.partial(
+                self._record_non_finite, "non_finite_average", "gradients", "its optimizer step is skipped"))
         comp = _compression(c.gradient_compression)
         # Moshpit-style groups, and the bandwidth this peer declares for hivemind's load balancing
         groups = {"target_group_size": c.target_group_size, "initial_group_bits": c.initial_group_bits,
@@ -338,7 +340,8 @@ class CollaborativeStrategy(Strategy):
             # says both), so the gradient averager gets them through its factory
             averager_opts=groups, grad_averager_factory=functools.partial(GradientAverager, **groups),
         )
-        skip_non_finite_state(self.hm_opt.state_averager, self._record_non_finite_state)
+        skip_non_finite_state(self.hm_opt.state_averager, functools.partial(
+            self._record_non_finite, "non_finite_state_average", "parameters", "the peer keeps its own"))
         self._time_global_update()
         self._time_state_loading()
         self.optimizer = self.hm_opt
@@ -360,8 +363,8 @@ class CollaborativeStrategy(Strategy):
                 # what hivemind's averagers hold (read back: the value their load balancing gathers)
                 "averager_bandwidths": [a.bandwidth for a in averagers if a is not None],
                 "target_group_size": c.target_group_size,
-                "skipped_non_finite_updates": self._skipped_updates,
-                "skipped_non_finite_state_rounds": self._skipped_state_rounds}
+                "skipped_non_finite_updates": self._skipped["non_finite_average"],
+                "skipped_non_finite_state_rounds": self._skipped["non_finite_state_average"]}
 
     def _key(self, what: str) -> str:
         return f"ddlscope-{self.ctx.run_id}-{what}"
@@ -409,23 +412,15 @@ class CollaborativeStrategy(Strategy):
             except Exception:  # a round that ends meanwhile
                 continue
 
-    def _record_non_finite_average(self) -> None:
-        self._skipped_updates += 1
+    def _record_non_finite(self, kind: str, averaged: str, consequence: str) -> None:
+        """Count, log and store (event ``kind``) an averaging round whose averaged ``averaged`` are not finite."""
+        self._skipped[kind] += 1
         epoch = self.hm_opt.local_epoch if self.hm_opt is not None else None
-        logging.getLogger(__name__).warning("peer %d: the averaged gradients of global epoch %s are not finite (hivemind reduced a part "
-                    "from peers that all failed or weighed 0); its optimizer step is skipped",
-                    self.ctx.worker_index, epoch)
+        logging.getLogger(__name__).warning(
+            "peer %d: the averaged %s of global epoch %s are not finite (hivemind reduced a part from peers that "
+            "all failed or weighed 0); %s", self.ctx.worker_index, averaged, epoch, consequence)
         if self.ctx.store is not None:
-            self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, "non_finite_average", epoch=epoch)
-
-    def _record_non_finite_state(self) -> None:
-        self._skipped_state_rounds += 1
-        epoch = self.hm_opt.local_epoch if self.hm_opt is not None else None
-        logging.getLogger(__name__).warning("peer %d: the averaged parameters of global epoch %s are not finite (hivemind "
-                                            "reduced a part from peers that all failed or weighed 0); the peer keeps "
-                                            "its own", self.ctx.worker_index, epoch)
-        if self.ctx.store is not None:
-            self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, "non_finite_state_average", epoch=epoch)
+            self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, kind, epoch=epoch)
 
     def _time_local_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         inner_step = optimizer.step
