@@ -11,7 +11,7 @@ from ddlscope.distribution.collaborative import lone_peer_samples
 from ddlscope.distribution.ddp import ddp_buckets, eq_5_1_epoch_s
 from ddlscope.distribution.pipeline import pipeline_ops, simulate_pipeline
 from ddlscope.modeling.cluster import ClusterSpec, CollectiveFit, DeviceSpec, HivemindFit, LinkSpec, PeerSpec
-from ddlscope.modeling.collectives import butterfly_allreduce_s, ring_allgather_s, ring_allreduce_s
+from ddlscope.modeling.collectives import butterfly_allreduce_s, ring_allgather_s, ring_allreduce_s, tree_broadcast_s
 from ddlscope.modeling.prediction import Setting, predict
 from ddlscope.modeling.profile import DeviceProfile, LayerProfile, StepProfile, WorkloadProfile
 from ddlscope.profiling.calibrate import fit_in_step_rates
@@ -75,6 +75,27 @@ def test_ddp_with_a_free_network_costs_the_single_step_at_the_worker_batch():
     single = predict(prof, free, Setting("single", 1, 8, epoch_samples=3200))
     assert ddp.step_s == pytest.approx(single.step_s, rel=1e-6)
     assert ddp.epoch_s == pytest.approx(single.epoch_s / 4, rel=1e-6)  # 4 workers share the epoch
+
+
+def test_tree_broadcast_formula():
+    link = LinkSpec(bandwidth_gb_per_s=1.0, latency_s=1e-4)
+    assert tree_broadcast_s(1e9, 1, link, 0.5) == 0.0
+    assert tree_broadcast_s(1e9, 2, link, 0.5) == pytest.approx(0.5 + 1e-4 + 1.0)  # one round
+    assert tree_broadcast_s(1e9, 5, link, 0.5) == pytest.approx(0.5 + 3 * (1e-4 + 1.0))  # ceil(log2 5) rounds
+
+
+def test_ddp_broadcasts_the_buffers_before_every_forward():
+    plain = make_profile()
+    with_bn = plain.model_copy(update={"buffer_bytes": 2 * MIB})
+    s = Setting("ddp", 4, 8, epoch_samples=3200)
+    slow = make_cluster(bw=0.01, fixed=1e-3)  # 10 MB/s
+    p0, p1 = predict(plain, slow, s), predict(with_bn, slow, s)
+    assert p0.inputs["buffer_broadcast_s"] == 0.0
+    # two tree rounds for 4 workers, each moving all 2 MiB over the 10 MB/s link, plus the call's fixed cost
+    expected = 1e-3 + 2 * (1e-5 + 2 * MIB / 1e7)
+    assert p1.inputs["buffer_broadcast_s"] == pytest.approx(expected)
+    assert p1.breakdown_s["forward_s"] == pytest.approx(p0.breakdown_s["forward_s"] + expected)
+    assert p1.step_s == pytest.approx(p0.step_s + expected)
 
 
 def test_ddp_exposes_communication_compute_cannot_hide_and_eq51_misses_it():

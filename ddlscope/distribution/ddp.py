@@ -6,7 +6,7 @@ from __future__ import annotations
 from ddlscope.distribution import DistributionModel, register
 from ddlscope.modeling.cluster import ClusterSpec
 from ddlscope.modeling.collectives import (busy_per_node, contention, ddp_step_traffic_bytes, exposed_loading_s,
-                                           ring_allreduce_s, serial_comm)
+                                           ring_allreduce_s, serial_comm, tree_broadcast_s)
 from ddlscope.modeling.memory import MemoryEstimate, replicas
 from ddlscope.modeling.prediction import Prediction, Setting, make_prediction
 from ddlscope.modeling.profile import WorkloadProfile
@@ -65,6 +65,12 @@ def predict_ddp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scal
     gradients behind 0.16 s of compute was 40 ms slower than plain, 1.5x the same all-reduce alone);
     a bucket never costs less than its ring all-reduce over the cluster's link (the in-step rate
     was measured on loopback; over an emulated slow network the wire is the bound).
+
+    Before every training forward DDP broadcasts the module's buffers (BatchNorm running
+    statistics) from rank 0 (``broadcast_buffers=True``, torch's default, which our strategy keeps):
+    one :func:`tree_broadcast_s` of ``profile.buffer_bytes``, part of ``forward_s`` (where a run
+    measures it) and reported as ``inputs["buffer_broadcast_s"]``. Free on fast links, it is
+    not on slow ones: MobileNetV2's 137 kB of buffers cost 28 ms per step on 50 Mbit/s links (`validate links`).
     """
     w = s.workers
     slow = contention(cluster, busy_per_node(cluster, w)) * scale
@@ -91,8 +97,9 @@ def predict_ddp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scal
     exposed = max(0.0, free - backward_end)
     overlapped = comm_total - exposed
     interference = 0.0 if in_step else (1.0 - cluster.comm_overlap) * overlapped
+    buffer_broadcast = tree_broadcast_s(profile.buffer_bytes, w, link, cluster.collective_fixed_s)
     parts = {
-        "forward_s": sum(fwd) * slow,
+        "forward_s": sum(fwd) * slow + buffer_broadcast,
         "backward_s": backward_end + interference,
         "comm_wait_s": comm_total if in_step else exposed,
         "optimizer_s": step.optimizer_s * slow,
@@ -102,6 +109,7 @@ def predict_ddp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scal
     return make_prediction(s, parts, s.global_batch_size, reference_epoch_s={"eq5.1": ref},
                            inputs={"buckets": len(buckets), "comm_s": comm_total, "gradient_bytes": profile.param_bytes,
                                    "serial_comm": bool(in_step), "comm_interference_s": interference,
+                                   "buffer_bytes": profile.buffer_bytes, "buffer_broadcast_s": buffer_broadcast,
                                    "link_gb_per_s": link.bandwidth_gb_per_s, "link_latency_s": link.latency_s,
                                    "contention": slow / scale, "compute_scale": scale})
 

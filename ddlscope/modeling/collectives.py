@@ -1,7 +1,7 @@
 """Building blocks the cost models share: collectives over links, contention, traffic, data loading.
 
 Each distribution model's cost model (``ddlscope/distribution/<model>.py``) is built from these:
-the time of a ring all-reduce / all-gather (Patarasuk & Yuan 2009) or of hivemind's butterfly
+the time of a ring all-reduce / all-gather (Patarasuk & Yuan 2009), a tree broadcast, or of hivemind's butterfly
 all-reduce over the cluster's links (:class:`~ddlscope.modeling.cluster.LinkSpec`), the compute
 slowdown of devices that share a node, the bytes a worker sends per step, whether communication
 can overlap compute at all, and the data loading left on the critical path.
@@ -42,6 +42,19 @@ def ring_allgather_s(nbytes: float, workers: int, link: LinkSpec, fixed_s: float
         fixed_s, link = fit.fixed_s, LinkSpec(bandwidth_gb_per_s=min(fit.bandwidth_gb_per_s, link.bandwidth_gb_per_s),
                                               latency_s=link.latency_s)
     return fixed_s + (workers - 1) * (link.latency_s + nbytes / (workers * link.bandwidth_gb_per_s * 1e9))
+
+
+def tree_broadcast_s(nbytes: float, workers: int, link: LinkSpec, fixed_s: float) -> float:
+    """Seconds of a binomial-tree broadcast of ``nbytes`` from one worker to ``workers - 1`` others.
+
+    ``fixed_s + ceil(log2 W) * (latency + nbytes / bandwidth)``: in each of the ``ceil(log2 W)``
+    rounds every worker that has the data sends all of it to one that does not (Thakur,
+    Rabenseifner & Gropp 2005, binomial tree: ``lg p (alpha + n beta)``). 0 for one worker.
+    """
+    if workers < 2 or nbytes <= 0:
+        return 0.0
+    rounds = (workers - 1).bit_length()  # ceil(log2 W)
+    return fixed_s + rounds * (link.latency_s + nbytes / (link.bandwidth_gb_per_s * 1e9))
 
 
 PEER_ROLES = ("trainer", "auxiliary", "client")
