@@ -141,7 +141,7 @@ def test_repeats_run_every_cell_again_interleaved_and_show_its_median_run(tmp_pa
     assert not (tmp_path / "cli.db").exists()
 
 
-def _validate_links(tmp_path, monkeypatch, strategies, **grid_fields):
+def _validate_links(tmp_path, monkeypatch, strategies, rerun=False, **grid_fields):
     """run_validation of tiny_cnn with a stand-in profile and runs: (cells, {run label: run config})."""
     import ddlscope.profiling.profile
 
@@ -156,7 +156,7 @@ def _validate_links(tmp_path, monkeypatch, strategies, **grid_fields):
         configs[cfg.run_label] = cfg
         return fake(cfg, *args, **kwargs)
 
-    return run_validation(grid, make_cluster(), tmp_path / "r.db", progress=False, run_fn=run), configs
+    return run_validation(grid, make_cluster(), tmp_path / "r.db", progress=False, run_fn=run, rerun=rerun), configs
 
 
 def test_link_rates_add_emulated_cells_predicted_over_those_links(tmp_path, monkeypatch):
@@ -176,6 +176,28 @@ def test_link_rates_add_emulated_cells_predicted_over_those_links(tmp_path, monk
     assert not any(c.network.emulate for k, c in configs.items() if k not in keys)
     with pytest.raises(ValueError, match="rates in Mbit/s, > 0"):
         ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], bandwidths_mbit_per_s=[0.0])
+
+
+def test_a_rerender_predicts_stored_runs_at_the_link_share_measured_before_them(tmp_path, monkeypatch):
+    from ddlscope.experiments.validate import _stored_link_goodput
+
+    (first,), _ = _validate_links(tmp_path, monkeypatch, ["ddp"], bandwidths_mbit_per_s=[10.0], loopback=False)
+    db = tmp_path / "r.db"
+    assert first.link_goodput == 1.0 and _stored_link_goodput(db, "v", "10 Mbit/s") == 1.0
+    assert _stored_link_goodput(db, "v", "20 Mbit/s") is None and _stored_link_goodput(tmp_path / "none.db", "v", "10 Mbit/s") is None
+    with ResultsStore(db) as store:  # as if the links had carried 0.8 of their rate when the runs were made
+        (pred,) = store.predictions("v")
+        detail = json.loads(pred["detail_json"])
+        assert detail["link"] == "10 Mbit/s"
+        store.conn.execute("UPDATE predictions SET detail_json = ? WHERE prediction_id = ?",
+                           (json.dumps({**detail, "link_goodput": 0.8}), pred["prediction_id"]))
+        store.conn.commit()
+    (again,), _ = _validate_links(tmp_path, monkeypatch, ["ddp"], bandwidths_mbit_per_s=[10.0], loopback=False)
+    assert again.link_goodput == 0.8
+    assert again.outcome("ddp").predicted_parts_s["comm_wait_s"] == pytest.approx(
+        first.outcome("ddp").predicted_parts_s["comm_wait_s"] / 0.8, rel=0.05)
+    (rerun,), _ = _validate_links(tmp_path, monkeypatch, ["ddp"], bandwidths_mbit_per_s=[10.0], loopback=False, rerun=True)
+    assert rerun.link_goodput == 1.0  # measured again (runs stood in for: the full rate)
 
 
 def test_uneven_links_give_each_worker_its_rate_and_loopback_can_be_left_out(tmp_path, monkeypatch):
