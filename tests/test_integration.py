@@ -69,7 +69,7 @@ def test_single_run_records_every_step(env_data, db_path):
 
 
 def test_collaborative_run_averages_with_both_peers(env_data, db_path):
-    cfg = validate_config(tiny_run(sample_budget=8 * 2400, **COLLAB))
+    cfg = validate_config(tiny_run(sample_budget=4 * 2400, **COLLAB))  # ~4 rounds of both peers
     run_id = run_local(cfg, db_path, progress=False)
     with ResultsStore(db_path) as store:
         run = store.run(run_id)
