@@ -370,3 +370,51 @@ def test_failing_worker_is_named_in_the_run_reason_not_the_peer_it_took_down(env
             assert run["reason"].startswith("worker 1 failed: ValueError: injected failure on rank 1"), run["reason"]
     finally:
         _kill_launched(str(db_path))
+
+
+
+_HOLDER = """
+import sys, time, datetime
+import torch, torch.distributed as dist
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+if rank == 1:  # enters a collective that rank 0 never joins
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4))
+        print("joined")
+    except Exception as e:
+        print(f"failed after {time.monotonic() - start:.1f} s: {type(e).__name__}", flush=True)
+else:  # stopped between steps: never joins, keeps its process group, and waits (as a worker cleaning up)
+    time.sleep(1.0)
+    from ddlscope.launch.processes import shut_tcp_connections
+    print(f"shut {shut_tcp_connections()}", flush=True)
+    time.sleep(8.0)
+    print("held", flush=True)
+"""
+
+
+@slow
+def test_a_stopped_worker_that_shuts_its_connections_frees_a_peer_blocked_in_a_collective():
+    """Why a worker shuts its TCP connections before it waits for the others on its way out: a peer blocked
+    in a collective with it waits as long as the process group's sockets are open (the group lives on while
+    a DDP model refers to it), here 8 s. Found as a SIGKILLed launcher whose 2nd ddp worker outlived it by
+    10 s: the 1st waited for it to end (the last one out cleans up). Only the sending side is shut: shutting
+    both made gloo's own thread abort the process that shut them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _HOLDER, str(rank), str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, env=env) for rank in (0, 1)]
+    try:
+        blocked = procs[1].communicate(timeout=30)[0]
+        holder = procs[0].communicate(timeout=30)[0]
+        assert "failed after" in blocked, blocked
+        assert float(blocked.split("failed after ")[1].split(" s")[0]) < 5, blocked  # not at rank 0's exit
+        assert procs[0].returncode == 0 and "held" in holder and int(holder.split("shut ")[1].split()[0]) >= 1, holder
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -199,6 +200,39 @@ def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def shut_tcp_connections() -> int:
+    """Shut down (``shutdown(SHUT_RDWR)``) every TCP socket of this process, leaving the descriptors open;
+    return how many were shut.
+
+    A worker on its way out calls it before it waits for anything: a peer blocked in a collective
+    with it (gloo's pairs, held open by torch's process group as long as a DDP model refers to it)
+    then fails at once instead of waiting until this process exits. The descriptors stay valid,
+    so library threads still using them see errors, not a reused descriptor.
+    """
+    import psutil
+
+    shut = 0
+    try:
+        connections = psutil.Process().net_connections(kind="tcp")
+    except psutil.Error:
+        return 0
+    for conn in connections:
+        if conn.fd < 0:
+            continue
+        try:
+            sock = socket.socket(fileno=conn.fd)
+        except OSError:
+            continue
+        try:
+            sock.shutdown(socket.SHUT_WR)
+            shut += 1
+        except OSError:  # not connected (a listener may refuse), or already shut
+            pass
+        finally:
+            sock.detach()
+    return shut
 
 
 def end_children() -> None:

@@ -32,7 +32,8 @@ import sys
 import threading
 import traceback
 
-from ddlscope.launch.processes import die_with_parent, end_children, remove_run_temp_dir, route_hivemind_sockets
+from ddlscope.launch.processes import (die_with_parent, end_children, remove_run_temp_dir, route_hivemind_sockets,
+                                       shut_tcp_connections)
 
 GRACE_S = 5.0
 LAUNCHER_POLL_S = 0.5
@@ -308,7 +309,11 @@ def clean_up_after_launcher(db: str, run_id: str, index: int) -> None:
 def _last_one_out(db: str, run_id: str, index: int) -> bool:
     """Whether this worker cleans up after a run whose launcher is gone: the launcher is dead, no worker with a
     lower index is alive (that one cleans up), and every worker with a higher index ended within
-    :data:`CLEANUP_WAIT_S` (they stop at the same time). False when unsure (the next read of the store cleans up)."""
+    :data:`CLEANUP_WAIT_S` (they stop at the same time). False when unsure (the next read of the store cleans up).
+
+    Before it waits, it shuts the sending side of its TCP connections
+    (:func:`~ddlscope.launch.processes.shut_tcp_connections`): a higher worker blocked in a collective that this
+    one left would otherwise wait for this one to exit, and this one for it, until :data:`CLEANUP_WAIT_S`."""
     import time
 
     from ddlscope.store.db import ResultsStore, StoreFullError, _process_alive
@@ -327,6 +332,7 @@ def _last_one_out(db: str, run_id: str, index: int) -> bool:
         return False
     if any(_process_alive(w["pid"], w["pid_started_at"], None) for w in others if w["worker_index"] < index):
         return False
+    shut_tcp_connections()  # a worker blocked in a collective with this one fails now, not when this one exits
     deadline = time.monotonic() + CLEANUP_WAIT_S
     while any(_process_alive(w["pid"], w["pid_started_at"], None) for w in others):
         if time.monotonic() > deadline:
