@@ -947,14 +947,16 @@ def datapipe(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ddlscope.datapipe import DatapipeOptions, parse_workers, run_datapipe
-    from ddlscope.datapipe.report import print_result, write_report
+    from ddlscope.datapipe.options import DatapipeOptions, parse_workers
 
     loader_workers = renamed(ctx, "loader_workers", "old_workers")
     run_id = renamed(ctx, "run_id", "old_run")
     opts = DatapipeOptions(dataset, parse_workers(loader_workers), batch_size, samples, max_samples, step_time_s,
                            run_id, db, model, compute_steps, augment, data_root)
-    opts.check()
+    opts.check()  # before torch is imported: a bad option is refused at once
+    from ddlscope.datapipe import run_datapipe
+    from ddlscope.datapipe.report import print_result, write_report
+
     out = out or Path.cwd() / "ddlscope-results" / "datapipe" / Path(dataset).name
     console = Console(stderr=True)
     bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -2,6 +2,7 @@
 
 Named *datapipe* to keep it apart from pipeline *parallelism*. Modules:
 
+* :mod:`~ddlscope.datapipe.options`  what is asked (:class:`DatapipeOptions`), checked before any work;
 * :mod:`~ddlscope.datapipe.caches`   the strategies (decode-every-step, cached-decoded-memory,
   cached-decoded-disk, preprocessed) and the caches they read;
 * :mod:`~ddlscope.datapipe.measure`  loader throughput and the training step's compute time;
@@ -16,7 +17,16 @@ Example::
     print(result.recommendation.explanation)
 """
 
-from ddlscope.datapipe.analysis import DatapipeOptions, DatapipeResult, parse_workers, run_datapipe
-from ddlscope.datapipe.caches import STRATEGIES
+_WHERE = {"DatapipeOptions": "options", "parse_workers": "options", "DatapipeResult": "analysis",
+          "run_datapipe": "analysis", "STRATEGIES": "caches"}
+__all__ = sorted(_WHERE)
 
-__all__ = ["STRATEGIES", "DatapipeOptions", "DatapipeResult", "parse_workers", "run_datapipe"]
+
+def __getattr__(name: str):
+    """The names above, imported on first use: ``DatapipeOptions`` and ``parse_workers`` without torch,
+    so that the CLI refuses a bad option before it loads the measurement."""
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f"ddlscope.datapipe.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'ddlscope.datapipe' has no attribute {name!r}")
