@@ -179,12 +179,12 @@ def test_link_rates_add_emulated_cells_predicted_over_those_links(tmp_path, monk
 
 
 def test_a_rerender_predicts_stored_runs_at_the_link_share_measured_before_them(tmp_path, monkeypatch):
-    from ddlscope.experiments.validate import _stored_link_goodput
+    from ddlscope.experiments.validate import _stored_link_goodputs
 
     (first,), _ = _validate_links(tmp_path, monkeypatch, ["ddp"], bandwidths_mbit_per_s=[10.0], loopback=False)
     db = tmp_path / "r.db"
-    assert first.link_goodput == 1.0 and _stored_link_goodput(db, "v", "10 Mbit/s") == 1.0
-    assert _stored_link_goodput(db, "v", "20 Mbit/s") is None and _stored_link_goodput(tmp_path / "none.db", "v", "10 Mbit/s") is None
+    assert first.link_goodput == 1.0 and _stored_link_goodputs(db, "v") == {"10 Mbit/s": 1.0}
+    assert _stored_link_goodputs(tmp_path / "none.db", "v") == {}
     with ResultsStore(db) as store:  # as if the links had carried 0.8 of their rate when the runs were made
         (pred,) = store.predictions("v")
         detail = json.loads(pred["detail_json"])

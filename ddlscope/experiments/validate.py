@@ -342,6 +342,7 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
     planned = []  # (dataset, network, link, predict_s, [(candidate, prediction id, cell)], link goodput both ways,
     #             profile, the cluster predicted)
     goodput: dict[str, float] = {}  # per link entry: the share of the rate carried each way with both ways busy
+    stored_goodput = {} if rerun else _stored_link_goodputs(db_path, grid.name)  # as measured before stored runs
 
     for ds in grid.datasets:
         for net in grid.networks:
@@ -362,15 +363,13 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
                     continue
                 t1 = time.perf_counter()
                 if mbit is not None and link_label(mbit) not in goodput:  # measured once per link entry, not timed
-                    stored = None if rerun else _stored_link_goodput(db_path, grid.name, link_label(mbit))
-                    if stored is not None:
-                        goodput[link_label(mbit)] = stored
-                    else:
-                        goodput[link_label(mbit)] = links_goodput(mbit, grid.workers) if run_real and run_fn is None else 1.0
+                    stored = stored_goodput.get(link_label(mbit))
+                    goodput[link_label(mbit)] = stored if stored is not None else (
+                        links_goodput(mbit, grid.workers) if run_real and run_fn is None else 1.0)
                     if progress:
-                        how = "(as measured before their stored runs; --rerun measures again)" if stored is not None else ""
+                        how = "" if stored is None else " (as measured before their stored runs; --rerun measures again)"
                         print(f"validate {grid.name}: links {link_label(mbit)} carry {goodput[link_label(mbit)]:.3f} of "
-                              f"their rate each way with both ways busy {how}".rstrip(), file=sys.stderr, flush=True)
+                              f"their rate each way with both ways busy{how}", file=sys.stderr, flush=True)
                     t1 = time.perf_counter()
                 over = None if mbit is None else over_links(cluster, mbit, grid.workers, goodput[link_label(mbit)])
                 rec = recommend(profile, cluster if mbit is None else over, here)
@@ -404,17 +403,24 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
     return out
 
 
-def _stored_link_goodput(db_path: Path, group: str, link: str) -> float | None:
-    """The both-ways share that the grid ``group``'s first predictions for the link entry ``link``
-    were made with (stored in their ``detail``), or None.
+def _stored_link_goodputs(db_path: Path, group: str) -> dict[str, float]:
+    """Per link entry (e.g. ``"200 Mbit/s"``), the both-ways share that the grid ``group``'s first
+    predictions for it were made with (stored in their ``detail``); empty without a store.
 
     Runs reused from the store are predicted again with the share measured before they ran:
     measured anew, the share of the same links moved by up to 6 % between measurements on this
     project's machine (200/20 Mbit/s: 0.81, 0.78, 0.83), which moved the predictions of their
     cells as much.
     """
+    shares: dict[str, float] = {}
     if not Path(db_path).exists():
-        return None
+        return shares
+    with ResultsStore(db_path) as store:
+        for pred in store.predictions(group):
+            detail = json.loads(pred["detail_json"] or "{}")
+            if detail.get("link") is not None and detail.get("link_goodput") is not None:
+                shares.setdefault(detail["link"], float(detail["link_goodput"]))
+    return shares
     with ResultsStore(db_path) as store:
         for pred in store.predictions(group):
             detail = json.loads(pred["detail_json"] or "{}")
