@@ -246,7 +246,24 @@ def test_validate_tiny_stores_predictions_next_to_real_runs(tmp_path):
     again = _cli("validate", "tiny", "--cluster", str(LOCAL), "--db", str(db), "--no-progress")
     assert again.returncode == 0
     assert conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 3
-    # --rerun measures every cell again
-    rerun = _cli("validate", "tiny", "--cluster", str(LOCAL), "--db", str(db), "--no-progress", "--rerun")
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert conn.execute("SELECT COUNT(*) FROM runs WHERE status = 'completed'").fetchone()[0] == 6
+
+
+@pytest.mark.parametrize("flag, rerun", [([], False), (["--rerun"], True)])
+def test_validate_cli_hands_rerun_to_the_runs(tmp_path, monkeypatch, flag, rerun):
+    """``--rerun`` reaches :func:`run_validation` (which hands it to ``run_cells``: every cell runs again,
+    tests/test_experiments.py); without it, stored runs are reused (the real test above)."""
+    from typer.testing import CliRunner
+
+    from ddlscope.cli import app
+
+    seen = {}
+
+    def validation(spec, cluster, db_path, **kwargs):  # stops where a user's Ctrl-C would, before any cell
+        seen.update(kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("ddlscope.experiments.validate.run_validation", validation)
+    result = CliRunner().invoke(app, ["validate", "tiny", "--cluster", str(LOCAL), "--db", str(tmp_path / "r.db"),
+                                      "--no-progress", *flag])
+    assert result.exit_code == 130, result.output
+    assert seen["rerun"] is rerun and seen["run_real"] is True
