@@ -115,6 +115,13 @@ def test_predictor_table_shows_each_model_and_target():
     body = docs.predictor_markdown(repeated, header=HEADER)
     assert "1 cells, each run 3 times (interleaved; a cell shows its median run" in body
     assert "| ddp | 6 | 12.3 % | 20.0 % | +10.0 % | 18.7 % | eq5.1: 10.4 % | <= 10.0 % | **no** |" in body.splitlines()
+    assert "runs' compute" not in body  # a result without the error at the runs' compute: no such column
+    # with it: a column, and a line saying what it is
+    repeated["summary"]["per_model"]["ddp"]["median_abs_error_at_run_compute"] = 0.031
+    body = docs.predictor_markdown(repeated, header=HEADER)
+    assert "| ddp | 6 | 12.3 % | 20.0 % | +10.0 % | 18.7 % | 3.1 % | eq5.1: 10.4 % | <= 10.0 % | **no** |" in body.splitlines()
+    assert "| single | 6 | 5.1 % | 7.6 % | -2.0 % | – | – |  | <= 10.0 % | yes |" in body.splitlines()
+    assert "*At the runs' compute*: the prediction with its forward, backward and optimizer times" in body
 
 
 def test_default_header_names_script_date_machine_and_commit():

@@ -219,6 +219,28 @@ def test_step_parts_print_side_by_side_per_epoch(tmp_path, capsys):
     assert epoch_parts(out("single", 1.0, 1.0)) == []
 
 
+def test_the_error_at_the_runs_compute_takes_forward_backward_and_optimizer_from_the_run():
+    # predicted: 4 s per step (10 steps per epoch); the run computed 25 % slower and waited as predicted
+    o = out("ddp", 40.0, 50.0)
+    o.predicted_parts_s = {"forward_s": 1.0, "backward_s": 2.0, "comm_wait_s": 1.0}
+    o.measured_parts_s = {"forward_s": 1.25, "backward_s": 2.5, "comm_wait_s": 1.0, "optimizer_s": 0.25, "step_s": 5.0}
+    assert o.error == pytest.approx(-0.2) and o.error_at_run_compute == pytest.approx(0.0)
+    # the same, but the run also waited twice as long: the rest of the model is off
+    slow = out("ddp", 40.0, 60.0)
+    slow.predicted_parts_s = dict(o.predicted_parts_s)
+    slow.measured_parts_s = {**o.measured_parts_s, "comm_wait_s": 2.0, "step_s": 6.0}
+    assert slow.error_at_run_compute == pytest.approx(50.0 / 60.0 - 1)
+    # without parts on either side, or without a measurement: unknown
+    assert out("ddp", 40.0, 50.0).error_at_run_compute is None
+    failed = out("ddp", 40.0, None)
+    failed.predicted_parts_s = dict(o.predicted_parts_s)
+    assert failed.error_at_run_compute is None
+    summary = summarize([cell([o, out("single", 30.0, 30.0)]), cell([slow, out("single", 30.0, 30.0)], network="vgg11")])
+    assert summary.per_model["ddp"].median_abs_error_at_run_compute == pytest.approx((0 + 1 / 6) / 2)
+    assert summary.per_model["single"].median_abs_error_at_run_compute is None
+    assert all(m.median_abs_error_at_run_compute is None for m in summary.per_reference.values())
+
+
 def test_recommended_is_the_recommenders_rule():
     from ddlscope.modeling.recommend import fastest_that_fits
 

@@ -58,6 +58,8 @@ TARGET_MIN_TOP1_RATE = 0.90
 TARGET_MAX_MEDIAN_REGRET = 0.05
 
 STATUSES = ("completed", "failed", "not-run")
+COMPUTE_PARTS = ("forward_s", "backward_s", "optimizer_s")
+"""The step parts that :attr:`StrategyOutcome.error_at_run_compute` takes from the run."""
 #: error.png's y axis is clipped at +- this many % (clipped bars are labelled with their value).
 ERROR_PLOT_LIMIT_PCT = 100.0
 
@@ -111,6 +113,25 @@ class StrategyOutcome:
         if self.predicted_epoch_s is None or not self.measured:
             return None
         return relative_error(self.predicted_epoch_s, self.measured_epoch_s)
+
+    @property
+    def error_at_run_compute(self) -> float | None:
+        """:func:`relative_error` of the prediction with its compute parts (:data:`COMPUTE_PARTS`:
+        forward, backward, optimizer) replaced by the run's, both in seconds per epoch
+        (:func:`epoch_parts`); None without both sides' parts or without :attr:`error`.
+
+        What is left is the error of everything else the cost model predicts (communication
+        waits, pipeline bubbles, averaging, data loading). A machine whose compute drifted
+        between the profile and the run (another tenant, thermal state) moves :attr:`error`
+        but not this one; a cost model that misjudges communication moves both.
+        """
+        if self.error is None or not self.predicted_parts_s or not self.measured_parts_s:
+            return None
+        compute = [(p, m) for part, p, m in epoch_parts(self) if part in COMPUTE_PARTS]  # a part neither has: 0
+        if any(p is None or m is None for p, m in compute):
+            return None
+        held = self.predicted_epoch_s + sum(m - p for p, m in compute)
+        return relative_error(held, self.measured_epoch_s) if held > 0 else None
 
     @property
     def memory_error(self) -> float | None:
@@ -171,7 +192,9 @@ class ModelError:
     ``count``: outcomes with both a prediction and a measurement; ``outcomes``: all outcomes of the
     model; ``without_measurement``: outcomes whose real run failed or did not run;
     ``without_prediction``: measured outcomes without a prediction. Statistics are None when
-    ``count`` is 0; ``median_run_spread`` is None without outcomes measured more than once.
+    ``count`` is 0; ``median_run_spread`` is None without outcomes measured more than once;
+    ``median_abs_error_at_run_compute`` (of :attr:`StrategyOutcome.error_at_run_compute`) is None
+    without outcomes whose both sides have step parts, and for reference closed forms and memory.
     """
 
     count: int
@@ -182,6 +205,7 @@ class ModelError:
     max_abs_error: float | None
     median_error: float | None          # signed: > 0 the model overestimates on the median
     median_run_spread: float | None = None  # median StrategyOutcome.run_spread of outcomes with repeats
+    median_abs_error_at_run_compute: float | None = None  # median |StrategyOutcome.error_at_run_compute|
 
 
 @dataclass
@@ -404,8 +428,10 @@ def check_cells(cells: list[ValidationCell]) -> None:
                     raise UserError(f"{where}: {name} = {v!r}; allowed: a positive finite number of seconds")
 
 
-def _model_error(outcomes: list[StrategyOutcome], errors: list[float | None]) -> ModelError:
+def _model_error(outcomes: list[StrategyOutcome], errors: list[float | None], at_run_compute: bool = False
+                 ) -> ModelError:
     vals = [abs(e) for e in errors if e is not None]
+    held = [abs(e) for e in (o.error_at_run_compute for o in outcomes) if e is not None] if at_run_compute else []
     signed = [e for e in errors if e is not None]
     spreads = [o.run_spread for o in outcomes if o.run_spread is not None]
     return ModelError(
@@ -415,7 +441,8 @@ def _model_error(outcomes: list[StrategyOutcome], errors: list[float | None]) ->
         median_abs_error=statistics.median(vals) if vals else None,
         max_abs_error=max(vals) if vals else None,
         median_error=statistics.median(signed) if signed else None,
-        median_run_spread=statistics.median(spreads) if spreads else None)
+        median_run_spread=statistics.median(spreads) if spreads else None,
+        median_abs_error_at_run_compute=statistics.median(held) if held else None)
 
 
 def summarize(cells: list[ValidationCell]) -> ValidationSummary:
@@ -438,7 +465,7 @@ def summarize(cells: list[ValidationCell]) -> ValidationSummary:
             by_model[o.strategy].append(o)
             for name in o.reference_epoch_s:
                 by_ref[f"{o.strategy} {name}"].append((o, name))
-    per_model = {s: _model_error(os, [o.error for o in os]) for s, os in by_model.items()}
+    per_model = {s: _model_error(os, [o.error for o in os], at_run_compute=True) for s, os in by_model.items()}
     per_reference = {k: _model_error([o for o, _ in pairs], [o.reference_errors.get(n) for o, n in pairs])
                      for k, pairs in by_ref.items()}
     by_link: dict[str, list[StrategyOutcome]] = defaultdict(list)
@@ -448,7 +475,7 @@ def summarize(cells: list[ValidationCell]) -> ValidationSummary:
             by_link[f"{o.strategy} @ {cell.link}"].append(o)
             for name in o.reference_epoch_s:
                 by_link_ref[f"{o.strategy} {name} @ {cell.link}"].append((o, name))
-    per_link = {k: _model_error(os, [o.error for o in os]) for k, os in by_link.items()}
+    per_link = {k: _model_error(os, [o.error for o in os], at_run_compute=True) for k, os in by_link.items()}
     per_link_reference = {k: _model_error([o for o, _ in pairs], [o.reference_errors.get(n) for o, n in pairs])
                           for k, pairs in by_link_ref.items()}
 
@@ -569,7 +596,8 @@ def summary_table(summary: ValidationSummary) -> list[dict]:
 
 def model_error_table(summary: ValidationSummary) -> list[dict]:
     """Per distribution model, then per reference closed form: count, median/max |error|, median
-    error, and the median run-to-run spread of cells measured more than once (grid ``repeats``)."""
+    error, the median run-to-run spread of cells measured more than once (grid ``repeats``), and the
+    median |error| with the runs' own compute (:attr:`StrategyOutcome.error_at_run_compute`)."""
     rows = []
     for kind, group in (("model", summary.per_model), ("reference", summary.per_reference),
                         ("memory: allocator", summary.per_model_memory),
@@ -580,7 +608,8 @@ def model_error_table(summary: ValidationSummary) -> list[dict]:
             rows.append({"prediction": name, "kind": kind, "n": m.count, "median abs err": _pct(m.median_abs_error, False),
                          "max abs err": _pct(m.max_abs_error, False), "median err": _pct(m.median_error),
                          "not measured": m.without_measurement, "no prediction": m.without_prediction,
-                         "run spread": _pct(m.median_run_spread, False)})
+                         "run spread": _pct(m.median_run_spread, False),
+                         "median abs err at the runs' compute": _pct(m.median_abs_error_at_run_compute, False)})
     return rows
 
 
