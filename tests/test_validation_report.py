@@ -239,6 +239,10 @@ def test_the_error_at_the_runs_compute_takes_forward_backward_and_optimizer_from
     assert summary.per_model["ddp"].median_abs_error_at_run_compute == pytest.approx((0 + 1 / 6) / 2)
     assert summary.per_model["single"].median_abs_error_at_run_compute is None
     assert all(m.median_abs_error_at_run_compute is None for m in summary.per_reference.values())
+    # fsdp's measured forward holds the all-gathers it waited for (on CPU): not taken at the run's compute
+    sharded = out("fsdp", 40.0, 50.0)
+    sharded.predicted_parts_s, sharded.measured_parts_s = dict(o.predicted_parts_s), dict(o.measured_parts_s)
+    assert sharded.error is not None and sharded.error_at_run_compute is None
 
 
 def test_recommended_is_the_recommenders_rule():

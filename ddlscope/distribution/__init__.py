@@ -154,6 +154,13 @@ class DistributionModel:
             every peer runs from start to end.
         per_peer_report: True when a report shows its runs peer by peer (samples, averaging
             rounds, bytes, churn: :mod:`ddlscope.analyze.swarm`).
+        compute_parts_alone: True when a run's measured ``forward_s``, ``backward_s`` and
+            ``optimizer_s`` hold the work its cost model puts there, so that the prediction can be
+            taken at the run's own compute (:attr:`~ddlscope.predict.validation_report.StrategyOutcome.error_at_run_compute`);
+            False where a run's compute parts also hold work the cost model predicts in another
+            part (fsdp: the all-gathers waited for inside the forward on CPU; collaborative:
+            hivemind's background work slowing the steps, predicted as averaging overhead; dmoe:
+            the remote experts' calls inside the forward and backward).
     """
 
     name: str
@@ -186,6 +193,7 @@ class DistributionModel:
     services: Callable[["RunConfig"], list[Service]] | None = None
     churn: Callable[["RunConfig"], list[Any]] | None = None
     per_peer_report: bool = False
+    compute_parts_alone: bool = True
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:

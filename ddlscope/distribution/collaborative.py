@@ -720,6 +720,7 @@ MODEL = register(DistributionModel(
     check_config=check_target_batch,
     churn=lambda cfg: cfg.collaborative.churn_events(cfg.peers),
     per_peer_report=True,
+    compute_parts_alone=False,
     global_batch=_global_batch,
     candidate=collaborative_candidate,
     uses_cluster_devices=False,

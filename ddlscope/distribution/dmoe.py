@@ -791,6 +791,7 @@ MODEL = register(DistributionModel(
     check_config=check_dmoe,
     check_setting=check_setting,
     lockstep=False,  # trainers step on their own; they share only the experts
+    compute_parts_alone=False,
     estimate_factor=ESTIMATE_FACTOR,
     startup_steps=_startup_steps,
     measured_steps=MEASURED_STEPS,

@@ -163,6 +163,7 @@ MODEL = register(DistributionModel(
     name="fsdp",
     summary="sharded data parallel: parameters, gradients and optimizer state split over workers (FSDP2)",
     strategy="fsdp:FSDPStrategy",
+    compute_parts_alone=False,
     launcher="torchrun",
     measures="all-gather and reduce-scatter time and bytes per step",
     predicts="per-unit all-gather / reduce-scatter with prefetch, simulated unit by unit",

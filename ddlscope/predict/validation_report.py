@@ -118,7 +118,9 @@ class StrategyOutcome:
     def error_at_run_compute(self) -> float | None:
         """:func:`relative_error` of the prediction with its compute parts (:data:`COMPUTE_PARTS`:
         forward, backward, optimizer) replaced by the run's, both in seconds per epoch
-        (:func:`epoch_parts`); None without both sides' parts or without :attr:`error`.
+        (:func:`epoch_parts`); None without both sides' parts or without :attr:`error`, and for a
+        model whose measured compute parts hold other work too (its registry entry's
+        ``compute_parts_alone``: fsdp, collaborative, dmoe).
 
         What is left is the error of everything else the cost model predicts (communication
         waits, pipeline bubbles, averaging, data loading). A machine whose compute drifted
@@ -126,6 +128,10 @@ class StrategyOutcome:
         but not this one; a cost model that misjudges communication moves both.
         """
         if self.error is None or not self.predicted_parts_s or not self.measured_parts_s:
+            return None
+        from ddlscope import distribution
+
+        if self.strategy in distribution.names() and not distribution.get(self.strategy).compute_parts_alone:
             return None
         compute = [(p, m) for part, p, m in epoch_parts(self) if part in COMPUTE_PARTS]  # a part neither has: 0
         if any(p is None or m is None for p, m in compute):
