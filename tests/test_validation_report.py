@@ -239,6 +239,10 @@ def test_the_error_at_the_runs_compute_takes_forward_backward_and_optimizer_from
     assert summary.per_model["ddp"].median_abs_error_at_run_compute == pytest.approx((0 + 1 / 6) / 2)
     assert summary.per_model["single"].median_abs_error_at_run_compute is None
     assert all(m.median_abs_error_at_run_compute is None for m in summary.per_reference.values())
+    from ddlscope.predict.validation_report import cells_table
+
+    rows = {r["network"]: r for r in cells_table([cell([o]), cell([slow], network="vgg11")])}
+    assert rows["resnet18"]["error at the run's compute"] == "+0.0 %" and rows["vgg11"]["error"] == "-33.3 %"
     # fsdp's measured forward holds the all-gathers it waited for (on CPU): not taken at the run's compute
     sharded = out("fsdp", 40.0, 50.0)
     sharded.predicted_parts_s, sharded.measured_parts_s = dict(o.predicted_parts_s), dict(o.measured_parts_s)
