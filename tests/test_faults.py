@@ -432,3 +432,50 @@ def test_remove_run_temp_dir_removes_only_run_folders(tmp_path):
     (run_dir / "pymp-x").mkdir()
     remove_run_temp_dir(run_dir)
     assert not run_dir.exists()
+
+
+def test_a_peer_that_failed_and_then_aborted_on_its_way_out_keeps_its_reason(tmp_path):
+    """Seen once in CI: after its p2pd was killed, peer 1 recorded why it failed, and then hivemind's shutdown
+    aborted the process (``std::system_error: Broken pipe``, SIGABRT). The run's reason names the failure, not
+    only the signal; a peer killed without a recorded reason is still "killed by SIGKILL"."""
+    from types import SimpleNamespace
+
+    from ddlscope.launch.local import LocalLauncher, WorkerProcess
+
+    launcher = object.__new__(LocalLauncher)
+    launcher.cfg = SimpleNamespace(distribution_model=SimpleNamespace(launcher="swarm"))
+    rows = {1: {"worker_index": 1, "status": "failed", "reason": "peer 1's p2pd daemon (pid 7) ended during training"},
+            0: {"worker_index": 0, "status": "running", "reason": None}}
+    store = SimpleNamespace(workers=lambda run_id: list(rows.values()))
+    launcher.workers = [WorkerProcess(i, [i], SimpleNamespace(returncode=code, pid=100 + i), tmp_path / f"w{i}.log")
+                        for i, code in ((0, -signal.SIGKILL), (1, -signal.SIGABRT))]
+    status, reason = launcher._failure(store, "r", 1)
+    assert status == "failed" and reason.startswith("peer 1 failed: peer 1's p2pd daemon (pid 7) ended during training")
+    assert "then killed by SIGABRT on its way out" in reason
+    assert launcher._failure(store, "r", 0) == ("failed", f"peer 0 killed by SIGKILL (log: {tmp_path / 'w0.log'})")
+
+
+_SHARER = """
+import subprocess, psutil, torch, torch.multiprocessing as mp
+from ddlscope.launch.processes import end_children
+mp.set_sharing_strategy("file_system")  # as hivemind sets it
+shared = torch.zeros(1000).share_memory_()  # starts torch's shm manager
+other = subprocess.Popen(["sleep", "60"])
+manager = next(c for c in psutil.Process().children(recursive=True) if c.name() == "torch_shm_manager")
+end_children()
+other.wait(10)
+del shared  # a shared tensor freed after end_children: the manager must still be there
+print(manager.pid, other.returncode, manager.is_running(), flush=True)
+"""
+
+
+def test_end_children_kills_every_child_but_torchs_shm_manager_which_ends_after_the_process():
+    done = subprocess.run([sys.executable, "-c", _SHARER], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    manager_pid, other_code, alive = done.stdout.split()
+    assert other_code == str(-signal.SIGKILL) and alive == "True"
+    deadline = time.monotonic() + 20
+    while psutil.pid_exists(int(manager_pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    manager = psutil.Process(int(manager_pid)) if psutil.pid_exists(int(manager_pid)) else None
+    assert manager is None or manager.status() == psutil.STATUS_ZOMBIE or manager.name() != "torch_shm_manager"

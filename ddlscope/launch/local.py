@@ -535,7 +535,9 @@ class LocalLauncher:
     def _failure(self, store: ResultsStore, run_id: str, index: int) -> tuple[str, str]:
         """``(status, reason)`` of a run whose process ``index`` ended with a non-zero code: "peer 1 killed by
         SIGKILL", "worker 0 stopped by SIGTERM" (interrupted), "disk full writing <db>", "worker 0 exited with code
-        1: <its recorded reason>"."""
+        1: <its recorded reason>". A worker that recorded its own failure and then died by a signal on its way
+        out (a library aborting in its shutdown) keeps its recorded reason first: "peer 1 failed: <reason>
+        (then killed by SIGABRT on its way out; ...)"."""
         wp = next(w for w in self.workers if w.index == index)
         code = wp.popen.returncode
         if index < 0:  # a torchrun agent: name the worker that failed first
@@ -545,6 +547,8 @@ class LocalLauncher:
         who = f"{'peer' if self.cfg.distribution_model.launcher == 'swarm' else 'worker'} {index}"
         row = next((r for r in store.workers(run_id) if r["worker_index"] == index), None)
         recorded = row["reason"] if row is not None and row["reason"] else None
+        if code < 0 and recorded and row["status"] == "failed":  # it failed first, then died on its way out
+            return "failed", f"{who} failed: {recorded} (then {describe_exit(code)} on its way out; log: {wp.log_path})"
         if code < 0:
             return "failed", f"{who} {describe_exit(code)} (log: {wp.log_path})"
         if code == EXIT_DISK_FULL:

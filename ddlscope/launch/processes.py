@@ -235,14 +235,27 @@ def shut_tcp_connections() -> int:
     return shut
 
 
+SHM_MANAGER = "torch_shm_manager"
+"""torch's shared-memory manager: started (in a session of its own) by a process that shares tensors with
+the ``file_system`` strategy, which hivemind sets; it unlinks their segments and exits once its last
+client is gone (about 1-4 s after, measured here)."""
+
+
 def end_children() -> None:
     """SIGKILL every descendant of this process (e.g. the processes hivemind forked: task pools,
     connection handlers, the DHT process and its p2pd), which would outlive it when it ends by a
-    signal or without their shutdown. Call it last, on the way out."""
+    signal or without their shutdown. Call it last, on the way out.
+
+    torch's :data:`SHM_MANAGER` is left to end by itself when this process exits: killed first, a
+    thread of this process still freeing a shared tensor (hivemind's averager shutting down) failed
+    to reach it and aborted the process (``std::system_error: Broken pipe``, SIGABRT; once in CI),
+    and its segments in ``/dev/shm`` were left behind.
+    """
     import psutil
 
     for child in psutil.Process().children(recursive=True):
         try:
-            child.kill()
+            if child.name() != SHM_MANAGER:
+                child.kill()
         except psutil.Error:
             continue
