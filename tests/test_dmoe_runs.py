@@ -118,16 +118,13 @@ def _wait_or_kill(proc, timeout_s: float) -> int | None:
     shm manager excepted: it unlinks its segments and ends after its clients), so a failed test leaves no server."""
     import subprocess
 
+    from ddlscope.launch.processes import end_children
+
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        try:
-            tree = psutil.Process(proc.pid)
-            for p in [*tree.children(recursive=True), tree]:
-                if p.name() != "torch_shm_manager":
-                    p.kill()
-        except psutil.Error:
-            pass
+        end_children(proc.pid)
+        proc.kill()
         proc.wait(10)
         return None
 

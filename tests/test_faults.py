@@ -36,7 +36,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ddlscope.launch.processes import remove_run_temp_dir
+from ddlscope.launch.processes import SHM_MANAGER, remove_run_temp_dir
 from ddlscope.store.db import ResultsStore
 
 slow = pytest.mark.slow  # each case starts a real run (seconds of start-up on 2 cores)
@@ -457,11 +457,11 @@ def test_a_peer_that_failed_and_then_aborted_on_its_way_out_keeps_its_reason(tmp
 
 _SHARER = """
 import subprocess, psutil, torch, torch.multiprocessing as mp
-from ddlscope.launch.processes import end_children
+from ddlscope.launch.processes import SHM_MANAGER, end_children
 mp.set_sharing_strategy("file_system")  # as hivemind sets it
 shared = torch.zeros(1000).share_memory_()  # starts torch's shm manager
 other = subprocess.Popen(["sleep", "60"])
-manager = next(c for c in psutil.Process().children(recursive=True) if c.name() == "torch_shm_manager")
+manager = next(c for c in psutil.Process().children(recursive=True) if c.name() == SHM_MANAGER)
 end_children()
 other.wait(10)
 del shared  # a shared tensor freed after end_children: the manager must still be there
@@ -478,4 +478,4 @@ def test_end_children_kills_every_child_but_torchs_shm_manager_which_ends_after_
     while psutil.pid_exists(int(manager_pid)) and time.monotonic() < deadline:
         time.sleep(0.2)
     manager = psutil.Process(int(manager_pid)) if psutil.pid_exists(int(manager_pid)) else None
-    assert manager is None or manager.status() == psutil.STATUS_ZOMBIE or manager.name() != "torch_shm_manager"
+    assert manager is None or manager.status() == psutil.STATUS_ZOMBIE or manager.name() != SHM_MANAGER

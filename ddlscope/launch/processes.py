@@ -241,10 +241,10 @@ the ``file_system`` strategy, which hivemind sets; it unlinks their segments and
 client is gone (about 1-4 s after, measured here)."""
 
 
-def end_children() -> None:
-    """SIGKILL every descendant of this process (e.g. the processes hivemind forked: task pools,
-    connection handlers, the DHT process and its p2pd), which would outlive it when it ends by a
-    signal or without their shutdown. Call it last, on the way out.
+def end_children(pid: int | None = None) -> None:
+    """SIGKILL every descendant of this process, or of process ``pid`` (e.g. the processes hivemind forked:
+    task pools, connection handlers, the DHT process and its p2pd), which would outlive it when it ends
+    by a signal or without their shutdown. Call it last, on the way out.
 
     torch's :data:`SHM_MANAGER` is left to end by itself when this process exits: killed first, a
     thread of this process still freeing a shared tensor (hivemind's averager shutting down) failed
@@ -253,7 +253,11 @@ def end_children() -> None:
     """
     import psutil
 
-    for child in psutil.Process().children(recursive=True):
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:  # pid is gone
+        return
+    for child in children:
         try:
             if child.name() != SHM_MANAGER:
                 child.kill()
