@@ -256,6 +256,8 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
              f"{grid.get('matchmaking_time_s', '?')} s); {summary.get('cells', '?')} cells"
              + (f", each run {grid['repeats']} times (interleaved; a cell shows its median run, the spread is "
                 f"(max - min) / median of its runs)" if (grid.get("repeats") or 1) > 1 else "")
+             + ("; each round of runs profiled just before it and predicted from that profile"
+                if grid.get("profile_each_repeat") and (grid.get("repeats") or 1) > 1 else "")
              + (f"; the real runs took {wall / 60:.1f} min." if wall else "."), ""]
     rows = []
     per_link, per_link_ref = summary.get("per_link") or {}, summary.get("per_link_reference") or {}

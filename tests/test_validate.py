@@ -141,6 +141,51 @@ def test_repeats_run_every_cell_again_interleaved_and_show_its_median_run(tmp_pa
     assert not (tmp_path / "cli.db").exists()
 
 
+def test_profile_each_repeat_predicts_each_round_from_a_profile_taken_right_before_it(tmp_path, monkeypatch):
+    """profile_each_repeat: round N is profiled (cached in profiles/repeat-N) after round N-1 ran,
+    its runs are predicted from that profile and each prediction is stored under, and linked to,
+    its own run; the cell shows its median run against that run's prediction."""
+    import ddlscope.profiling.profile
+
+    events = []
+    per_sample_s = {"profiles": 1e-3, "repeat-2": 2e-3, "repeat-3": 3e-3}  # the machine slows down
+
+    def profile(*args, cache_dir, **kwargs):
+        events.append(f"profile {cache_dir.name}")
+        return make_profile(per_sample_s=per_sample_s[cache_dir.name])
+
+    monkeypatch.setattr(ddlscope.profiling.profile, "load_or_profile", profile)
+    grid = ValidationGrid(name="v", datasets=["mnist"], networks=["tiny_cnn"], strategies=["single", "ddp"],
+                          workers=2, batch_size=16, warmup_batches=1, measured_batches=2, threads_per_device=1,
+                          synthetic_train_size=16, repeats=3, profile_each_repeat=True)
+    step_s = {"": 0.5, "-r2": 0.8, "-r3": 0.4}
+
+    def run(cfg, *args, **kwargs):
+        events.append(cfg.run_label)
+        suffix = next((k for k in ("-r2", "-r3") if cfg.run_label.endswith(k)), "")
+        return fake_run_fn(step_s=step_s[suffix])[0](cfg, *args, **kwargs)
+
+    db = tmp_path / "r.db"
+    (cell,) = run_validation(grid, make_cluster(), db, profile_dir=tmp_path / "profiles", progress=False, run_fn=run)
+    base = ["ddp-tiny_cnn-mnist-2w-b16", "single-tiny_cnn-mnist-1w-b16"]
+    assert [e.split(" ")[0] if e.startswith("profile") else e for e in events] == [
+        "profile", *base, "profile", *[k + "-r2" for k in base], "profile", *[k + "-r3" for k in base]]
+    assert events[0::3] == ["profile profiles", "profile repeat-2", "profile repeat-3"]
+    ddp = cell.outcome("ddp")
+    first, second, third = ddp.predicted_repeats_epoch_s  # in run order: profiles of 1, 2 and 3 ms per sample
+    assert first < second < third
+    assert ddp.predicted_epoch_s == first and ddp.measured_epoch_s == pytest.approx(0.5 * 60_000 / 16)
+    with ResultsStore(db) as store:
+        runs = {r["run_id"]: r["cell_key"] for r in store.runs("v")}
+        linked = {p["cell_key"]: runs[p["run_id"]] for p in store.predictions("v")}
+    assert linked == {k + r: k + r for k in base for r in ("", "-r2", "-r3")}  # each prediction with its own run
+    # a re-render from the store profiles nothing new and runs nothing
+    events.clear()
+    (again,) = run_validation(grid, make_cluster(), db, profile_dir=tmp_path / "profiles", progress=False, run_fn=run)
+    assert [e for e in events if not e.startswith("profile")] == []
+    assert again.outcome("ddp").predicted_repeats_epoch_s == ddp.predicted_repeats_epoch_s
+
+
 def _validate_links(tmp_path, monkeypatch, strategies, rerun=False, **grid_fields):
     """run_validation of tiny_cnn with a stand-in profile and runs: (cells, {run label: run config})."""
     import ddlscope.profiling.profile
@@ -248,10 +293,14 @@ def test_validate_tiny_stores_predictions_next_to_real_runs(tmp_path):
     assert conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 3
 
 
-@pytest.mark.parametrize("flag, rerun", [([], False), (["--rerun"], True)])
-def test_validate_cli_hands_rerun_to_the_runs(tmp_path, monkeypatch, flag, rerun):
+@pytest.mark.parametrize("flag, rerun, each", [([], False, False), (["--rerun"], True, False),
+                                               (["links", "--profile-each-repeat"], False, True),
+                                               (["links", "--one-profile"], False, False), (["links"], False, True)])
+def test_validate_cli_hands_rerun_to_the_runs(tmp_path, monkeypatch, flag, rerun, each):
     """``--rerun`` reaches :func:`run_validation` (which hands it to ``run_cells``: every cell runs again,
-    tests/test_experiments.py); without it, stored runs are reused (the real test above)."""
+    tests/test_experiments.py); without it, stored runs are reused (the real test above). The grid's
+    ``profile_each_repeat`` (the ``links`` preset's True) is overridden by ``--profile-each-repeat`` /
+    ``--one-profile``."""
     from typer.testing import CliRunner
 
     from ddlscope.cli import app
@@ -259,11 +308,12 @@ def test_validate_cli_hands_rerun_to_the_runs(tmp_path, monkeypatch, flag, rerun
     seen = {}
 
     def validation(spec, cluster, db_path, **kwargs):  # stops where a user's Ctrl-C would, before any cell
-        seen.update(kwargs)
+        seen.update(kwargs, grid=spec)
         raise KeyboardInterrupt
 
     monkeypatch.setattr("ddlscope.experiments.validate.run_validation", validation)
-    result = CliRunner().invoke(app, ["validate", "tiny", "--cluster", str(LOCAL), "--db", str(tmp_path / "r.db"),
-                                      "--no-progress", *flag])
+    grid = [] if flag and flag[0] == "links" else ["tiny"]
+    result = CliRunner().invoke(app, ["validate", *grid, *flag, "--cluster", str(LOCAL), "--db",
+                                      str(tmp_path / "r.db"), "--no-progress"])
     assert result.exit_code == 130, result.output
-    assert seen["rerun"] is rerun and seen["run_real"] is True
+    assert seen["rerun"] is rerun and seen["run_real"] is True and seen["grid"].profile_each_repeat is each

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -113,6 +114,10 @@ class ValidationGrid(BaseModel):
     repeats: int = Field(1, ge=1, le=10, description="real runs per cell, interleaved (every cell once, then "
                                                      "again); a cell's measured figures are its median run's, "
                                                      "and every repeat's seconds per epoch is kept for the spread")
+    profile_each_repeat: bool = Field(
+        False, description="profile again right before each repeat's runs and predict them from that profile: on a "
+                           "machine whose speed drifts over the hours a grid takes, each prediction is then compared "
+                           "with runs made right after its profile, as a user's would be")
 
     @field_validator("bandwidths_mbit_per_s")
     @classmethod
@@ -190,10 +195,12 @@ PRESETS: dict[str, dict] = {
     # measures its default 48 steps per peer: 16 (~7 global epochs) left its samples per epoch to chance.
     # Three runs per cell: single runs of one cell moved by 10-20 % between passes (gpipe +14 % then +5 %,
     # fsdp at 200 Mbit/s +17 % then -3 %; the uneven pair's collaborative epoch 3,727 s to 5,302 s)
+    # Each round profiled anew: in pass 5 every median run computed 6-23 % slower than the one profile taken
+    # before the first of its 90 runs (the last ones ran 4.5 hours after it)
     "links": dict(name="validation-links", datasets=["mnist"], networks=["mobilenet_v2"],
                   strategies=["ddp", "fsdp", "gpipe", "1f1b", "collaborative", "diloco"], workers=2, batch_size=64,
                   target_batch_size=128, bandwidths_mbit_per_s=[200.0, 50.0, [200.0, 20.0]], loopback=False,
-                  repeats=3),
+                  repeats=3, profile_each_repeat=True),
     # the Decentralized Mixture-of-Experts over emulated links: trainers and expert servers each in a namespace
     # with links of the same rate (a per-worker list would leave the servers' links unlimited)
     "moe-links": dict(name="validation-moe-links", datasets=["mnist"], networks=["moe_cnn"], strategies=["dmoe"],
@@ -327,27 +334,119 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
     group of the same name, run by :func:`ddlscope.experiments.runner.run_cells` (``run_fn``: its
     stand-in for tests).
 
+    With ``repeats`` > 1 the cells run in rounds (every cell once, then again). A grid with
+    ``profile_each_repeat`` profiles again before each round and predicts that round's runs from
+    it (each prediction stored under its run's key, cached profiles in ``profile_dir/repeat-N``);
+    otherwise one profile and one prediction per cell serve every round.
+
     Raises:
         KeyboardInterrupt: after the running cell was stopped and stored as interrupted.
     """
-    from ddlscope.modeling.recommend import candidate_settings, recommend
     from ddlscope.predict.validation_report import ValidationCell
-    from ddlscope.profiling.profile import load_or_profile
-    from ddlscope.workloads.datasets import DATASETS, write_synthetic
+    from ddlscope.workloads.datasets import write_synthetic
 
     root = Path(data_root or Path(db_path).parent / "suite-data")
     profile_dir = Path(profile_dir or Path(db_path).parent / "profiles")
     for ds in grid.datasets:
         write_synthetic(ds, root, train_size=max(grid.synthetic_train_size, grid.batch_size), test_size=32, seed=0)
-    planned = []  # (dataset, network, link, predict_s, [(candidate, prediction id, cell)], link goodput both ways,
-    #             profile, the cluster predicted)
-    goodput: dict[str, float] = {}  # per link entry: the share of the rate carried each way with both ways busy
-    stored_goodput = {} if rerun else _stored_link_goodputs(db_path, grid.name)  # as measured before stored runs
+    links = _Links(grid, db_path, measure=run_real and run_fn is None, rerun=rerun, progress=progress)
+    rounds = [[r] for r in range(grid.repeats)] if grid.profile_each_repeat else [list(range(grid.repeats))]
+    plans: list[list[_Planned]] = []
+    runs: dict[str, tuple[str | None, str, str | None]] = {}
+    for repeats in rounds:
+        here = profile_dir if repeats[0] == 0 else profile_dir / f"repeat-{repeats[0] + 1}"
+        plans.append(_predict(grid, cluster, db_path, root, here, repeats, links, progress))
+        if run_real:
+            # repeats interleaved: every cell once, then every cell again, so that a drift of the machine
+            # (another load, thermal state) spreads over all cells rather than biasing some
+            cells = [entry.cells[i] for i in range(len(repeats)) for plan in plans[-1] for entry in plan.entries]
+            for o in run_cells(cells, db_path, grid.name, progress=progress, rerun=rerun, run_fn=run_fn,
+                               what="validate"):
+                runs[o.cell.key] = (o.run_id, o.status, o.reason)
+    out = []
+    for i, first in enumerate(plans[0]):
+        outcomes = []
+        for entry in first.entries:
+            tries = [_Try(same.candidate, same.prediction_id, cell.key, runs.get(cell.key), plan[i].profile,
+                          plan[i].cluster)
+                     for plan in plans for same in plan[i].entries if same.key == entry.key for cell in same.cells]
+            outcomes.append(_repeated_outcome(grid, db_path, tries))
+        out.append(ValidationCell(dataset=first.dataset, network=first.label, workers=grid.workers, outcomes=outcomes,
+                                  predict_s=first.predict_s, link=first.link, link_goodput=first.link_goodput))
+    return out
 
+
+@dataclass
+class _Entry:
+    """One candidate of a planned cell: its base cell ``key``, stored prediction and real runs."""
+    key: str
+    candidate: Candidate
+    prediction_id: str
+    cells: list[Cell]
+
+
+@dataclass
+class _Planned:
+    """A dataset x network (x link entry) predicted from one profile, with the cells to run."""
+    dataset: str
+    label: str
+    link: str | None
+    predict_s: float
+    entries: list[_Entry]
+    link_goodput: float | None
+    profile: Any
+    cluster: ClusterSpec
+
+
+@dataclass
+class _Try:
+    """One real run of a candidate next to the prediction made for it (and its profile and cluster)."""
+    candidate: Candidate
+    prediction_id: str
+    key: str
+    run: tuple[str | None, str, str | None] | None
+    profile: Any
+    cluster: ClusterSpec
+
+
+class _Links:
+    """The both-ways share of each link entry's rate (``ddlscope.network.duplex``), measured once
+    per validation (1.0 when ``measure`` is False: no real runs, or stand-in runs), or as stored
+    with the grid's earlier predictions (:func:`_stored_link_goodputs`) unless ``rerun``."""
+
+    def __init__(self, grid: ValidationGrid, db_path: Path, measure: bool, rerun: bool, progress: bool):
+        self.grid, self.measure, self.progress = grid, measure, progress
+        self.stored = {} if rerun else _stored_link_goodputs(db_path, grid.name)
+        self.goodput: dict[str, float] = {}
+
+    def share(self, mbit: float | list[float]) -> float:
+        label = link_label(mbit)
+        if label not in self.goodput:
+            stored = self.stored.get(label)
+            self.goodput[label] = stored if stored is not None else (
+                links_goodput(mbit, self.grid.workers) if self.measure else 1.0)
+            if self.progress:
+                how = "" if stored is None else " (as measured before their stored runs; --rerun measures again)"
+                print(f"validate {self.grid.name}: links {label} carry {self.goodput[label]:.3f} of their rate each "
+                      f"way with both ways busy{how}", file=sys.stderr, flush=True)
+        return self.goodput[label]
+
+
+def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Path, profile_dir: Path,
+             repeats: list[int], links: _Links, progress: bool) -> list[_Planned]:
+    """Profile every dataset x network (cached in ``profile_dir``), predict every candidate on
+    loopback and on each link entry, store the predictions (under the key of the first of
+    ``repeats``) and plan a cell per repeat in ``repeats``."""
+    from ddlscope.modeling.recommend import candidate_settings, recommend
+    from ddlscope.profiling.profile import load_or_profile
+    from ddlscope.workloads.datasets import DATASETS
+
+    planned = []
     for ds in grid.datasets:
         for net in grid.networks:
             if progress:
-                print(f"validate {grid.name}: profiling {net} on {ds} and predicting", file=sys.stderr, flush=True)
+                print(f"validate {grid.name}: profiling {net} on {ds} and predicting"
+                      + (f" (round {repeats[0] + 1})" if repeats[0] else ""), file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             profile = load_or_profile(net, ds, grid.batch_size, grid.device, threads=grid.threads,
                                       loader_workers=(grid.loader_workers,), data_root=root, cache_dir=profile_dir)
@@ -361,46 +460,26 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
                 here = settings if mbit is None else [s for s in settings if s.strategy in emulated_models()]
                 if not here:
                     continue
+                goodput = None if mbit is None else links.share(mbit)  # measured once per link entry, not timed
                 t1 = time.perf_counter()
-                if mbit is not None and link_label(mbit) not in goodput:  # measured once per link entry, not timed
-                    stored = stored_goodput.get(link_label(mbit))
-                    goodput[link_label(mbit)] = stored if stored is not None else (
-                        links_goodput(mbit, grid.workers) if run_real and run_fn is None else 1.0)
-                    if progress:
-                        how = "" if stored is None else " (as measured before their stored runs; --rerun measures again)"
-                        print(f"validate {grid.name}: links {link_label(mbit)} carry {goodput[link_label(mbit)]:.3f} of "
-                              f"their rate each way with both ways busy{how}", file=sys.stderr, flush=True)
-                    t1 = time.perf_counter()
-                over = None if mbit is None else over_links(cluster, mbit, grid.workers, goodput[link_label(mbit)])
+                over = None if mbit is None else over_links(cluster, mbit, grid.workers, goodput)
                 rec = recommend(profile, cluster if mbit is None else over, here)
-                link_goodput = None if mbit is None else {"link": link_label(mbit), "link_goodput": goodput[link_label(mbit)]}
-                with ResultsStore(db_path) as store:
-                    entries = [(c, _store_prediction(store, grid.name, c, c is rec.best, net, ds,
-                                                     _key(grid, c.setting, net, ds, mbit), link_goodput),
-                                [validation_cell(grid, c.setting, net, ds, root,
-                                                 c.prediction.inputs.get("stage_bounds") if c.prediction else None,
-                                                 mbit, repeat) for repeat in range(grid.repeats)])
-                               for c in rec.candidates]
                 link = None if mbit is None else link_label(mbit)
-                label = net if link is None else f"{net} @ {link}"
+                stored_link = None if mbit is None else {"link": link, "link_goodput": goodput}
+                with ResultsStore(db_path) as store:
+                    entries = [_Entry(_key(grid, c.setting, net, ds, mbit), c,
+                                      _store_prediction(store, grid.name, c, c is rec.best, net, ds,
+                                                        _key(grid, c.setting, net, ds, mbit, repeats[0]), stored_link),
+                                      [validation_cell(grid, c.setting, net, ds, root,
+                                                       c.prediction.inputs.get("stage_bounds") if c.prediction else None,
+                                                       mbit, repeat) for repeat in repeats])
+                               for c in rec.candidates]
                 # the profile's time counts once, with the first cell of this network
-                planned.append((ds, label, link, (t1 - t0 if first else 0.0) + time.perf_counter() - t1, entries,
-                                None if mbit is None else goodput[link_label(mbit)], profile, over or cluster))
+                planned.append(_Planned(ds, net if link is None else f"{net} @ {link}", link,
+                                        (t1 - t0 if first else 0.0) + time.perf_counter() - t1, entries, goodput,
+                                        profile, over or cluster))
                 first = False
-    runs: dict[str, tuple[str | None, str, str | None]] = {}
-    if run_real:
-        # repeats interleaved: every cell once, then every cell again, so that a drift of the machine
-        # (another load, thermal state) spreads over all cells rather than biasing some
-        cells = [repeats[r] for r in range(grid.repeats) for *_, entries, _, _, _ in planned for _, _, repeats in entries]
-        for o in run_cells(cells, db_path, grid.name, progress=progress, rerun=rerun, run_fn=run_fn, what="validate"):
-            runs[o.cell.key] = (o.run_id, o.status, o.reason)
-    out = []
-    for ds, net, link, predict_s, entries, both_ways, profile, predicted_on in planned:
-        outcomes = [_repeated_outcome(grid, db_path, cand, pid, [(cell.key, runs.get(cell.key)) for cell in repeats],
-                                      profile, predicted_on) for cand, pid, repeats in entries]
-        out.append(ValidationCell(dataset=ds, network=net, workers=grid.workers, outcomes=outcomes,
-                                  predict_s=predict_s, link=link, link_goodput=both_ways))
-    return out
+    return planned
 
 
 def _stored_link_goodputs(db_path: Path, group: str) -> dict[str, float]:
@@ -421,12 +500,6 @@ def _stored_link_goodputs(db_path: Path, group: str) -> dict[str, float]:
             if detail.get("link") is not None and detail.get("link_goodput") is not None:
                 shares.setdefault(detail["link"], float(detail["link_goodput"]))
     return shares
-    with ResultsStore(db_path) as store:
-        for pred in store.predictions(group):
-            detail = json.loads(pred["detail_json"] or "{}")
-            if detail.get("link") == link and detail.get("link_goodput") is not None:
-                return float(detail["link_goodput"])
-    return None
 
 
 def _store_prediction(store: ResultsStore, group: str, cand: Candidate, recommended: bool, net: str, ds: str,
@@ -445,34 +518,35 @@ def _store_prediction(store: ResultsStore, group: str, cand: Candidate, recommen
                 "recommended": recommended, **(link_goodput or {})})
 
 
-def _repeated_outcome(grid: ValidationGrid, db_path: Path, cand: Candidate, prediction_id: str,
-                      runs: list[tuple[str, tuple[str | None, str, str | None] | None]], profile,
-                      cluster: ClusterSpec) -> StrategyOutcome:
-    """A candidate's prediction next to its cell's real runs: ``runs`` holds per repeat its cell key
-    and run (id, runner status, reason; None: not run).
+def _repeated_outcome(grid: ValidationGrid, db_path: Path, tries: list[_Try]) -> StrategyOutcome:
+    """A candidate's predictions next to its cell's real runs, one :class:`_Try` per repeat (its run:
+    id, runner status, reason; None: not run).
 
-    Each repeat gets :func:`_outcome` (and, for a cell run with churn, :func:`churn_outcome`: its
-    own prediction for the churn that happened in it). The cell's outcome is its **median run**'s:
-    of the completed repeats ordered by measured seconds per epoch, the middle one (of an even
-    number, the faster of the middle two); without a completed repeat, the first repeat's. The
-    prediction ``prediction_id`` is linked to that run. With more than one repeat the outcome also
-    keeps every completed repeat's measured (and, with churn, predicted) seconds per epoch, in run
-    order, and says in ``reason`` how many failed and why the first did.
+    Each repeat gets :func:`_outcome` against the prediction made for it (and, for a cell run with
+    churn, :func:`churn_outcome`: its own prediction for the churn that happened in it). The cell's
+    outcome is its **median run**'s: of the completed repeats ordered by measured seconds per epoch,
+    the middle one (of an even number, the faster of the middle two); without a completed repeat,
+    the first repeat's. A prediction made for one run (a grid that profiles each repeat) is linked
+    to that run; one prediction for every repeat is linked to the median run. With more than one
+    repeat the outcome also keeps every completed repeat's measured seconds per epoch (and, where
+    each had a prediction of its own, the predicted), in run order, and says in ``reason`` how many failed and why the first did.
     """
     tried = []
-    for key, run in runs:
-        o = _outcome(db_path, cand, run)
-        if _churns(grid, cand.setting.strategy) and run is not None and o.measured:
-            o = churn_outcome(o, db_path, run[0], profile, cluster, cand.setting, grid.name, key)
-        tried.append((o, run))
-    done = sorted((t for t in tried if t[0].measured), key=lambda t: t[0].measured_epoch_s)
-    outcome, run = done[(len(done) - 1) // 2] if done else tried[0]
-    if run is not None and run[0] is not None:
-        with ResultsStore(db_path) as store:
-            store.link_prediction(prediction_id, run[0])
+    for t in tries:
+        o = _outcome(db_path, t.candidate, t.run)
+        if _churns(grid, t.candidate.setting.strategy) and t.run is not None and o.measured:
+            o = churn_outcome(o, db_path, t.run[0], t.profile, t.cluster, t.candidate.setting, grid.name, t.key)
+        tried.append((o, t))
+    done = sorted((x for x in tried if x[0].measured), key=lambda x: x[0].measured_epoch_s)
+    outcome, median = done[(len(done) - 1) // 2] if done else tried[0]
+    own = len({t.prediction_id for t in tries}) == len(tries)  # a prediction per run
+    with ResultsStore(db_path) as store:
+        for _, t in tried if own else [(outcome, median)]:
+            if t.run is not None and t.run[0] is not None:
+                store.link_prediction(t.prediction_id, t.run[0])
     if len(tried) > 1:
         outcome.measured_repeats_epoch_s = [o.measured_epoch_s for o, _ in tried if o.measured]
-        if _churns(grid, cand.setting.strategy):
+        if own or _churns(grid, tries[0].candidate.setting.strategy):
             outcome.predicted_repeats_epoch_s = [o.predicted_epoch_s for o, _ in tried if o.measured]
         failed = [o for o, _ in tried if not o.measured]
         if failed and done:

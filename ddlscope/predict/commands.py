@@ -294,6 +294,10 @@ def register(app: typer.Typer) -> None:
         repeats: Optional[int] = typer.Option(None, "--repeats", min=1, max=10,
                                               help="real runs per cell, 1-10; a cell shows its median run and the "
                                                    "spread (default: the grid's repeats, 1 unless it says)"),
+        profile_each_repeat: Optional[bool] = typer.Option(
+            None, "--profile-each-repeat/--one-profile",
+            help="profile again before each repeat's runs and predict them from it, for a machine whose speed drifts "
+                 "(default: the grid's profile_each_repeat)"),
         as_json: bool = typer.Option(False, "--json", help="print the validation (the report's validation.json and its "
                                                            "path) as JSON on stdout; everything else goes to stderr"),
     ):
@@ -309,6 +313,8 @@ def register(app: typer.Typer) -> None:
             spec = spec.model_copy(update={"device": device})
         if repeats is not None:
             spec = spec.model_copy(update={"repeats": repeats})
+        if profile_each_repeat is not None:
+            spec = spec.model_copy(update={"profile_each_repeat": profile_each_repeat})
         if spec.device == "cuda" and cluster is None:
             raise UserError("validate on cuda needs --cluster FILE: calibrating this machine times gloo collectives "
                             "between CPU cores, not nccl between GPUs; allowed: --cluster with kind = \"local\" and "

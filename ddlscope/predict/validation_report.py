@@ -98,7 +98,8 @@ class StrategyOutcome:
     measured_allocator_bytes: int | None = None
     measured_runtime_bytes: int | None = None
     # a grid with repeats > 1: every completed repeat's measured seconds per epoch in run order (the figures
-    # above are the median run's), and, where each repeat had a prediction of its own (churn), theirs
+    # above are the median run's), and, where each repeat had a prediction of its own (churn, a grid profiled
+    # before each repeat), theirs
     measured_repeats_epoch_s: list[float] = field(default_factory=list)
     predicted_repeats_epoch_s: list[float] = field(default_factory=list)
 
