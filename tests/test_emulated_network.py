@@ -121,6 +121,46 @@ def test_a_killed_owner_leaves_no_namespace_link_or_process_behind():
 
 
 @needs_root
+def test_removing_a_network_lets_torchs_shm_manager_end_by_itself_and_kills_one_that_does_not(tmp_path, monkeypatch):
+    """torch's shm manager unlinks its clients' segments in /dev/shm once they are gone: removing a network
+    kills the rest first and gives it time (SIGKILLed with them it left 317 segments from one collaborative
+    run); one that does not end is killed after SHM_MANAGER_WAIT_S. Stand-ins: a shell named like the manager
+    (the kernel names a process after its file) that waits for its client, then removes a file."""
+    import shutil
+
+    from ddlscope.network import emulated
+
+    manager = tmp_path / "torch_shm_manager"
+    shutil.copy(shutil.which("sh"), manager)
+    segment = tmp_path / "torch_segment"
+    segment.touch()
+    monkeypatch.setattr(emulated, "SHM_MANAGER_WAIT_S", 2.0)
+    net = EmulatedNetwork([(10.0, 10.0)] * 2).create()
+    try:
+        pids = lambda peer: [int(p) for p in subprocess.run(["ip", "netns", "pids", net.namespace(peer)],  # noqa: E731
+                                                            capture_output=True, text=True).stdout.split()]
+        subprocess.run(net.wrap(0, ["setsid", "-f", "sleep", "60"]), check=True)  # the client, reaped by init
+        (client,) = pids(0)
+        subprocess.run(net.wrap(0, ["setsid", "-f", str(manager), "-c",
+                                    f"while kill -0 {client} 2>/dev/null; do sleep 0.05; done; rm {segment}"]),
+                       check=True)
+        subprocess.run(net.wrap(1, ["setsid", "-f", str(manager), "-c", "while true; do sleep 0.05; done"]), check=True)
+        time.sleep(0.3)
+        stubborn = [p for p in pids(1) if emulated._is_shm_manager(p)]
+        assert len(stubborn) == 1 and len([p for p in pids(0) if emulated._is_shm_manager(p)]) == 1
+        t0 = time.monotonic()
+        net.remove()
+        took_s = time.monotonic() - t0
+    finally:
+        net.remove()
+    assert not segment.exists()  # the manager outlived its client and unlinked the segment
+    assert 2.0 <= took_s < 10  # the stubborn one was waited for, then killed
+    time.sleep(0.2)
+    assert not emulated._is_shm_manager(stubborn[0])
+    assert _ours(net.tag) == ([], [])
+
+
+@needs_root
 def test_remove_stale_removes_networks_whose_owner_is_gone_and_nothing_else():
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     stale = EmulatedNetwork([(5.0, None)], owner_pid=owner.pid).create()

@@ -23,6 +23,7 @@ from ddlscope.launch.local import run_local
 from ddlscope.network.emulated import namespaces
 from ddlscope.store.db import ResultsStore
 from tests.conftest import tiny_run
+from tests.test_integration import assert_no_new_shm_segments, shm_segments
 
 can_emulate = sys.platform.startswith("linux") and os.geteuid() == 0 and subprocess.run(
     ["ip", "netns", "list"], capture_output=True).returncode == 0
@@ -39,7 +40,7 @@ def _ddl_links() -> list[str]:
 
 
 def test_a_collaborative_run_trains_through_limited_links_and_records_what_they_carried(env_data, db_path):
-    before = (set(namespaces()), set(_ddl_links()))
+    before, segments = (set(namespaces()), set(_ddl_links())), shm_segments()
     # the peers tell hivemind's load balancing their links ("network": the smaller of upload and download)
     collab = {**COLLAB, "collaborative": {**COLLAB["collaborative"], "declared_bandwidths_mbit_per_s": "network"}}
     cfg = validate_config(tiny_run(sample_budget=4 * 1200, **collab,
@@ -65,6 +66,9 @@ def test_a_collaborative_run_trains_through_limited_links_and_records_what_they_
         rounds = [s for s in store.rows("steps", run_id) if s["averaging_round"] and s["averaging_succeeded"]]
         assert rounds
     assert (set(namespaces()), set(_ddl_links())) == before
+    # removing the namespaces lets torch's shm manager unlink the peers' segments (killed with the
+    # namespaces' other processes, it left them all behind: 317 from one run of the links grid)
+    assert_no_new_shm_segments(segments, timeout_s=1.0)
 
 
 KILLED_COLLABORATIVE = """[run]

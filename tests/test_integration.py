@@ -68,14 +68,25 @@ def test_single_run_records_every_step(env_data, db_path):
         _assert_no_leftovers(store, run_id)
 
 
-def _shm_segments() -> set[str]:
+def shm_segments() -> set[str]:
     """torch's shared-memory segments (``file_system`` strategy, which hivemind sets) in /dev/shm."""
     return {p.name for p in Path("/dev/shm").glob("torch_*")} if Path("/dev/shm").is_dir() else set()
 
 
+def assert_no_new_shm_segments(before: set[str], timeout_s: float = 20.0) -> None:
+    """No segment beyond ``before`` is left in /dev/shm once torch's shm manager, left to end after the
+    peers, has unlinked them (within ``timeout_s``; killed with a peer's other children, it left one or
+    more per run behind)."""
+    deadline = time.monotonic() + timeout_s
+    while shm_segments() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = sorted(shm_segments() - before)
+    assert not left, f"{len(left)} shared-memory segments left in /dev/shm: {left[:5]}"
+
+
 def test_collaborative_run_averages_with_both_peers(env_data, db_path):
     cfg = validate_config(tiny_run(sample_budget=4 * 2400, **COLLAB))  # ~4 rounds of both peers
-    segments = _shm_segments()
+    segments = shm_segments()
     run_id = run_local(cfg, db_path, progress=False)
     with ResultsStore(db_path) as store:
         run = store.run(run_id)
@@ -95,13 +106,7 @@ def test_collaborative_run_averages_with_both_peers(env_data, db_path):
         summary = summarize_run(store, run_id)
         assert all(w.net_sent_bytes > 0 for w in summary.workers)  # peers exchanged tensors over TCP
         _assert_no_leftovers(store, run_id)
-    # the tensors hivemind shared between a peer and its processes: torch's shm manager, left to end after
-    # the peer, unlinks them (killed with the peer's other children, it left one or more per run behind)
-    deadline = time.monotonic() + 20
-    while _shm_segments() - segments and time.monotonic() < deadline:
-        time.sleep(0.5)
-    left = sorted(_shm_segments() - segments)
-    assert not left, f"{len(left)} shared-memory segments left in /dev/shm: {left[:5]}"
+    assert_no_new_shm_segments(segments)  # the tensors hivemind shared between a peer and its processes
 
 
 def test_ctrl_c_keeps_measurements_and_ends_every_process(env_data, tmp_path):

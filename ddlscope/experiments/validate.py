@@ -205,7 +205,7 @@ PRESETS: dict[str, dict] = {
     # with links of the same rate (a per-worker list would leave the servers' links unlimited)
     "moe-links": dict(name="validation-moe-links", datasets=["mnist"], networks=["moe_cnn"], strategies=["dmoe"],
                       workers=2, batch_size=32, warmup_batches=3, measured_batches=20, synthetic_train_size=256,
-                      bandwidths_mbit_per_s=[50.0, 10.0], loopback=False, repeats=3),
+                      bandwidths_mbit_per_s=[50.0, 10.0], loopback=False, repeats=3, profile_each_repeat=True),
     # churn measured and predicted: peer 1 of a collaborative pair killed and back (seconds from the swarm's
     # first stored step: after the warm-up and start-up steps), on loopback and on 50 Mbit/s links (needs root).
     # Three runs per cell: two runs of one such cell differed by 36 % on 2 cores, more than the model's error
