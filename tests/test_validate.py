@@ -184,6 +184,11 @@ def test_profile_each_repeat_predicts_each_round_from_a_profile_taken_right_befo
     (again,) = run_validation(grid, make_cluster(), db, profile_dir=tmp_path / "profiles", progress=False, run_fn=run)
     assert [e for e in events if not e.startswith("profile")] == []
     assert again.outcome("ddp").predicted_repeats_epoch_s == ddp.predicted_repeats_epoch_s
+    # predicting alone (--predict-only) profiles once: rounds mean something only where runs follow
+    events.clear()
+    run_validation(grid, make_cluster(), tmp_path / "p.db", profile_dir=tmp_path / "profiles", progress=False,
+                   run_real=False)
+    assert events == ["profile profiles"]
 
 
 def _validate_links(tmp_path, monkeypatch, strategies, rerun=False, **grid_fields):

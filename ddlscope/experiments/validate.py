@@ -337,7 +337,7 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
     With ``repeats`` > 1 the cells run in rounds (every cell once, then again). A grid with
     ``profile_each_repeat`` profiles again before each round and predicts that round's runs from
     it (each prediction stored under its run's key, cached profiles in ``profile_dir/repeat-N``);
-    otherwise one profile and one prediction per cell serve every round.
+    otherwise (and with ``run_real`` False) one profile and one prediction per cell serve every round.
 
     Raises:
         KeyboardInterrupt: after the running cell was stopped and stored as interrupted.
@@ -350,7 +350,9 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
     for ds in grid.datasets:
         write_synthetic(ds, root, train_size=max(grid.synthetic_train_size, grid.batch_size), test_size=32, seed=0)
     links = _Links(grid, db_path, measure=run_real and run_fn is None, rerun=rerun, progress=progress)
-    rounds = [[r] for r in range(grid.repeats)] if grid.profile_each_repeat else [list(range(grid.repeats))]
+    # a round per repeat only where runs follow: predicting alone, one profile serves them all
+    each = grid.profile_each_repeat and run_real
+    rounds = [[r] for r in range(grid.repeats)] if each else [list(range(grid.repeats))]
     plans: list[list[_Planned]] = []
     runs: dict[str, tuple[str | None, str, str | None]] = {}
     for repeats in rounds:
