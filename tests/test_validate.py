@@ -150,8 +150,8 @@ def test_profile_each_repeat_predicts_each_round_from_a_profile_taken_right_befo
     events = []
     per_sample_s = {"profiles": 1e-3, "repeat-2": 2e-3, "repeat-3": 3e-3}  # the machine slows down
 
-    def profile(*args, cache_dir, **kwargs):
-        events.append(f"profile {cache_dir.name}")
+    def profile(*args, cache_dir, refresh=False, **kwargs):
+        events.append(f"profile {cache_dir.name}" + (" again" if refresh else ""))
         return make_profile(per_sample_s=per_sample_s[cache_dir.name])
 
     monkeypatch.setattr(ddlscope.profiling.profile, "load_or_profile", profile)
@@ -189,6 +189,10 @@ def test_profile_each_repeat_predicts_each_round_from_a_profile_taken_right_befo
     run_validation(grid, make_cluster(), tmp_path / "p.db", profile_dir=tmp_path / "profiles", progress=False,
                    run_real=False)
     assert events == ["profile profiles"]
+    # --rerun runs every round again, each after a profile measured anew
+    events.clear()
+    run_validation(grid, make_cluster(), db, profile_dir=tmp_path / "profiles", progress=False, run_fn=run, rerun=True)
+    assert events[0::3] == ["profile profiles again", "profile repeat-2 again", "profile repeat-3 again"]
 
 
 def _validate_links(tmp_path, monkeypatch, strategies, rerun=False, **grid_fields):

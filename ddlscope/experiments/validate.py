@@ -338,6 +338,7 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
     ``profile_each_repeat`` profiles again before each round and predicts that round's runs from
     it (each prediction stored under its run's key, cached profiles in ``profile_dir/repeat-N``);
     otherwise (and with ``run_real`` False) one profile and one prediction per cell serve every round.
+    ``rerun`` runs every cell again and, where each round has its profile, profiles again too.
 
     Raises:
         KeyboardInterrupt: after the running cell was stopped and stored as interrupted.
@@ -357,7 +358,7 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
     runs: dict[str, tuple[str | None, str, str | None]] = {}
     for repeats in rounds:
         here = profile_dir if repeats[0] == 0 else profile_dir / f"repeat-{repeats[0] + 1}"
-        plans.append(_predict(grid, cluster, db_path, root, here, repeats, links, progress))
+        plans.append(_predict(grid, cluster, db_path, root, here, repeats, links, progress, refresh=rerun and each))
         if run_real:
             # repeats interleaved: every cell once, then every cell again, so that a drift of the machine
             # (another load, thermal state) spreads over all cells rather than biasing some
@@ -435,10 +436,10 @@ class _Links:
 
 
 def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Path, profile_dir: Path,
-             repeats: list[int], links: _Links, progress: bool) -> list[_Planned]:
-    """Profile every dataset x network (cached in ``profile_dir``), predict every candidate on
-    loopback and on each link entry, store the predictions (under the key of the first of
-    ``repeats``) and plan a cell per repeat in ``repeats``."""
+             repeats: list[int], links: _Links, progress: bool, refresh: bool = False) -> list[_Planned]:
+    """Profile every dataset x network (cached in ``profile_dir``; ``refresh``: measured again even so),
+    predict every candidate on loopback and on each link entry, store the predictions (under the key
+    of the first of ``repeats``) and plan a cell per repeat in ``repeats``."""
     from ddlscope.modeling.recommend import candidate_settings, recommend
     from ddlscope.profiling.profile import load_or_profile
     from ddlscope.workloads.datasets import DATASETS
@@ -451,7 +452,8 @@ def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Pa
                       + (f" (round {repeats[0] + 1})" if repeats[0] else ""), file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             profile = load_or_profile(net, ds, grid.batch_size, grid.device, threads=grid.threads,
-                                      loader_workers=(grid.loader_workers,), data_root=root, cache_dir=profile_dir)
+                                      loader_workers=(grid.loader_workers,), data_root=root, cache_dir=profile_dir,
+                                      refresh=refresh)
             settings = candidate_settings(
                 grid.strategies, grid.workers, grid.batch_size, DATASETS[ds].train_size,
                 microbatches=grid.microbatches, loader_workers=grid.loader_workers,
