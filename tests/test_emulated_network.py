@@ -128,6 +128,7 @@ def test_removing_a_network_lets_torchs_shm_manager_end_by_itself_and_kills_one_
     (the kernel names a process after its file) that waits for its client, then removes a file."""
     import shutil
 
+    from ddlscope.launch.processes import is_shm_manager
     from ddlscope.network import emulated
 
     manager = tmp_path / "torch_shm_manager"
@@ -146,8 +147,8 @@ def test_removing_a_network_lets_torchs_shm_manager_end_by_itself_and_kills_one_
                        check=True)
         subprocess.run(net.wrap(1, ["setsid", "-f", str(manager), "-c", "while true; do sleep 0.05; done"]), check=True)
         time.sleep(0.3)
-        stubborn = [p for p in pids(1) if emulated._is_shm_manager(p)]
-        assert len(stubborn) == 1 and len([p for p in pids(0) if emulated._is_shm_manager(p)]) == 1
+        stubborn = [p for p in pids(1) if is_shm_manager(p)]
+        assert len(stubborn) == 1 and len([p for p in pids(0) if is_shm_manager(p)]) == 1
         t0 = time.monotonic()
         net.remove()
         took_s = time.monotonic() - t0
@@ -156,7 +157,7 @@ def test_removing_a_network_lets_torchs_shm_manager_end_by_itself_and_kills_one_
     assert not segment.exists()  # the manager outlived its client and unlinked the segment
     assert 2.0 <= took_s < 10  # the stubborn one was waited for, then killed
     time.sleep(0.2)
-    assert not emulated._is_shm_manager(stubborn[0])
+    assert not is_shm_manager(stubborn[0])
     assert _ours(net.tag) == ([], [])
 
 

@@ -241,6 +241,17 @@ the ``file_system`` strategy, which hivemind sets; it unlinks their segments and
 client is gone (about 1-4 s after, measured here)."""
 
 
+def is_shm_manager(pid: int) -> bool:
+    """Whether process ``pid`` is a running (not zombie) :data:`SHM_MANAGER`; False when it is gone."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return proc.name() == SHM_MANAGER and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def end_children(pid: int | None = None) -> None:
     """SIGKILL every descendant of this process, or of process ``pid`` (e.g. the processes hivemind forked:
     task pools, connection handlers, the DHT process and its p2pd), which would outlive it when it ends
@@ -258,8 +269,8 @@ def end_children(pid: int | None = None) -> None:
     except psutil.Error:  # pid is gone
         return
     for child in children:
-        try:
-            if child.name() != SHM_MANAGER:
+        if not is_shm_manager(child.pid):
+            try:
                 child.kill()
-        except psutil.Error:
-            continue
+            except psutil.Error:
+                continue

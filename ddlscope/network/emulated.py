@@ -32,12 +32,12 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ddlscope.errors import UserError
+from ddlscope.launch.processes import is_shm_manager
 
 SUBNET = "10.201.0"
 """The /24 every emulated network uses (namespaces of different runs never see each other)."""
@@ -371,21 +371,21 @@ def remove_network(tag: str, peers: int | None = None, grace_s: float = 0.0) -> 
     names = [f"{PREFIX}-{tag}-{i}" for i in range(peers)] if peers is not None else \
         [n for n in namespaces() if _NAMESPACE.match(n) and _NAMESPACE.match(n).group(1) == tag]
     if grace_s > 0:
-        _signal_all([pid for ns in names for pid in _netns_pids(ns) if not _is_shm_manager(pid)], signal.SIGTERM)
+        _signal_all([pid for ns in names for pid in _netns_pids(ns) if not is_shm_manager(pid)], signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(not _is_shm_manager(p) for ns in names for p in _netns_pids(ns)):
+        while time.monotonic() < deadline and any(not is_shm_manager(p) for ns in names for p in _netns_pids(ns)):
             time.sleep(0.1)
     managers = []
     for ns in names:
         pids = _netns_pids(ns)
-        managers += [pid for pid in pids if _is_shm_manager(pid)]
+        managers += [pid for pid in pids if is_shm_manager(pid)]
         _signal_all([pid for pid in pids if pid not in managers], signal.SIGKILL)
     # torch's shm manager unlinks its clients' segments in /dev/shm and exits once they are gone; killed
     # with them, it left every segment behind (317 from one collaborative run)
     deadline = time.monotonic() + SHM_MANAGER_WAIT_S
-    while time.monotonic() < deadline and any(_is_shm_manager(pid) for pid in managers):
+    while time.monotonic() < deadline and any(is_shm_manager(pid) for pid in managers):
         time.sleep(0.05)
-    _signal_all([pid for pid in managers if _is_shm_manager(pid)], signal.SIGKILL)
+    _signal_all([pid for pid in managers if is_shm_manager(pid)], signal.SIGKILL)
     for ns in names:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     # a namespace's veth goes with it, but asynchronously: delete the bridge's ends (and the bridge) now
@@ -396,19 +396,6 @@ def remove_network(tag: str, peers: int | None = None, grace_s: float = 0.0) -> 
 SHM_MANAGER_WAIT_S = 5.0
 """Seconds :func:`remove_network` lets torch's shm manager (:data:`ddlscope.launch.processes.SHM_MANAGER`)
 end by itself after its clients, before SIGKILL: it needs 1-4 s to unlink their segments."""
-
-
-def _is_shm_manager(pid: int) -> bool:
-    """Whether ``pid`` is torch's shm manager and has not exited (a zombie has; its name as the kernel keeps
-    it: the first 15 characters)."""
-    from ddlscope.launch.processes import SHM_MANAGER
-
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:  # gone
-        return False
-    name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split(" ", 1)[0]
-    return name == SHM_MANAGER[:15] and state != "Z"
 
 
 def _links(prefix: str) -> list[str]:
