@@ -504,6 +504,7 @@ def peer(
 ):
     """Join a swarm run (a model whose launcher is 'swarm') by hand, say from another host; results go to this host's --db."""
     from ddlscope.config import check_runnable, load_config, validate_config
+    from ddlscope.launch.processes import reap_when_gone
     from ddlscope.store.db import ResultsStore
     from ddlscope.train.worker import serve_worker
 
@@ -516,6 +517,7 @@ def peer(
     check_runnable(cfg)
     with ResultsStore(_db(db)) as store:
         store.create_run(cfg.run_label, cfg.strategy, cfg.model_dump(mode="json"), run_id=run_id)
+    reap_when_gone()  # hivemind's DHT process and p2pd end with this command, even on SIGKILL
     code = serve_worker(str(_db(db)), run_id, index, peers, core_ids, initial_peers, listen or None)
     with ResultsStore(_db(db)) as store:
         store.finish_run(run_id, {0: "completed", 130: "interrupted"}.get(code, "failed"))
@@ -579,6 +581,7 @@ def serve_experts(
     """
     from ddlscope import distribution
     from ddlscope.config import load_config, validate_config
+    from ddlscope.launch.processes import reap_when_gone
     from ddlscope.moe.server import serve
     from ddlscope.store.db import ResultsStore
 
@@ -593,6 +596,7 @@ def serve_experts(
     with ResultsStore(_db(db)) as store:
         run_id = store.create_run(f"{cfg.run_label}-server{index}", cfg.strategy, cfg.model_dump(mode="json"),
                                   run_id=run_id)
+    reap_when_gone()  # the experts' DHT process and p2pd end with this command, even on SIGKILL
     code = serve(str(_db(db)), run_id, index, 0, core_ids, initial_peers)
     with ResultsStore(_db(db)) as store:
         store.finish_run(run_id, "completed" if code == 0 else "failed")
@@ -607,7 +611,9 @@ def bootstrap(listen: list[str] = typer.Option(["/ip4/127.0.0.1/tcp/0"], help="m
     import hivemind
 
     from ddlscope.launch.network import p2p_options
+    from ddlscope.launch.processes import reap_when_gone
 
+    reap_when_gone()  # the DHT process and p2pd end with this command, even on SIGKILL
     dht = hivemind.DHT(host_maddrs=listen, start=True, **p2p_options())
     for addr in dht.get_visible_maddrs():
         typer.echo(str(addr))

@@ -48,7 +48,7 @@ def _run_distributed(strategy: str, out: Path, attempts: int = 2, *extra: str) -
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
         try:
-            stdout, stderr = proc.communicate(timeout=120)
+            stdout, stderr = proc.communicate(timeout=60)  # ~12 s when it does not hang
         except subprocess.TimeoutExpired:
             # torchrun starts each worker in a session of its own: kill the whole tree, then reap
             for child in psutil.Process(proc.pid).children(recursive=True):

@@ -479,3 +479,74 @@ def test_end_children_kills_every_child_but_torchs_shm_manager_which_ends_after_
         time.sleep(0.2)
     manager = psutil.Process(int(manager_pid)) if psutil.pid_exists(int(manager_pid)) else None
     assert manager is None or manager.status() == psutil.STATUS_ZOMBIE or manager.name() != SHM_MANAGER
+
+
+_OWNER = """
+import subprocess, sys, time
+orphan = subprocess.run(["sh", "-c", "sleep 60 > /dev/null 2>&1 & echo $!"], capture_output=True, text=True).stdout.strip()
+child = subprocess.Popen(["sleep", "61"])
+print(orphan, child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_reaper_ends_a_dead_commands_descendants_and_its_groups_orphans_but_not_a_pipeline_neighbour():
+    """`leftovers` after a SIGKILL: the noted child, the orphan born in the command's process group (a
+    grandchild whose parent exited, never a descendant when noted), but not a process of the same group whose
+    parent is the command's parent (``tee`` in ``ddlscope peer | tee log``)."""
+    from ddlscope.launch.reaper import end, leftovers, note_descendants
+
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True, process_group=0)
+    neighbour = subprocess.Popen(["sleep", "62"], process_group=owner.pid)
+    try:
+        orphan_pid, child_pid = (int(p) for p in owner.stdout.readline().split())
+        started_at = psutil.Process(owner.pid).create_time()
+        noted: dict[int, float] = {}
+        note_descendants(owner.pid, noted)
+        assert child_pid in noted and orphan_pid not in noted
+        owner.kill()
+        owner.wait(10)
+        left = leftovers(owner.pid, started_at, owner.pid, os.getpid(), noted)
+        assert {p.pid for p in left} == {orphan_pid, child_pid}
+        assert end(left, grace_s=5) == 2
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in left)
+        assert neighbour.poll() is None
+    finally:
+        neighbour.kill()
+        owner.kill()
+        for pid in (orphan_pid, child_pid) if "child_pid" in locals() else ():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        neighbour.wait(10)
+
+
+def test_a_standalone_bootstrap_killed_by_sigkill_leaves_no_dht_process_or_p2pd(tmp_path):
+    """`ddlscope bootstrap` typed in a shell (its own process group) and killed by SIGKILL: its reaper ends
+    hivemind's DHT process and p2pd, which would otherwise run on under init (``peer`` and ``serve-experts``
+    start the same reaper)."""
+    log = tmp_path / "bootstrap.log"
+    with open(log, "w") as out:
+        cmd = subprocess.Popen([sys.executable, "-m", "ddlscope.cli", "bootstrap"], stdout=out, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    seen: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 60
+        while "/p2p/" not in log.read_text() and cmd.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "/p2p/" in log.read_text(), log.read_text()[-2000:]
+        seen = psutil.Process(cmd.pid).children(recursive=True)  # the DHT process, p2pd and the reaper
+        assert {"p2pd"} <= {p.name() for p in seen}
+        cmd.kill()
+        cmd.wait(10)
+        _, alive = psutil.wait_procs(seen, timeout=GONE_WAIT_S)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [p.cmdline() for p in alive]
+        assert "ending the" in log.read_text()
+    finally:
+        cmd.kill()
+        for p in seen:  # a failed test leaves nothing behind
+            try:
+                p.kill()
+            except psutil.Error:
+                pass

@@ -16,7 +16,11 @@ A run's processes share a temporary folder of the run's own (:func:`make_run_tem
 ``TMPDIR``; hivemind's sockets routed there by :func:`route_hivemind_sockets`), removed with all it
 holds when the run ends (:func:`remove_run_temp_dir`), so nothing they create is left in ``/tmp``.
 
-Used by :mod:`ddlscope.launch.local` (runs) and :mod:`ddlscope.profiling.calibrate`.
+A command that runs hivemind in its own process, not under a launcher (``peer``, ``serve-experts``,
+``bootstrap``), calls :func:`reap_when_gone`: a reaper ends what the command started once the command
+has died, SIGKILL included (:mod:`ddlscope.launch.reaper`).
+
+Used by :mod:`ddlscope.launch.local` (runs), :mod:`ddlscope.profiling.calibrate` and those commands.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -250,6 +255,38 @@ def is_shm_manager(pid: int) -> bool:
         return proc.name() == SHM_MANAGER and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def process_gone(pid: int, started_at: float) -> bool:
+    """True when process ``pid`` no longer exists, is a different process (pid reused: its start time,
+    ``psutil.Process.create_time``, is not ``started_at``) or is a zombie."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return proc.create_time() != started_at or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def reap_when_gone() -> subprocess.Popen:
+    """Start a reaper (:mod:`ddlscope.launch.reaper`, a session of its own) that ends what this process
+    started once this process has died, SIGKILL included; return it.
+
+    For a command that runs hivemind in its own process (``peer``, ``serve-experts``, ``bootstrap``):
+    hivemind's DHT process and p2pd would otherwise outlive a SIGKILL of the command. Call it before
+    starting anything. The reaper ends by itself once this process is gone.
+
+    Raises:
+        OSError: the reaper cannot be started.
+    """
+    import psutil
+
+    me = psutil.Process()
+    cmd = [sys.executable, "-m", "ddlscope.launch.reaper", "--owner-pid", str(me.pid),
+           "--owner-started-at", repr(me.create_time()), "--owner-pgid", str(os.getpgid(0)),
+           "--owner-ppid", str(os.getppid())]
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
 
 
 def end_children(pid: int | None = None) -> None:

@@ -15,20 +15,12 @@ import time
 
 import psutil
 
+from ddlscope.launch.processes import process_gone
 from ddlscope.network.emulated import remove_network
 
 POLL_S = 0.2
 GRACE_S = 5.0
 """Seconds the processes in the namespaces get after SIGTERM (to record why they stop) before SIGKILL."""
-
-
-def owner_gone(pid: int, started_at: float) -> bool:
-    """True when process ``pid`` no longer exists or is a different process (pid reused) or a zombie."""
-    try:
-        p = psutil.Process(pid)
-        return p.create_time() != started_at or p.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -40,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         started_at = psutil.Process(args.owner_pid).create_time()
     except psutil.NoSuchProcess:
         started_at = float("nan")  # the owner died before this started: remove at once
-    while not owner_gone(args.owner_pid, started_at):
+    while not process_gone(args.owner_pid, started_at):
         time.sleep(POLL_S)
     remove_network(f"{args.owner_pid:x}", args.peers, grace_s=GRACE_S)
 
