@@ -42,6 +42,7 @@ from ddlscope.experiments.validate import load_grid, run_validation
 from ddlscope.modeling.cluster import load_cluster
 from ddlscope.modeling.recommend import candidate_settings, recommend
 from ddlscope.predict.validation_report import summarize, write_validation_report
+from ddlscope.profiling.calibrate import CalibrationError
 from ddlscope.workloads.datasets import DATASETS
 
 from _docs import DOCS_PAGE, check_docs_block, predictor_markdown, update_docs_block
@@ -151,3 +152,5 @@ if __name__ == "__main__":
         main()
     except UserError as e:          # bad input (a grid, a cluster file, the docs page): one line, no traceback
         raise SystemExit(f"error: {e}") from None
+    except CalibrationError as e:   # the calibration of this machine failed or timed out: where it stood, in one line
+        raise SystemExit(f"error: {e} (pass --cluster FILE to reuse an earlier calibration)") from None

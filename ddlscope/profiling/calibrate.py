@@ -645,10 +645,10 @@ def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[
         # the workers import the same ddlscope as this process, wherever it was imported from
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
-        progress_path, seen = os.path.join(tmp, "progress.log"), 0
+        progress_path, seen, last_line = os.path.join(tmp, "progress.log"), 0, ""
 
         def relay() -> None:
-            nonlocal seen
+            nonlocal seen, last_line
             try:
                 with open(progress_path) as f:
                     f.seek(seen)
@@ -659,6 +659,7 @@ def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[
             seen += len(complete.encode())
             for line in complete.splitlines():
                 progress(line)
+                last_line = line
 
         previous_sigterm = _sigterm_as_interrupt()
         try:
@@ -681,9 +682,12 @@ def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[
                 if all(p.poll() == 0 for p in procs):
                     break
                 if time.monotonic() > deadline:
+                    relay()
                     running = [r for r, p in enumerate(procs) if p.poll() is None]
+                    tails = "; ".join(f"worker {r}: {log_tail(os.path.join(tmp, f'worker-{r}.log'), 1) or 'no output'}"
+                                      for r in running)
                     raise CalibrationError(f"calibration did not finish within {plan['timeout_s']:g} s; workers still "
-                                           f"running: {running}")
+                                           f"running: {running}; last step: {last_line or 'none'}; {tails}")
                 time.sleep(0.1)
             relay()
             results = []
