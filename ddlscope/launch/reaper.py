@@ -34,14 +34,6 @@ GRACE_S = 3.0
 """Seconds the leftovers get after SIGTERM before SIGKILL."""
 
 
-def _same(proc: psutil.Process, started_at: float) -> bool:
-    """Whether ``proc`` still runs and is the process noted (not a reused pid)."""
-    try:
-        return proc.create_time() == started_at and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def note_descendants(owner_pid: int, noted: dict[int, float]) -> None:
     """Add the current descendants of ``owner_pid`` to ``noted`` (pid -> start time); none once it is gone."""
     try:
@@ -71,12 +63,11 @@ def leftovers(owner_pid: int, owner_started_at: float, owner_pgid: int, owner_pp
     """
     found: dict[int, psutil.Process] = {}
     for pid, started_at in noted.items():
-        try:
-            proc = psutil.Process(pid)
-        except psutil.Error:
-            continue
-        if _same(proc, started_at):
-            found[pid] = proc
+        if not process_gone(pid, started_at):
+            try:
+                found[pid] = psutil.Process(pid)
+            except psutil.Error:
+                continue
     if owner_pgid == owner_pid:
         for proc in psutil.process_iter():
             try:
