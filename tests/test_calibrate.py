@@ -108,10 +108,25 @@ def _children() -> list[psutil.Process]:
 @pytest.mark.slow
 def test_timeout_stops_every_worker():
     before = {p.pid for p in _children()}
-    with pytest.raises(CalibrationError, match=r"did not finish within 0.5 s; workers still running: \[.*\]; "
+    with pytest.raises(CalibrationError, match=r"made no progress for 0.5 s; workers still running: \[.*\]; "
                                                r"last step: .*; worker \d: "):  # says where it stood
         calibrate(workers=2, sizes_bytes=[4096, 65536], repeats=1, timeout_s=0.5)
     assert {p.pid for p in _children()} - before == set()
+
+
+def test_the_watchdog_expires_only_after_timeout_s_without_progress():
+    from ddlscope.profiling.calibrate import ProgressWatchdog
+
+    now = [100.0]
+    dog = ProgressWatchdog(10.0, clock=lambda: now[0])
+    for _ in range(5):  # 40 s in all, longer than the timeout, but progress every 8 s
+        now[0] += 8.0
+        assert not dog.expired()
+        dog.progress()
+    now[0] += 10.0
+    assert not dog.expired()
+    now[0] += 0.5
+    assert dog.expired()
 
 
 @pytest.mark.slow

@@ -142,7 +142,7 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(Path("cluster.toml"), "--out", help="cluster file to write (TOML)"),
         quick: bool = typer.Option(False, "--quick", help="4 sizes (4 KiB..8 MiB), 10 repeats and, with --hivemind, swarms of 4 timed epochs instead of 10: for tests and a first look"),
         repeats: Optional[int] = typer.Option(None, "--repeats", help="timed repeats per size (default 20, --quick 10)"),
-        timeout_s: float = typer.Option(300.0, "--timeout-s", help="give up (and stop every worker) after this long"),
+        timeout_s: float = typer.Option(300.0, "--timeout-s", help="give up (and stop every worker) when no measurement finishes for this many seconds"),
         json_out: bool = typer.Option(False, "--json", help="print the measurements and the fit as JSON on stdout"),
         hivemind: bool = typer.Option(False, "--hivemind", help="also train ResNet-18 in a short local hivemind swarm "
                                       "(about a minute) to measure what hivemind adds per global epoch (collaborative)"),

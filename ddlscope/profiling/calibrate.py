@@ -625,12 +625,31 @@ STOP_GRACE_S = 3.0
 """Seconds a calibration worker gets between SIGTERM and SIGKILL when calibration ends."""
 
 
+class ProgressWatchdog:
+    """Expires once ``timeout_s`` seconds (of ``clock``) pass without :meth:`progress` (or since it was made)."""
+
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic):
+        self.timeout_s, self.clock = timeout_s, clock
+        self.last = clock()
+
+    def progress(self) -> None:
+        self.last = self.clock()
+
+    def expired(self) -> bool:
+        return self.clock() - self.last > self.timeout_s
+
+
 def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[dict[str, Any]]:
     """Start ``plan["workers"]`` worker processes, relay rank 0's progress, return every worker's raw times.
 
+    The watchdog is on progress, not on the whole run: the calibration fails when rank 0 reports
+    no finished measurement for ``plan["timeout_s"]`` seconds. A slow machine still finishes (a
+    whole ``--hivemind`` calibration outlasted a 300 s limit on this 2-core machine on a slow
+    evening, stop 32), and a hang still fails within the limit of its last progress.
+
     Raises:
-        CalibrationError: a worker failed, died without a result, or the whole run exceeded
-            ``plan["timeout_s"]``. Every worker is stopped before this returns or raises.
+        CalibrationError: a worker failed, died without a result, or no measurement finished for
+            ``plan["timeout_s"]`` seconds. Every worker is stopped before this returns or raises.
     """
     import json
     import subprocess
@@ -638,7 +657,7 @@ def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[
 
     workers = plan["workers"]
     procs: list[subprocess.Popen] = []
-    deadline = time.monotonic() + plan["timeout_s"]
+    watchdog = ProgressWatchdog(plan["timeout_s"])
     with tempfile.TemporaryDirectory(prefix="ddlscope-calibrate-") as tmp:
         with open(os.path.join(tmp, "plan.json"), "w") as f:
             json.dump(plan, f)
@@ -648,6 +667,7 @@ def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[
         progress_path, seen, last_line = os.path.join(tmp, "progress.log"), 0, ""
 
         def relay() -> None:
+            """Pass on rank 0's new progress lines; each one restarts the watchdog."""
             nonlocal seen, last_line
             try:
                 with open(progress_path) as f:
@@ -660,6 +680,7 @@ def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[
             for line in complete.splitlines():
                 progress(line)
                 last_line = line
+                watchdog.progress()
 
         previous_sigterm = _sigterm_as_interrupt()
         try:
@@ -681,12 +702,12 @@ def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[
                                                f"result" + (f": {tail}" if tail else " (killed?)"))
                 if all(p.poll() == 0 for p in procs):
                     break
-                if time.monotonic() > deadline:
+                if watchdog.expired():
                     relay()
                     running = [r for r, p in enumerate(procs) if p.poll() is None]
                     tails = "; ".join(f"worker {r}: {log_tail(os.path.join(tmp, f'worker-{r}.log'), 1) or 'no output'}"
                                       for r in running)
-                    raise CalibrationError(f"calibration did not finish within {plan['timeout_s']:g} s; workers still "
+                    raise CalibrationError(f"calibration made no progress for {plan['timeout_s']:g} s; workers still "
                                            f"running: {running}; last step: {last_line or 'none'}; {tails}")
                 time.sleep(0.1)
             relay()
@@ -766,10 +787,13 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         sizes_bytes: message sizes (bytes; rounded up to whole float32 elements); default
             :data:`DEFAULT_SIZES_BYTES` (4 KiB..64 MiB). At least 2 distinct sizes.
         repeats: timed repetitions per size (their trimmed mean is used); ``warmup`` untimed ones first.
-        timeout_s: the whole calibration, and any single collective, fails after this long.
+        timeout_s: seconds; the calibration fails when no measurement finishes for this long
+            (each progress line restarts the clock), and so does any single collective. The
+            hivemind swarms train for at most half of it in all.
         progress: called with one line of text per finished measurement.
         name: the cluster's name (default ``local-<W>x<threads>core``).
-        hivemind: also train a reference network in two short hivemind swarms (about 80 s) and fit
+        hivemind: also train a reference network in two short hivemind swarms (each at most a
+            quarter of ``timeout_s``; 45-70 s each on 2 cores with ``--quick``) and fit
             what hivemind adds per global epoch (:mod:`ddlscope.profiling.swarm`); a swarm that
             cannot be fitted leaves ``hivemind`` unset, with a note.
         swarm_epochs: global epochs timed after the first in each hivemind swarm (>= 2; default
