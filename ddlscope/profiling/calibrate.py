@@ -603,7 +603,7 @@ def _worker_main(argv: list[str] | None = None) -> int:
 
             route_hivemind_sockets(workdir)  # its socket files go with the calibration's folder
 
-            out["swarm"] = measure_swarm(rank, workers, plan["swarm_epochs"], plan["timeout_s"] / 2, say,
+            out["swarm"] = measure_swarm(rank, workers, plan["swarm_epochs"], plan["timeout_s"], say,
                                          plan["matchmaking_time_s"])
         dist.barrier()
         tmp = os.path.join(workdir, f".result-{rank}.json")
@@ -788,12 +788,12 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
             :data:`DEFAULT_SIZES_BYTES` (4 KiB..64 MiB). At least 2 distinct sizes.
         repeats: timed repetitions per size (their trimmed mean is used); ``warmup`` untimed ones first.
         timeout_s: seconds; the calibration fails when no measurement finishes for this long
-            (each progress line restarts the clock), and so does any single collective. The
-            hivemind swarms train for at most half of it in all.
+            (each progress line restarts the clock), and so does any single collective. Each
+            hivemind swarm trains for at most this long.
         progress: called with one line of text per finished measurement.
         name: the cluster's name (default ``local-<W>x<threads>core``).
-        hivemind: also train a reference network in two short hivemind swarms (each at most a
-            quarter of ``timeout_s``; 45-70 s each on 2 cores with ``--quick``) and fit
+        hivemind: also train a reference network in two short hivemind swarms (each at most
+            ``timeout_s``; 45-70 s each on 2 cores with ``--quick``, 80-130 s without) and fit
             what hivemind adds per global epoch (:mod:`ddlscope.profiling.swarm`); a swarm that
             cannot be fitted leaves ``hivemind`` unset, with a note.
         swarm_epochs: global epochs timed after the first in each hivemind swarm (>= 2; default

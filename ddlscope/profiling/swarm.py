@@ -80,7 +80,8 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
     per batch size of :data:`BATCH_SIZES`.
 
     Needs the calibration's gloo process group (for the DHT address and barriers). Each swarm stops
-    after ``epochs + 1`` global epochs or ``deadline_s / len(BATCH_SIZES)`` seconds of training.
+    after ``epochs + 1`` global epochs or ``deadline_s`` seconds of training; each global epoch
+    it reaches is a progress line (``say``), which keeps the calibration's watchdog from firing.
     ``matchmaking_time_s``: hivemind's ``matchmaking_time`` (seconds).
 
     Returns:
@@ -116,8 +117,8 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
         dht = hivemind.DHT(initial_peers=maddrs[0], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, **p2p_options())
         join_s = time.perf_counter() - t0
     try:
-        swarms = [_one_swarm(hivemind, dht, rank, batch, workers, epochs, deadline_s / len(BATCH_SIZES),
-                             matchmaking_time_s, say) for batch in BATCH_SIZES]
+        swarms = [_one_swarm(hivemind, dht, rank, batch, workers, epochs, deadline_s, matchmaking_time_s, say)
+                  for batch in BATCH_SIZES]
     finally:
         dht.shutdown()
     return {"param_bytes": param_bytes, "matchmaking_time_s": matchmaking_time_s, "swarms": swarms, "import_s": import_s, "join_s": join_s}
@@ -173,6 +174,8 @@ def _one_swarm(hivemind, dht, rank: int, batch: int, workers: int, epochs: int, 
             opt.step(batch_size=batch)
             opt.zero_grad()
             after = background_cpu_s()
+            if opt.local_epoch > (steps[-1][2] if steps else 0):
+                say(f"hivemind swarm, batch {batch}: global epoch {opt.local_epoch} of {epochs + 1}")
             steps.append([compute_s, time.perf_counter() - t0, opt.local_epoch, max(0.0, after - before)])
             before = after
     finally:
