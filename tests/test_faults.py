@@ -233,12 +233,47 @@ def _target_pid(run: Launched, target: str) -> int:
     raise ValueError(target)
 
 
+def _hurt(run: Launched, strategy: str, target: str, sig: signal.Signals) -> tuple[int, str]:
+    """Check that every socket file of the training run lies in its folder, then send ``sig`` to
+    ``target``; return the pid hurt and the run's folder."""
+    with ResultsStore(run.db) as store:
+        tmp_dir = store.run(run.run_id)["tmp_dir"]
+    paths = _socket_files(run)  # every socket file of the run (hivemind's, pymp's, torch's) is in the run's folder
+    assert all(p.startswith(tmp_dir + os.sep) for p in paths), (tmp_dir, paths)
+    if strategy == "collaborative":
+        assert glob.glob(os.path.join(tmp_dir, "hivemind-*.sock")) and paths, os.listdir(tmp_dir)
+    pid = _target_pid(run, target)
+    os.kill(pid, sig)
+    return pid, tmp_dir
+
+
+def _check_outcome(run: Launched, target: str, pid: int, tmp_dir: str, status: str, fragments: list[str]) -> dict:
+    """After :func:`_hurt`: the run ends with ``status`` and a reason holding every fragment, its
+    workers are all stopped (the one killed ``failed`` when the run failed), nothing is left."""
+    _wait_gone(run)
+    if target == "launcher":  # the workers of a killed launcher removed the run's folder themselves, before any read
+        assert not Path(tmp_dir).exists(), sorted(os.listdir(tmp_dir))
+    output = run.output()
+    assert "Traceback" not in output, output[-3000:]
+    record = _read(run)
+    assert record["status"] == status, record
+    for fragment in fragments:
+        assert fragment.format(pid=pid) in record["reason"], record["reason"]
+    assert all(w["status"] not in ("starting", "training") for w in record["workers"]), record["workers"]
+    if target.startswith("worker") and status == "failed":
+        [hurt] = [w for w in record["workers"] if w["worker_index"] == int(target[-1])]
+        assert hurt["status"] == "failed", record["workers"]
+    _assert_clean(run, record)
+    return record
+
+
 # ---------------------------------------------------------------------- the matrix
 LAUNCHER_DIED = "launcher (pid {pid}) died without stopping the run"
 
 MATRIX = [
-    # (strategy, target, signal, status, reason fragments)
-    ("single", "launcher", "SIGKILL", "interrupted", [LAUNCHER_DIED, "SIGKILL"]),
+    # (strategy, target, signal, status, reason fragments); a single run's launcher killed by SIGKILL is in
+    # test_two_runs_on_one_store_one_launcher_killed, a collaborative launcher stopped by SIGINT (the handler
+    # of SIGTERM and SIGHUP too) in test_ctrl_c_stops_every_peer_at_its_next_step
     ("single", "launcher", "SIGTERM", "interrupted", ["interrupted: the launcher received SIGTERM"]),
     ("single", "launcher", "SIGHUP", "interrupted", ["interrupted: the launcher received SIGHUP"]),
     ("single", "worker0", "SIGKILL", "failed", ["worker 0 killed by SIGKILL"]),
@@ -249,7 +284,6 @@ MATRIX = [
     ("ddp", "worker1", "SIGTERM", "interrupted", ["worker 1 stopped by SIGTERM (not sent by the launcher)"]),
     ("ddp", "agent", "SIGKILL", "failed", ["torchrun agent", "killed by SIGKILL"]),
     ("collaborative", "launcher", "SIGKILL", "interrupted", [LAUNCHER_DIED]),
-    ("collaborative", "launcher", "SIGHUP", "interrupted", ["interrupted: the launcher received SIGHUP"]),
     ("collaborative", "worker1", "SIGKILL", "failed", ["peer 1 killed by SIGKILL"]),
     ("collaborative", "worker1", "SIGTERM", "interrupted", ["peer 1 stopped by SIGTERM (not sent by the launcher)"]),
     ("collaborative", "p2pd", "SIGKILL", "failed", ["peer 1's p2pd daemon", "ended during training"]),
@@ -263,25 +297,8 @@ def test_a_signal_to_any_process_ends_the_run_with_its_reason_and_leaves_nothing
         launched, tmp_path, strategy, target, sig, status, fragments):
     run = launched(tmp_path / "r" / "ddlscope.db", strategy)
     _wait_training(run, STRATEGY[strategy]["peers"])
-    with ResultsStore(run.db) as store:
-        tmp_dir = store.run(run.run_id)["tmp_dir"]
-    paths = _socket_files(run)  # every socket file of the run (hivemind's, pymp's, torch's) is in the run's folder
-    assert all(p.startswith(tmp_dir + os.sep) for p in paths), (tmp_dir, paths)
-    if strategy == "collaborative":
-        assert glob.glob(os.path.join(tmp_dir, "hivemind-*.sock")) and paths, os.listdir(tmp_dir)
-    pid = _target_pid(run, target)
-    os.kill(pid, getattr(signal, sig))
-    _wait_gone(run)
-    if target == "launcher":  # the workers of a killed launcher removed the run's folder themselves, before any read
-        assert not Path(tmp_dir).exists(), sorted(os.listdir(tmp_dir))
-    output = run.output()
-    assert "Traceback" not in output, output[-3000:]
-    record = _read(run)
-    assert record["status"] == status, record
-    for fragment in fragments:
-        assert fragment.format(pid=pid) in record["reason"], record["reason"]
-    assert all(w["status"] not in ("starting", "training") for w in record["workers"]), record["workers"]
-    _assert_clean(run, record)
+    pid, tmp_dir = _hurt(run, strategy, target, getattr(signal, sig))
+    _check_outcome(run, target, pid, tmp_dir, status, fragments)
 
 
 @slow
@@ -290,14 +307,12 @@ def test_ctrl_c_stops_every_peer_at_its_next_step(launched, tmp_path):
     strategy stops at the step's end), not after the forced kill: no peer records a forced stop."""
     run = launched(tmp_path / "r" / "ddlscope.db", "collaborative")
     _wait_training(run, 2)
-    run.popen.send_signal(signal.SIGINT)
-    _wait_gone(run)
-    assert run.popen.returncode == 130, run.output()[-3000:]
-    record = _read(run)
-    assert record["status"] == "interrupted" and record["reason"] == "interrupted by the user (Ctrl-C)"
+    pid, tmp_dir = _hurt(run, "collaborative", "launcher", signal.SIGINT)
+    record = _check_outcome(run, "launcher", pid, tmp_dir, "interrupted", ["interrupted by the user (Ctrl-C)"])
+    assert run.popen.returncode == 130
+    assert record["reason"] == "interrupted by the user (Ctrl-C)"
     reasons = [w["reason"] for w in record["workers"]]
     assert reasons == ["stopped by SIGTERM", "stopped by SIGTERM"], reasons  # not "... (forced after grace period)"
-    _assert_clean(run, record)
 
 
 @slow
@@ -326,17 +341,15 @@ def test_two_runs_on_one_store_one_launcher_killed(launched, tmp_path):
     # a short run: commits every 0.1 s so that its steps are seen while it trains
     other = launched(db, "single", extra=dict(sample_budget=16 * 200, store_flush_interval_s=0.1))
     _wait_training(other, 1, min_steps=1)
-    os.kill(killed.popen.pid, signal.SIGKILL)
-    _wait_gone(killed)
-    _wait_gone(other)
+    pid, tmp_dir = _hurt(killed, "single", "launcher", signal.SIGKILL)
+    _wait_gone(other)  # first: the private temporary folder the two runs share is empty only then
     assert other.popen.returncode == 0, other.output()[-3000:]
-    first, second = _read(killed), _read(other)
-    assert first["status"] == "interrupted" and LAUNCHER_DIED.format(pid=killed.popen.pid) in first["reason"], first
+    _check_outcome(killed, "launcher", pid, tmp_dir, "interrupted", [LAUNCHER_DIED, "SIGKILL"])
+    second = _read(other)
     assert second["status"] == "completed", second
     with ResultsStore(db) as store:
         assert store.step_counts(other.run_id) == {0: 200}
         assert store.run(killed.run_id)["status"] == "interrupted"  # the other run's launcher did not touch it
-    _assert_clean(killed, first)
     _assert_clean(other, second)
 
 

@@ -1,4 +1,4 @@
-"""End to end, with real processes: single and collaborative runs, interruption, crashes, bad input.
+"""End to end, with real processes: single and collaborative runs, Ctrl-C, a peer that cannot join, bad input.
 
 These start worker processes (and, for collaborative runs, hivemind daemons) on this machine:
 seconds each on 2 cores. Every worker gets one thread.
@@ -133,42 +133,6 @@ def test_ctrl_c_keeps_measurements_and_ends_every_process(env_data, tmp_path):
         assert store.run(run_id)["status"] == "interrupted"
         assert len(store.rows("steps", run_id)) >= 10
         assert store.workers(run_id)[0]["status"] == "interrupted"
-        _assert_no_leftovers(store, run_id)
-
-
-def test_crashed_peer_fails_the_run_and_stops_the_other(env_data, db_path):
-    cfg = validate_config(tiny_run(sample_budget=2 * 100000 * 16, **COLLAB))
-    from ddlscope.launch.local import LocalLauncher
-
-    launcher = LocalLauncher(cfg, db_path, progress=False)
-    import threading
-
-    def kill_peer_1_once_training():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            time.sleep(0.5)
-            try:
-                with ResultsStore(db_path) as store:
-                    rows = store.runs()
-                    counts = store.step_counts(rows[0]["run_id"]) if rows else {}
-            except Exception:
-                continue
-            if counts.get(1, 0) >= 5:
-                victim = next(w for w in launcher.workers if w.index == 1)
-                os.kill(victim.popen.pid, signal.SIGKILL)
-                return
-
-    killer = threading.Thread(target=kill_peer_1_once_training, daemon=True)
-    killer.start()
-    run_id = launcher.run()
-    killer.join()
-    with ResultsStore(db_path) as store:
-        run = store.run(run_id)
-        assert run["status"] == "failed"
-        assert run["reason"].startswith("peer 1 killed by SIGKILL"), run["reason"]
-        assert len(store.rows("steps", run_id)) >= 5
-        statuses = {w["worker_index"]: w["status"] for w in store.workers(run_id)}
-        assert statuses[1] == "failed" and statuses[0] in ("interrupted", "failed")
         _assert_no_leftovers(store, run_id)
 
 
