@@ -793,7 +793,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         progress: called with one line of text per finished measurement.
         name: the cluster's name (default ``local-<W>x<threads>core``).
         hivemind: also train a reference network in two short hivemind swarms (each at most
-            ``timeout_s``; 45-70 s each on 2 cores with ``--quick``, 80-130 s without) and fit
+            ``timeout_s``; on 2 cores 45-70 s each with ``--quick``, 110 and 80 s without) and fit
             what hivemind adds per global epoch (:mod:`ddlscope.profiling.swarm`); a swarm that
             cannot be fitted leaves ``hivemind`` unset, with a note.
         swarm_epochs: global epochs timed after the first in each hivemind swarm (>= 2; default
