@@ -172,10 +172,16 @@ def _train_two_workers(strategy_name: str, out: Path, diloco: dict | None = None
     return torch.load(out)
 
 
+@pytest.fixture(scope="module")
+def ddp_trained(tmp_path_factory) -> dict:
+    """The two workers' ddp training that the diloco runs are compared with (deterministic: one for the module)."""
+    return _train_two_workers("ddp", tmp_path_factory.mktemp("ddp") / "ddp.pt")
+
+
 @pytest.mark.slow
-def test_one_inner_step_plain_sgd_and_a_unit_outer_step_train_exactly_like_ddp(tmp_path):
+def test_one_inner_step_plain_sgd_and_a_unit_outer_step_train_exactly_like_ddp(tmp_path, ddp_trained):
     """H = 1, inner plain SGD, outer lr 1, no momentum: θ - mean(θ - (θ - lr g_i)) = θ - lr mean(g_i)."""
-    ddp = _train_two_workers("ddp", tmp_path / "ddp.pt")
+    ddp = ddp_trained
     diloco = _train_two_workers("diloco", tmp_path / "diloco.pt",
                                 dict(inner_steps=1, outer_learning_rate=1.0, outer_momentum=0.0, nesterov=False))
     initial = dist_check.initial_model().state_dict()
@@ -189,9 +195,9 @@ def test_one_inner_step_plain_sgd_and_a_unit_outer_step_train_exactly_like_ddp(t
 
 
 @pytest.mark.slow
-def test_more_inner_steps_train_differently_and_communicate_once_per_round(tmp_path):
+def test_more_inner_steps_train_differently_and_communicate_once_per_round(tmp_path, ddp_trained):
     """The same data with H = 3 and the paper's outer step: one round, at the last step, and other weights."""
-    ddp = _train_two_workers("ddp", tmp_path / "ddp.pt")
+    ddp = ddp_trained
     diloco = _train_two_workers("diloco", tmp_path / "diloco.pt", dict(inner_steps=3))
     assert [o["round"] for o in diloco["outcomes"]] == [False, False, True]
     assert [o["bytes"] for o in diloco["outcomes"]][:2] == [0, 0]
