@@ -462,19 +462,33 @@ def test_zoo_moe_networks_are_sequential_with_one_mixture_child():
 
 
 # ------------------------------------------------------------------------------------ real calibration
-@pytest.mark.slow
-def test_real_calibration_fits_positive_costs_and_leaves_nothing_running():
+def _calibration_processes() -> set[int]:
+    """The dmoe calibration's children, their forked task pools and DHTs: they carry the module in their command line."""
     import psutil
 
+    found = set()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if "ddlscope.profiling.dmoe_rpc" in " ".join(p.info["cmdline"] or []):
+            found.add(p.info["pid"])
+    return found
+
+
+@pytest.mark.slow
+def test_a_calibration_without_progress_fails_naming_what_it_waited_for_and_leaves_nothing_running():
+    from ddlscope.profiling.calibrate import CalibrationError
     from ddlscope.profiling.dmoe_rpc import calibrate_dmoe
 
-    def ours() -> set[int]:  # the children, their forked task pools and DHTs carry the module in their command line
-        found = set()
-        for p in psutil.process_iter(["pid", "cmdline"]):
-            if "ddlscope.profiling.dmoe_rpc" in " ".join(p.info["cmdline"] or []):
-                found.add(p.info["pid"])
-        return found
+    before = _calibration_processes()
+    with pytest.raises(CalibrationError, match=r"made no progress for 0.5 s \(waiting for it served its experts; serve: "):
+        calibrate_dmoe(timeout_s=0.5)  # a fresh interpreter alone takes longer than that to import hivemind
+    assert _calibration_processes() <= before
 
+
+@pytest.mark.slow
+def test_real_calibration_fits_positive_costs_and_leaves_nothing_running():
+    from ddlscope.profiling.dmoe_rpc import calibrate_dmoe
+
+    ours = _calibration_processes
     before, sockets = ours(), set(Path("/tmp").glob("hivemind-*.sock"))
     lines: list[str] = []
     cal = calibrate_dmoe(lines.append)
