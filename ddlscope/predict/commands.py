@@ -144,8 +144,8 @@ def register(app: typer.Typer) -> None:
         repeats: Optional[int] = typer.Option(None, "--repeats", help="timed repeats per size (default 20, --quick 10)"),
         timeout_s: float = typer.Option(300.0, "--timeout-s", help="give up (and stop every worker) when no measurement finishes for this many seconds"),
         json_out: bool = typer.Option(False, "--json", help="print the measurements and the fit as JSON on stdout"),
-        hivemind: bool = typer.Option(False, "--hivemind", help="also train ResNet-18 in a short local hivemind swarm "
-                                      "(about a minute) to measure what hivemind adds per global epoch (collaborative)"),
+        hivemind: bool = typer.Option(False, "--hivemind", help="also train ResNet-18 in two short local hivemind swarms "
+                                      "(~3 min on 2 cores, ~2 with --quick) to measure what hivemind adds per global epoch (collaborative)"),
         matchmaking_time_s: float = typer.Option(1.0, "--matchmaking-time-s", min=0.01,
                                                  help="--hivemind: the swarm's matchmaking time in seconds; use the "
                                                  "one you will predict for (overhead and overshoot depend on it)"),
