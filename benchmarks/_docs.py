@@ -358,7 +358,8 @@ def gpu_markdown(result: Mapping[str, Any], header: str | None = None) -> str:
             with ``model``, ``dataset``, ``batch_size``, ``predicted`` and ``measured`` dicts of
             ``step_s``, ``allocator_bytes``, ``runtime_bytes``, and the ``*_error`` fractions),
             ``bands`` (``what``, ``source``, ``target``, ``batch_size``, ``predicted_step_s``,
-            ``measured_step_s``, ``low``, ``high``, ``factor``, ``measured_factor``, ``inside``) and
+            ``measured_step_s``, ``low``, ``high``, ``factor``, ``measured_factor``, ``inside``; ``workload``
+            optional, "-" where missing) and
             ``big`` (None or the fit search); ``machine``, ``commit``, ``measured_at`` optional.
         header: the line above the tables (default: :func:`provenance` of the result's machine).
 
@@ -373,7 +374,8 @@ def gpu_markdown(result: Mapping[str, Any], header: str | None = None) -> str:
                  mib(r["measured"]["allocator_bytes"]), _pct(r["allocator_error"], True),
                  "yes" if r["allocator_within_target"] else "**no**",
                  mib(r["predicted"]["runtime_bytes"]), mib(r["measured"]["runtime_bytes"])] for r in result["runs"]]
-        bands = [[b["what"], b["source"], b["target"], f"{b['batch_size']}", f"{b['predicted_step_s'] * 1e3:.2f}",
+        bands = [[b["what"], b.get("workload", "-"), b["source"], b["target"], f"{b['batch_size']}",
+                  f"{b['predicted_step_s'] * 1e3:.2f}",
                   f"{b['measured_step_s'] * 1e3:.2f}", f"x{b['factor']:.3g} [{b['low']:.3g}, {b['high']:.3g}]",
                   f"x{b['measured_factor']:.3g}", "yes" if b["inside"] else "**no**"] for b in result["bands"]]
         big, gpu = result["big"], result["gpu"]
@@ -390,7 +392,7 @@ def gpu_markdown(result: Mapping[str, Any], header: str | None = None) -> str:
                              "predicted runtime MiB", "measured runtime MiB"], runs)]
     if bands:
         parts += ["Scaling bands (compute step: forward, backward, optimizer; the band is the estimate x/÷ 2):",
-                  markdown_table(["scaled", "profiled on", "to", "batch", "predicted ms", "measured ms",
+                  markdown_table(["scaled", "workload", "profiled on", "to", "batch", "predicted ms", "measured ms",
                                   "factor [band]", "measured factor", "inside"], bands)]
     if big:
         fit = (f"{big['largest_fitting_batch_size']}" if big["largest_fitting_batch_size"] else "the asked batch")

@@ -116,10 +116,19 @@ def band_row(source: WorkloadProfile, batch_size: int, kind: str, measured_step_
     est = compute_scale(source, batch_size, kind)
     profiled_s = source.step_at(batch_size).step_s
     check = check_band(est, profiled_s, measured_step_s)
-    return dict(what=what, source=source.device.name, target=kind, batch_size=batch_size,
+    return dict(what=what, workload=f"{source.network} / {source.dataset}", source=source.device.name, target=kind,
+                batch_size=batch_size,
                 profiled_step_s=profiled_s, predicted_step_s=profiled_s * est.factor, measured_step_s=measured_step_s,
                 factor=est.factor, low=est.low, high=est.high, measured_factor=check.measured_factor,
                 inside=check.inside, error=check.error, method=est.method, warnings=list(est.warnings))
+
+
+def keep_gpu_profiles(cache: Path, to: Path) -> None:
+    """Copy the CUDA profiles in ``cache`` to ``to`` (for ``--from-profiles`` on another GPU kind)."""
+    to.mkdir(parents=True, exist_ok=True)
+    for f in cache.glob("*.json"):
+        if WorkloadProfile.model_validate_json(f.read_text()).device.type == "cuda":
+            shutil.copy(f, to / f.name)
 
 
 def main() -> None:
@@ -179,6 +188,8 @@ def main() -> None:
                 abs(row["allocator_error"]) <= MEMORY_TARGET
             result["runs"].append(row)
             save()
+            if args.profiles_out is not None:  # after every workload too: a pass cut short keeps its profiles
+                keep_gpu_profiles(cache, args.profiles_out)
             print(f"{model}/{dataset} b{batch}: step {p['step_s'] * 1e3:.2f} predicted, {m['step_s'] * 1e3:.2f} ms "
                   f"measured; allocator {p['allocator_bytes'] / 2**20:.0f} / {m['allocator_bytes'] / 2**20:.0f} MiB; "
                   f"runtime {p['runtime_bytes'] / 2**20:.0f} / {(m['runtime_bytes'] or 0) / 2**20:.0f} MiB", flush=True)
@@ -197,11 +208,6 @@ def main() -> None:
             if other.device.type == "cuda" and key in steps_here:
                 result["bands"].append(band_row(other, key[2], kind, steps_here[key], "gpu -> gpu"))
                 save()
-        if args.profiles_out is not None:
-            args.profiles_out.mkdir(parents=True, exist_ok=True)
-            for f in cache.glob("*.json"):
-                if WorkloadProfile.model_validate_json(f.read_text()).device.type == "cuda":
-                    shutil.copy(f, args.profiles_out / f.name)
         if big is not None:
             t0 = time.perf_counter()
             prof = load_or_profile(*big, device="cuda", cache_dir=cache, loader_workers=(0,))

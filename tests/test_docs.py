@@ -166,7 +166,7 @@ def test_missing_page_and_wrong_result_are_user_errors(tmp_path):
 def test_the_docs_page_has_the_blocks_the_benchmarks_write():
     """A 15-minute benchmark must not fail at its last step: docs/validation.md has both blocks once."""
     text = docs.DOCS_PAGE.read_text()
-    for name in ("predictor", "overhead", "overhead-cuda", "gpu-h100-80gb", "dmoe-overhead"):
+    for name in ("predictor", "overhead", "overhead-cuda", "gpu-h100-80gb", "gpu-h200-141gb", "dmoe-overhead"):
         assert docs.replace_block(text, name, "x") != text
 
 
@@ -208,7 +208,7 @@ def fake_gpu_result() -> dict:
            "predicted": {"step_s": 0.0121, "allocator_bytes": 479 * 2**20, "runtime_bytes": 767 * 2**20},
            "measured": {"step_s": 0.0110, "allocator_bytes": 480 * 2**20, "runtime_bytes": 769 * 2**20},
            "step_error": 0.1, "allocator_error": -0.002, "allocator_within_target": True}
-    band = {"what": "cpu -> gpu", "source": "Xeon", "target": "h100-80gb", "batch_size": 64,
+    band = {"what": "cpu -> gpu", "workload": "resnet18 / cifar10", "source": "Xeon", "target": "h100-80gb", "batch_size": 64,
             "predicted_step_s": 0.0041, "measured_step_s": 0.0111, "factor": 0.0089, "low": 0.00445, "high": 0.0178,
             "measured_factor": 0.0241, "inside": False}
     big = {"model": "resnet152", "dataset": "highres", "batch_size": 128, "largest_fitting_batch_size": 64,
@@ -225,7 +225,11 @@ def test_gpu_tables_give_each_part_and_the_result_s_own_machine():
     assert "on 2030-01-02 03:04; machine: 16 cores (of 16), Xeon, 1 x NVIDIA H100 80GB HBM3" in lines[0]
     assert "commit abc1234." in lines[0]
     assert "| resnet18 / cifar10, batch 64 | 12.10 | 11.00 | +10.0 % | 479 | 480 | -0.2 % | yes | 767 | 769 |" in lines
-    assert "| cpu -> gpu | Xeon | h100-80gb | 64 | 4.10 | 11.10 | x0.0089 [0.00445, 0.0178] | x0.0241 | **no** |" in lines
+    assert "| cpu -> gpu | resnet18 / cifar10 | Xeon | h100-80gb | 64 | 4.10 | 11.10 | x0.0089 [0.00445, 0.0178] | " \
+           "x0.0241 | **no** |" in lines
+    older = fake_gpu_result()  # a result written before bands named their workload
+    del older["bands"][0]["workload"]
+    assert "| cpu -> gpu | - | Xeon | h100-80gb | 64 |" in docs.gpu_markdown(older)
     assert "largest batch that fits: 64" in body and "extrapolated at 688.0 ms/step" in body
     with pytest.raises(UserError, match="not a benchmarks/gpu.py result: missing 'bands'"):
         docs.gpu_markdown({"gpu": "x", "runs": []})
