@@ -12,7 +12,7 @@ from ddlscope.cli import app
 from ddlscope.errors import UserError
 from ddlscope.experiments.validate import ValidationGrid, run_validation, validation_cell
 from ddlscope.modeling.cluster import DeviceSpec
-from ddlscope.modeling.devices import (DEVICE_KINDS, LAUNCH_BOUND_LAYER_S, ScaleEstimate, check_band, compute_scale,
+from ddlscope.modeling.devices import (BAND_CHECKS, DEVICE_KINDS, LAUNCH_BOUND_LAYER_S, ScaleEstimate, check_band, compute_scale,
                                        profiled_kind)
 from ddlscope.modeling.prediction import Setting
 from ddlscope.modeling.profile import LayerProfile, StepProfile, WorkloadProfile
@@ -71,6 +71,17 @@ def test_gpu_to_gpu_scales_big_layers_by_the_roofline_and_keeps_launch_bound_one
     assert est.low == pytest.approx(est.factor / 2) and est.high == pytest.approx(est.factor * 2)
     assert "datasheet of a100-40gb (matched by name)" in est.method and "1 of 2 layers at their floor" in est.method
     assert "not validated" in est.method and "ROUGH" not in est.method
+
+
+def test_a_pair_whose_band_a_measurement_checked_states_that_check_and_others_say_there_is_none():
+    checked = compute_scale(gpu_profile(name="NVIDIA H100 80GB HBM3"), 32, "h200-141gb")
+    assert BAND_CHECKS[("h100-80gb", "h200-141gb")] in checked.method and "not validated" not in checked.method
+    assert "not validated on a v100-16gb" in compute_scale(gpu_profile(name="NVIDIA H100 80GB HBM3"), 32,
+                                                           "v100-16gb").method
+    from_cpu = compute_scale(make_profile(), 32, "h100-80gb")
+    assert "ROUGH" in from_cpu.method and "OUTSIDE" in from_cpu.method
+    for profiled, target in BAND_CHECKS:  # every entry names kinds that exist
+        assert target in DEVICE_KINDS and (profiled == "cpu" or profiled in DEVICE_KINDS)
 
 
 def test_launch_bound_network_does_not_speed_up_on_a_faster_gpu():

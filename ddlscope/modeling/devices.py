@@ -10,9 +10,9 @@ cannot show a GPU's launch overheads). :func:`check_band` says whether a step ti
 the target lies inside the stated band.
 
 Figures in :data:`DEVICE_KINDS` are vendor datasheet peaks (float32 without tensor cores, memory
-bandwidth, memory capacity); each entry names its source. No device kind other than ``local`` has
-been measured on this project's machines, so the scaling is not validated: use it to rank
-options, not to promise a time.
+bandwidth, memory capacity); each entry names its source. The band of a scaling has been checked
+against a measured step only for the pairs in :data:`BAND_CHECKS` (``compute_scale`` states the
+check, or that there is none): use the scaling to rank options, not to promise a time.
 """
 
 from __future__ import annotations
@@ -80,9 +80,21 @@ GPU_NAME_TOKENS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
 }
 
 #: Multiplicative half-width of the stated band: the true factor is taken to lie within
-#: ``[factor / UNCERTAINTY, factor * UNCERTAINTY]``. Not validated (no second device kind here);
+#: ``[factor / UNCERTAINTY, factor * UNCERTAINTY]``. Checked only where :data:`BAND_CHECKS` says;
 #: see :func:`compute_scale` for why it is this wide.
 UNCERTAINTY = 2.0
+
+#: What a measurement on the target said about the band, per (profiled kind, target kind); the
+#: profiled kind of a CPU profile is ``"cpu"``. Each entry is one pass of ``benchmarks/gpu.py``
+#: (docs/validation.md, "Profile, memory and scaling on a GPU"): the measured compute step on the
+#: target over the estimate. :func:`compute_scale` puts the entry of its pair into its method.
+BAND_CHECKS: dict[tuple[str, str], str] = {
+    ("h100-80gb", "h200-141gb"): "checked once (2026-11-28, benchmarks/gpu.py): 4 of 4 workloads inside, the measured "
+                                 "step x0.80-x1.39 of the estimate (ResNet-18/CIFAR-10 b64 and b256, ResNet-50/ImageNet "
+                                 "b64, VGG-11/CIFAR-10 b64, the last host-bound)",
+    ("cpu", "h100-80gb"): "checked once (2026-11-27, benchmarks/gpu.py): OUTSIDE, ResNet-18/CIFAR-10 b64 from 8 Xeon "
+                          "cores measured x2.7 of the estimate (launch-bound on the GPU)",
+}
 
 #: Training FLOPs per forward FLOP: backward ~ 2 x forward (input and weight gradients), so a
 #: training step ~ 3 x forward (the usual rule, e.g. Kaplan et al. 2020, "Scaling laws", sec. 2.1).
@@ -194,8 +206,9 @@ def compute_scale(profile: WorkloadProfile, batch_size: int, target_kind: str) -
     roofline assumes every kernel reaches the same fraction of peak on both devices, but
     datasheet peaks are not reached alike (cuBLAS SGEMM reaches roughly 70-90 % of them,
     convolutions and element-wise kernels less, and differently per architecture), and the
-    launch floor is an estimate. The band is a judgement, NOT validated against a second device
-    kind (:func:`check_band` checks it where a step time on the target was measured).
+    launch floor is an estimate. The band is a judgement, checked against a measured step only for
+    the pairs of :data:`BAND_CHECKS` (:func:`check_band` checks it where a step time on the target
+    was measured); ``method`` states the check of its pair, or that there is none.
 
     Every non-``local`` kind is a GPU, so a GPU profile is never scaled to a CPU: a CPU cluster is
     the profiled CPU itself (kind ``local``).
@@ -219,7 +232,9 @@ def compute_scale(profile: WorkloadProfile, batch_size: int, target_kind: str) -
     factor, method, warnings = scale(profile, batch_size, target_kind, target)
     if not math.isfinite(factor) or factor <= 0:
         raise UserError(f"cannot scale profile of {profile.network} to {target_kind}: factor {factor!r}")
-    method += f"; band x/÷ {UNCERTAINTY:g}, a judgement not validated on a {target_kind}"
+    check = BAND_CHECKS.get((profiled_kind(profile.device.name) if profile.device.type == "cuda" else "cpu",
+                             target_kind))
+    method += f"; band x/÷ {UNCERTAINTY:g}, " + (check or f"a judgement not validated on a {target_kind}")
     return ScaleEstimate(factor, factor / UNCERTAINTY, factor * UNCERTAINTY, method, tuple(warnings))
 
 
