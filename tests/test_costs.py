@@ -335,16 +335,14 @@ def test_collaborative_accumulates_the_target_batch_from_the_peers_throughputs()
     # accumulation (0.6 s) is shorter than matchmaking: the gradient round waits for most of the 2 s window
     wait = 2.0 - (p.inputs["accumulate_s"] - max(p.inputs["peer_step_s"]))
     assert p.inputs["matchmaking_wait_s"] == pytest.approx(wait) and wait > 0
-    # CPU peers: the rounds, and what is left of the link's busy time (the parameter round's matchmaking)
-    assert p.breakdown_s["averaging_s"] == pytest.approx(p.inputs["grad_round_s"] + p.inputs["state_round_s"]
-                                                         + p.inputs["link_wait_s"])
+    assert p.breakdown_s["averaging_s"] == pytest.approx(p.inputs["grad_round_s"] + p.inputs["state_round_s"])
     assert p.inputs["grad_round_s"] > wait  # the wait is counted once, in the gradient round
     long = predict(prof, cl, Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=256,
                                      matchmaking_time_s=0.01))
     assert long.inputs["matchmaking_wait_s"] == 0.0  # matchmaking hidden behind a long accumulation
     lu = predict(prof, cl, Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=256,
                                    matchmaking_time_s=2.0, use_local_updates=True))
-    assert lu.inputs["grad_round_s"] == 0.0 < p.inputs["grad_round_s"]  # local steps: no gradient round
+    assert lu.breakdown_s["averaging_s"] < p.breakdown_s["averaging_s"]  # averaging overlaps local steps
     bigger = predict(prof, cl, Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=1024,
                                        matchmaking_time_s=2.0))
     assert bigger.epoch_s < p.epoch_s  # fewer averaging rounds per epoch
@@ -389,9 +387,7 @@ def test_collaborative_with_a_hivemind_fit_adds_overshoot_and_the_measured_epoch
     long_mm = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=10.0)
     waited = predict(prof, make_cluster(bw=1e3).model_copy(update={"hivemind": fit}), long_mm)
     assert waited.inputs["matchmaking_wait_s"] > 1.5
-    assert waited.breakdown_s["averaging_s"] == pytest.approx(waited.inputs["matchmaking_wait_s"]
-                                                              + waited.inputs["link_wait_s"])
-    assert waited.inputs["link_wait_s"] < 0.5  # the parameter round's matchmaking, beyond the gradient round's wait
+    assert waited.breakdown_s["averaging_s"] == pytest.approx(waited.inputs["matchmaking_wait_s"])
     # the fit was measured at 0.01 s, this setting uses 10 s: the prediction says so
     assert len(waited.notes) == 1 and "0.01 s" in waited.notes[0] and "10 s" in waited.notes[0]
     unrecorded = fit.model_copy(update={"matchmaking_time_s": None})
@@ -404,8 +400,7 @@ def test_collaborative_with_a_hivemind_fit_adds_overshoot_and_the_measured_epoch
 
 def test_collaborative_epoch_lasts_at_least_both_rounds_on_the_link():
     prof = make_profile()
-    # a calibrated overhead holds the matchmaking waits of the swarm it was measured in: at least 0.5 s here
-    fit = HivemindFit(epoch_overhead_s=0.6, overshoot_steps=0.0, reference_param_bytes=prof.param_bytes,
+    fit = HivemindFit(epoch_overhead_s=0.2, overshoot_steps=0.0, reference_param_bytes=prof.param_bytes,
                       matchmaking_time_s=0.5)
     s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=0.5)
 
@@ -419,14 +414,7 @@ def test_collaborative_epoch_lasts_at_least_both_rounds_on_the_link():
     rounds = slow.inputs["grad_round_s"] - slow.inputs["matchmaking_wait_s"] + slow.inputs["state_round_s"]
     assert slow.inputs["link_busy_s"] == pytest.approx(rounds + 0.5)
     assert slow.inputs["link_wait_s"] > 0
-    # CPU peers: the accumulation holds the cores that the background round needs, so it hides no link time
-    assert slow.step_s == pytest.approx(slow.inputs["accumulate_s"] + slow.inputs["link_busy_s"])
-    # GPU peers: the background round runs while the GPU computes, and the epoch is the link's busy time
-    gpu = prof.model_copy(update={"device": prof.device.model_copy(update={"type": "cuda"})})
-    on_gpu = predict(gpu, make_cluster(peers=[PeerSpec(compute_share=1.0, bandwidth_gb_per_s=0.001)] * 2)
-                     .model_copy(update={"hivemind": fit}), s)
-    assert on_gpu.inputs["link_wait_s"] > 0
-    assert on_gpu.step_s == pytest.approx(on_gpu.inputs["link_busy_s"])
+    assert slow.step_s == pytest.approx(slow.inputs["link_busy_s"])  # the epoch is the link's busy time
     every2 = predict(prof, make_cluster(peers=[PeerSpec(compute_share=1.0, bandwidth_gb_per_s=0.001)] * 2)
                      .model_copy(update={"hivemind": fit}), Setting("collaborative", 2, 8, epoch_samples=3200,
                                                                   target_batch_size=64, matchmaking_time_s=0.5,

@@ -390,12 +390,7 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     computed above the difference (``link_wait_s``) is added to ``averaging_s``: the gradient
     round starts while the parameter round still holds the link. Seen on emulated links: with
     MobileNetV2 on 2 one-core peers the 20 Mbit/s link of a 200/20 pair was busy both ways for
-    all but ~1 s of each 10.6 s epoch (``docs/validation.md``, issue 14). On GPU peers the
-    accumulation ``T_acc`` hides link time (the background round runs while the GPU computes);
-    on CPU peers (``serial_comm``) it hides none: the accumulation holds the cores that the
-    background round needs, as for ``state_exposed`` above, so only the averaging and the
-    optimizer step count against ``link_busy_s``. That pair's runs lasted ``T_acc`` plus the
-    link's busy time, not the busy time alone (-19.8 %, docs/validation.md).
+    all but ~1 s of each 10.6 s epoch (``docs/validation.md``, issue 14).
 
     The step is a global epoch. Its parts: ``averaging_s`` (the rounds, matchmaking included),
     ``optimizer_s`` (the slowest peer's optimizer step after the round), and ``T_acc`` split as
@@ -504,12 +499,11 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
         averaging = (max(wait, overhead) if not s.use_local_updates else overhead) \
             + beyond + (one_round if cluster.peers else 0.0)
     # every epoch the slowest group's links carry the gradient round and the parameter round that hivemind
-    # runs in the background, after the parameter round's matchmaking: the epoch lasts no less. On CPU peers
-    # the accumulation holds the cores that the background round needs, so it hides none of the link's time
+    # runs in the background, after the parameter round's matchmaking: the epoch lasts no less
     optimizer_after_round = 0.0 if s.use_local_updates else step.optimizer_s * slow / min(shares)
     link_busy = 0.0 if alone else (0.0 if s.use_local_updates else one_round) + state_round \
         + s.matchmaking_time_s / s.average_state_every
-    link_wait = max(0.0, link_busy - ((0.0 if on_cpu else t_acc) + averaging + optimizer_after_round))
+    link_wait = max(0.0, link_busy - (t_acc + averaging + optimizer_after_round))
     averaging += link_wait
     notes = []
     if hm is None and not alone:
