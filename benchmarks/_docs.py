@@ -278,6 +278,12 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
         lines += ["Emulated links, measured before predicting their cells: the share of its rate a link carried each "
                   "way with both ways busy (`ddlscope.network.duplex`): "
                   + ", ".join(f"{link} {'–' if g is None else f'{g:.3f}'}" for link, g in goodput.items()) + ".", ""]
+    averaging = {c.get("link"): c.get("averaging_goodput") for c in result.get("cells", [])
+                 if c.get("link") and c.get("averaging_goodput") is not None}
+    if averaging:
+        lines += ["The share of its rate hivemind's averaging rounds reached over the same links, each peer on one core "
+                  "(`ddlscope.network.averaging_probe`; the collaborative model's rounds run at it): "
+                  + ", ".join(f"{link} {g:.3f}" for link, g in averaging.items()) + ".", ""]
     columns = ["distribution model (@ emulated link)", "cells", "median abs error", "max abs error",
                "median error (signed)", "run-to-run spread (median)", "median abs error at the runs' compute",
                "thesis reference: median abs error", "target", "met"]

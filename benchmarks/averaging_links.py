@@ -15,7 +15,10 @@ twice where bandwidths differ: peers declaring their bandwidth to the averager (
 hivemind's LP balances the parts) and not declaring it (equal parts); the model predicts each
 (``balanced=True/False``). The link rate counts TCP/IP headers; the model gets the configured rate.
 
-    python benchmarks/averaging_links.py [--megabytes 8] [--rounds 3]
+    python benchmarks/averaging_links.py [--megabytes 8] [--rounds 3] [--pin] [--scenario "2 peers, 200/20 Mbit/s" ...]
+
+The peers run in ``ddlscope.network.averaging_probe`` (the probe that prices the collaborative model's links);
+``--pin`` gives each peer one core, as a ``ddlscope run`` does.
 
 Needs root and iproute2. Prints a table, writes ``benchmarks/results/averaging_links.json`` and
 rewrites the ``averaging-links`` block of ``docs/emulated-networks.md`` (``--no-docs`` to leave it).
@@ -27,22 +30,21 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 from _docs import check_docs_block, markdown_table, provenance, update_docs_block
 
 from ddlscope.modeling.collectives import butterfly_allreduce_s
-from ddlscope.network.emulated import EmulatedNetwork, check_can_emulate
+from ddlscope.network.averaging_probe import averaging_round_seconds
+from ddlscope.network.emulated import check_can_emulate
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "emulated-networks.md"
 SCENARIOS: dict[str, list[float]] = {
     "2 peers, 100 Mbit/s": [100, 100],
     "2 peers, 20 Mbit/s": [20, 20],
+    "2 peers, 200/20 Mbit/s": [200, 20],
     "3 peers, 100 Mbit/s": [100, 100, 100],
     "3 peers, 200/100/20 Mbit/s": [200, 100, 20],
     "4 peers, 3x100 + 10 Mbit/s": [100, 100, 100, 10],
@@ -50,83 +52,24 @@ SCENARIOS: dict[str, list[float]] = {
 """Each peer's upload and download, Mbit/s."""
 
 
-# ---------------------------------------------------------------------------- one peer (child process)
-
-def peer_main(args: argparse.Namespace) -> None:
-    """One averager: join the swarm, average ``rounds + 1`` times, write the trigger/done times."""
-    import hivemind
-    import torch
-
-    torch.set_num_threads(1)
-    folder = Path(args.folder)
-    initial = json.loads((folder / "maddrs.json").read_text()) if args.index else None
-    dht = hivemind.DHT(initial_peers=initial, host_maddrs=[f"/ip4/{args.address}/tcp/0"], start=True)
-    if args.index == 0:
-        (folder / "maddrs.json.tmp").write_text(json.dumps([str(a) for a in dht.get_visible_maddrs()]))
-        os.replace(folder / "maddrs.json.tmp", folder / "maddrs.json")
-    tensor = torch.full((int(args.megabytes * 2**20 / 4),), float(args.index))
-    averager = hivemind.DecentralizedAverager(
-        [tensor], dht, prefix="bench", target_group_size=args.peers, min_group_size=args.peers,
-        min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=600.0,
-        bandwidth=args.bandwidth if args.declare else None, start=True)
-    times = []
-    for _ in range(args.rounds + 1):
-        control = averager.step(wait=False, require_trigger=True, timeout=120.0)
-        while control.stage.name in ("IDLE", "LOOKING_FOR_GROUP") and not control.done():
-            time.sleep(0.005)
-        triggered = time.time()
-        control.allow_allreduce()
-        result = control.result()
-        times.append({"trigger": triggered, "done": time.time(), "group": len(result or {})})
-    (folder / f"peer{args.index}.json").write_text(json.dumps(times))
-    # a peer that has its result may still be sending parts to the others: leave together
-    deadline = time.monotonic() + 120
-    while len(list(folder.glob("peer*.json"))) < args.peers and time.monotonic() < deadline:
-        time.sleep(0.1)
-    averager.shutdown()
-    dht.shutdown()
+def _cores_round_robin(peers: int) -> list[int]:
+    """Peer i's core: this process's cores in turn (one core each, as ``ddlscope run`` gives a peer)."""
+    mine = sorted(os.sched_getaffinity(0))
+    return [mine[i % len(mine)] for i in range(peers)]
 
 
-# ---------------------------------------------------------------------------- scenarios (parent)
-
-def run_scenario(mbit: list[float], megabytes: float, rounds: int, declare: bool) -> list[float]:
-    """Seconds of each measured round (warm-up dropped)."""
-    with tempfile.TemporaryDirectory() as folder, EmulatedNetwork([(b, b) for b in mbit]) as net:
-        def start(i: int) -> subprocess.Popen:
-            cmd = [sys.executable, __file__, "--peer", str(i), "--peers", str(len(mbit)), "--address", net.address(i),
-                   "--folder", folder, "--megabytes", str(megabytes), "--rounds", str(rounds),
-                   "--bandwidth", str(mbit[i])] + (["--declare"] if declare else [])
-            return subprocess.Popen(net.wrap(i, cmd), env=dict(os.environ, OMP_NUM_THREADS="1"))
-
-        procs = [start(0)]
-        deadline = time.monotonic() + 60
-        while not (Path(folder) / "maddrs.json").exists():
-            if time.monotonic() > deadline or procs[0].poll() is not None:
-                raise RuntimeError("peer 0 did not start its DHT")
-            time.sleep(0.1)
-        procs += [start(i) for i in range(1, len(mbit))]
-        for p in procs:
-            if p.wait(timeout=1800) != 0:
-                raise RuntimeError(f"a peer exited with code {p.returncode}")
-        per_peer = [json.loads((Path(folder) / f"peer{i}.json").read_text()) for i in range(len(mbit))]
-    out = []
-    for r in range(1, rounds + 1):
-        rows = [p[r] for p in per_peer]
-        if any(row["group"] != len(mbit) for row in rows):
-            raise RuntimeError(f"round {r}: groups {[row['group'] for row in rows]}, not all {len(mbit)} peers")
-        out.append(max(row["done"] for row in rows) - max(row["trigger"] for row in rows))
-    return out
-
-
-def measure(megabytes: float, rounds: int) -> list[dict]:
+def measure(megabytes: float, rounds: int, scenarios: list[str], pinned: bool) -> list[dict]:
     rows = []
-    for name, mbit in SCENARIOS.items():
+    for name in scenarios:
+        mbit = SCENARIOS[name]
         for declare in ([True, False] if len(set(mbit)) > 1 else [True]):
-            seconds = run_scenario(mbit, megabytes, rounds, declare)
+            cores = [[c] for c in _cores_round_robin(len(mbit))] if pinned else None
+            seconds = averaging_round_seconds(mbit, megabytes, rounds, declare, cores)
             nbytes = megabytes * 2**20
             predicted = butterfly_allreduce_s(nbytes, [b / 8e3 for b in mbit], [0.0] * len(mbit), balanced=declare)
             median = statistics.median(seconds)
             rows.append({"scenario": name, "mbit_per_s": mbit, "bandwidth_declared": declare, "megabytes": megabytes,
+                         "cores": cores,
                          "round_s": seconds, "median_round_s": median, "predicted_round_s": predicted,
                          "error": (predicted - median) / median})
             print(f"{name:28s} {'LP' if declare else 'equal':5s} measured {median:7.2f} s "
@@ -142,7 +85,8 @@ def to_markdown(result: dict) -> str:
             for r in result["rows"]]
     return "\n\n".join([provenance("benchmarks/averaging_links.py", result["measured_at"]),
                         f"One float32 tensor of {result['megabytes']:g} MiB, median of {result['rounds']} rounds "
-                        f"after a warm-up; predicted by `butterfly_allreduce_s` at the configured rates.",
+                        f"after a warm-up; predicted by `butterfly_allreduce_s` at the configured rates; "
+                        f"{'each peer on one core' if result.get('pinned') else 'the peers share every core'}.",
                         markdown_table(header, rows)])
 
 
@@ -150,23 +94,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--megabytes", type=float, default=8.0, help="MiB averaged per round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--scenario", action="append", choices=list(SCENARIOS), default=None,
+                   help="run only these scenarios (repeatable; default: all)")
+    p.add_argument("--pin", action="store_true", help="each peer on one core of this process's, in turn "
+                   "(as a ddlscope run places its peers); default: the peers share every core")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "averaging_links.json")
     p.add_argument("--no-docs", action="store_true")
     # one peer (started by the benchmark itself inside its namespace)
-    p.add_argument("--peer", dest="index", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--peers", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--address", help=argparse.SUPPRESS)
-    p.add_argument("--folder", help=argparse.SUPPRESS)
-    p.add_argument("--bandwidth", type=float, help=argparse.SUPPRESS)
-    p.add_argument("--declare", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.index is not None:
-        return peer_main(args)
     check_can_emulate()
     if not args.no_docs:
         check_docs_block(DOCS, "averaging-links")
     result = {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "megabytes": args.megabytes, "rounds": args.rounds,
-              "rows": measure(args.megabytes, args.rounds)}
+              "pinned": args.pin, "rows": measure(args.megabytes, args.rounds, args.scenario or list(SCENARIOS), args.pin)}
     print(to_markdown(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

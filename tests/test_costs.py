@@ -422,6 +422,19 @@ def test_collaborative_epoch_lasts_at_least_both_rounds_on_the_link():
     assert every2.inputs["link_busy_s"] < slow.inputs["link_busy_s"]  # a parameter round every second epoch
 
 
+def test_collaborative_rounds_run_at_the_averaging_efficiency_of_the_peers_links():
+    prof = make_profile()
+    s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=0.01)
+    peers = [PeerSpec(compute_share=1.0, bandwidth_gb_per_s=0.001) for _ in range(2)]
+    full = predict(prof, make_cluster(peers=peers), s)
+    half = predict(prof, make_cluster(peers=peers).model_copy(update={"averaging_efficiency": 0.5}), s)
+    # the rounds' wire time doubles (matchmaking waits do not); the accumulation is untouched
+    wire = full.inputs["grad_round_s"] - full.inputs["matchmaking_wait_s"]
+    assert half.inputs["grad_round_s"] - half.inputs["matchmaking_wait_s"] == pytest.approx(2 * wire, rel=0.02)
+    assert half.inputs["state_round_s"] == pytest.approx(2 * full.inputs["state_round_s"], rel=0.02)
+    assert half.inputs["accumulate_s"] == full.inputs["accumulate_s"]
+
+
 def test_eq51_reference_equals_its_formula():
     prof = make_profile()
     cl = make_cluster(bw=2.0, latency=1e-3)

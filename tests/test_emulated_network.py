@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 from pydantic import ValidationError
 
@@ -229,6 +230,35 @@ def test_a_pair_of_links_carries_less_each_way_when_both_ways_are_busy():
         measure_duplex_goodput(0.0, 20.0)
     with pytest.raises(ValueError, match="repeats = 0; allowed: >= 1"):
         measure_duplex_goodput(20.0, 20.0, repeats=0)
+
+
+def test_the_averaging_probe_refuses_bad_input_before_building_anything():
+    from ddlscope.network.averaging_probe import averaging_round_seconds
+
+    with pytest.raises(ValueError, match="at least 2 peers"):
+        averaging_round_seconds([20.0], 1.0, 1)
+    with pytest.raises(ValueError, match="Mbit/s > 0"):
+        averaging_round_seconds([20.0, 0.0], 1.0, 1)
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        averaging_round_seconds([20.0, 20.0], 1.0, 0)
+    with pytest.raises(ValueError, match="one non-empty list of cores per peer"):
+        averaging_round_seconds([20.0, 20.0], 1.0, 1, cores=[[0]])
+
+
+@needs_root
+@pytest.mark.slow
+def test_hivemind_rounds_over_slow_links_carry_a_share_of_the_rate_and_leave_nothing_behind():
+    from ddlscope.network.averaging_probe import measure_averaging_goodput
+
+    before = set(namespaces())
+    core = min(os.sched_getaffinity(0))
+    g = measure_averaging_goodput([20.0, 20.0], megabytes=1.0, rounds=1, cores=[[core], [core]])
+    # 1 MiB in two halves each way at 20 Mbit/s: ~0.42 s of wire; hivemind's own costs make the round longer
+    assert len(g.round_s) == 1 and g.round_s[0] > g.predicted_round_s > 0.3
+    assert 0 < g.share < 1 and g.cores == ((core,), (core,))
+    assert set(namespaces()) == before
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "ddlscope.network.averaging_probe" in
+                " ".join(p.info["cmdline"] or [])]
 
 
 GLOO_WORKER = """

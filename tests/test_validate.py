@@ -273,6 +273,13 @@ def test_uneven_links_give_each_worker_its_rate_and_loopback_can_be_left_out(tmp
     assert [p.bandwidth_gb_per_s for p in busy.peers] == pytest.approx([80 / 8e3, 8 / 8e3])
     with pytest.raises(ValueError, match="allowed"):
         over_links(make_cluster(), 10.0, 2, both_ways=0.0)
+    # hivemind's rounds at what they reached on these links: the efficiency is relative to the peers' (TCP) share
+    rounds = over_links(make_cluster(), [100.0, 10.0], 2, both_ways=0.8, averaging_share=0.6)
+    assert rounds.averaging_efficiency == pytest.approx(0.75) and rounds.peers == busy.peers
+    assert over_links(make_cluster(), 10.0, 2, both_ways=0.8, averaging_share=0.9).averaging_efficiency == 1.0
+    assert busy.averaging_efficiency == 1.0  # not measured: the cluster's
+    with pytest.raises(ValueError, match="averaging_share = 1.5"):
+        over_links(make_cluster(), 10.0, 2, averaging_share=1.5)
     with pytest.raises(ValueError, match="one rate per worker"):
         ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], workers=2, bandwidths_mbit_per_s=[[1.0, 2.0, 3.0]])
     with pytest.raises(ValueError, match="leaves no cell"):

@@ -161,6 +161,10 @@ class DistributionModel:
             part (fsdp: the all-gathers waited for inside the forward on CPU; collaborative:
             hivemind's background work slowing the steps, predicted as averaging overhead; dmoe:
             the remote experts' calls inside the forward and backward).
+        averages_with_hivemind: True when the model's rounds are hivemind's averaging rounds over
+            the peers' links (collaborative): on emulated links ``validate`` and ``recommend
+            --swarm`` then measure what such rounds carry (:func:`ddlscope.modeling.links.averaging_goodput`)
+            and price them at it (``ClusterSpec.averaging_efficiency``).
     """
 
     name: str
@@ -194,6 +198,7 @@ class DistributionModel:
     churn: Callable[["RunConfig"], list[Any]] | None = None
     per_peer_report: bool = False
     compute_parts_alone: bool = True
+    averages_with_hivemind: bool = False
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:

@@ -354,7 +354,8 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     global progress tracking, Ryabinin 2023). The step that ends a global epoch then waits for
     the gradient round (unless ``use_local_updates``), a :func:`butterfly_allreduce_s` of the
     gradients over the peers' links, in equal parts (ddlscope's peers declare no bandwidth to
-    hivemind). With Moshpit-style groups (``options["target_group_size"]`` = g < peers) a round
+    hivemind), at ``cluster.averaging_efficiency`` of their bandwidths (what hivemind's rounds
+    reach, measured on emulated links by :mod:`ddlscope.network.averaging_probe`; 1 otherwise). With Moshpit-style groups (``options["target_group_size"]`` = g < peers) a round
     averages within groups of g; the g slowest links make the slowest group, whose round is timed. hivemind pre-schedules it
     (``Optimizer._maybe_schedule_gradient_averaging``): once the epoch's end is less than
     ``matchmaking_time_s`` away, matchmaking starts and the group is ready at ``max(estimated
@@ -478,7 +479,9 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     # Moshpit-style groups (target_group_size): a round averages within groups; the slowest group sets its time
     group = min(len(present), s.options.get("target_group_size") or len(present))
     order = sorted(present, key=lambda i: bws_all[i])[:group]
-    bws, lats, roles = [bws_all[i] for i in order], [lats_all[i] for i in order], [roles_all[i] for i in order]
+    # what hivemind's rounds carry of each link (measured on emulated links: network.averaging_probe)
+    bws = [bws_all[i] * cluster.averaging_efficiency for i in order]
+    lats, roles = [lats_all[i] for i in order], [roles_all[i] for i in order]
     balanced = bool(s.options.get("declared_bandwidths_mbit_per_s"))
 
     def round_s(nbytes: float) -> float:
@@ -720,6 +723,7 @@ MODEL = register(DistributionModel(
     check_config=check_target_batch,
     churn=lambda cfg: cfg.collaborative.churn_events(cfg.peers),
     per_peer_report=True,
+    averages_with_hivemind=True,
     compute_parts_alone=False,
     global_batch=_global_batch,
     candidate=collaborative_candidate,

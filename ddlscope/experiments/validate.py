@@ -49,7 +49,7 @@ from ddlscope.experiments import check_known
 from ddlscope.distribution.collaborative import ChurnEvent
 from ddlscope.experiments.results import churn_window, measure_run
 from ddlscope.experiments.runner import Cell, RunFn, run_cells
-from ddlscope.modeling.links import links_goodput, over_links
+from ddlscope.modeling.links import averaging_goodput, links_goodput, over_links
 from ddlscope.network.emulated import emulated_models
 from ddlscope.store.db import ResultsStore
 
@@ -375,7 +375,8 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
                      for plan in plans for same in plan[i].entries if same.key == entry.key for cell in same.cells]
             outcomes.append(_repeated_outcome(grid, db_path, tries))
         out.append(ValidationCell(dataset=first.dataset, network=first.label, workers=grid.workers, outcomes=outcomes,
-                                  predict_s=first.predict_s, link=first.link, link_goodput=first.link_goodput))
+                                  predict_s=first.predict_s, link=first.link, link_goodput=first.link_goodput,
+                                  averaging_goodput=first.averaging_goodput))
     return out
 
 
@@ -399,6 +400,7 @@ class _Planned:
     link_goodput: float | None
     profile: Any
     cluster: ClusterSpec
+    averaging_goodput: float | None = None
 
 
 @dataclass
@@ -420,7 +422,25 @@ class _Links:
     def __init__(self, grid: ValidationGrid, db_path: Path, measure: bool, rerun: bool, progress: bool):
         self.grid, self.measure, self.progress = grid, measure, progress
         self.stored = {} if rerun else _stored_link_goodputs(db_path, grid.name)
+        self.stored_averaging = {} if rerun else _stored_link_goodputs(db_path, grid.name, "averaging_goodput")
         self.goodput: dict[str, float] = {}
+        self.averaging_goodput: dict[str, float | None] = {}
+
+    def averaging(self, mbit: float | list[float], param_bytes: float) -> float | None:
+        """The share hivemind's averaging rounds reach on the entry's links (``links.averaging_goodput``,
+        rounds of ``param_bytes``), measured once per validation like :meth:`share`; None without
+        real runs or where it cannot be measured (the rounds are then priced at the TCP share)."""
+        label = link_label(mbit)
+        if label not in self.averaging_goodput:
+            stored = self.stored_averaging.get(label)
+            self.averaging_goodput[label] = stored if stored is not None else (
+                averaging_goodput(mbit, self.grid.workers, param_bytes) if self.measure else None)
+            if self.progress and self.averaging_goodput[label] is not None:
+                how = "" if stored is None else " (as measured before their stored runs; --rerun measures again)"
+                print(f"validate {self.grid.name}: hivemind's averaging rounds over links {label} carry "
+                      f"{self.averaging_goodput[label]:.3f} of their rate, one core per peer{how}",
+                      file=sys.stderr, flush=True)
+        return self.averaging_goodput[label]
 
     def share(self, mbit: float | list[float]) -> float:
         label = link_label(mbit)
@@ -465,11 +485,15 @@ def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Pa
                 if not here:
                     continue
                 goodput = None if mbit is None else links.share(mbit)  # measured once per link entry, not timed
+                averaging = None if mbit is None or not any(distribution.get(s.strategy).averages_with_hivemind
+                                                            for s in here) \
+                    else links.averaging(mbit, profile.param_bytes)
                 t1 = time.perf_counter()
-                over = None if mbit is None else over_links(cluster, mbit, grid.workers, goodput)
+                over = None if mbit is None else over_links(cluster, mbit, grid.workers, goodput, averaging)
                 rec = recommend(profile, cluster if mbit is None else over, here)
                 link = None if mbit is None else link_label(mbit)
-                stored_link = None if mbit is None else {"link": link, "link_goodput": goodput}
+                stored_link = None if mbit is None else {"link": link, "link_goodput": goodput,
+                                                         "averaging_goodput": averaging}
                 with ResultsStore(db_path) as store:
                     entries = [_Entry(_key(grid, c.setting, net, ds, mbit), c,
                                       _store_prediction(store, grid.name, c, c is rec.best, net, ds,
@@ -481,14 +505,15 @@ def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Pa
                 # the profile's time counts once, with the first cell of this network
                 planned.append(_Planned(ds, net if link is None else f"{net} @ {link}", link,
                                         (t1 - t0 if first else 0.0) + time.perf_counter() - t1, entries, goodput,
-                                        profile, over or cluster))
+                                        profile, over or cluster, averaging))
                 first = False
     return planned
 
 
-def _stored_link_goodputs(db_path: Path, group: str) -> dict[str, float]:
-    """Per link entry (e.g. ``"200 Mbit/s"``), the both-ways share that the grid ``group``'s first
-    predictions for it were made with (stored in their ``detail``); empty without a store.
+def _stored_link_goodputs(db_path: Path, group: str, field: str = "link_goodput") -> dict[str, float]:
+    """Per link entry (e.g. ``"200 Mbit/s"``), the both-ways share (``field`` ``link_goodput``; or
+    ``averaging_goodput``: hivemind's rounds) that the grid ``group``'s first predictions for it were
+    made with (stored in their ``detail``); empty without a store.
 
     Runs reused from the store are predicted again with the share measured before they ran:
     measured anew, the share of the same links moved by up to 6 % between measurements on this
@@ -501,8 +526,8 @@ def _stored_link_goodputs(db_path: Path, group: str) -> dict[str, float]:
     with ResultsStore(db_path) as store:
         for pred in store.predictions(group):
             detail = json.loads(pred["detail_json"] or "{}")
-            if detail.get("link") is not None and detail.get("link_goodput") is not None:
-                shares.setdefault(detail["link"], float(detail["link_goodput"]))
+            if detail.get("link") is not None and detail.get(field) is not None:
+                shares.setdefault(detail["link"], float(detail[field]))
     return shares
 
 

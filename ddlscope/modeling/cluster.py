@@ -290,6 +290,11 @@ class ClusterSpec(BaseModel):
             overshoot of the target batch (collaborative; measured by ``calibrate --hivemind``).
         dmoe: what beam searches and remote expert calls cost here (dmoe; measured by
             ``calibrate --dmoe``, :class:`DMoEFit`).
+        averaging_efficiency: the fraction (0..1] of the peers' listed bandwidths that hivemind's
+            averaging rounds reach (collaborative); 1 unless measured. On emulated links
+            ``ddlscope validate`` and ``recommend --swarm`` measure it with hivemind's own rounds,
+            each peer on one core (:mod:`ddlscope.network.averaging_probe`): 0.71-0.83 of the
+            TCP both-ways share on a 200/20 Mbit/s pair.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # finite numbers only
@@ -313,6 +318,7 @@ class ClusterSpec(BaseModel):
     ddp_step_gb_per_s: float | None = Field(None, gt=0)
     hivemind: HivemindFit | None = None
     dmoe: DMoEFit | None = None
+    averaging_efficiency: float = Field(1.0, gt=0, le=1)
 
     @field_validator("inter_node")
     @classmethod

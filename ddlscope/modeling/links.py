@@ -4,7 +4,8 @@
 its workers are peers on links of given rates (:mod:`ddlscope.network.emulated`), at the share of
 the rate a link carries each way with both ways busy; :func:`links_goodput` measures that share
 (:mod:`ddlscope.network.duplex`). Used by ``ddlscope validate`` (the grids' ``bandwidths_mbit_per_s``
-cells) and ``ddlscope recommend --swarm`` (a run config's emulated links).
+cells) and ``ddlscope recommend --swarm`` (a run config's emulated links). :func:`averaging_goodput`
+measures what hivemind's own averaging rounds reach on such links (:mod:`ddlscope.network.averaging_probe`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ddlscope.modeling.collectives import contention
 
 
 def over_links(cluster: ClusterSpec, rates_mbit_per_s: float | list[float], workers: int,
-               both_ways: float = 1.0) -> ClusterSpec:
+               both_ways: float = 1.0, averaging_share: float | None = None) -> ClusterSpec:
     """``cluster`` as an emulated network of ``workers`` workers puts it: each worker a peer with a
     link of its rate (a list: worker i's at the i-th; latency as calibrated) and the devices' links
     at the slowest rate (a ring is as fast as its slowest link), for predicting a cell run on
@@ -26,13 +27,17 @@ def over_links(cluster: ClusterSpec, rates_mbit_per_s: float | list[float], work
     the pipelines' point-to-point link keeps the full rate (their activations and gradients take
     turns). The peers keep the cluster's listed compute shares; where the cluster lists none they
     share this machine's cores, so each computes at ``1 / contention`` of a device alone
-    (:func:`ddlscope.modeling.collectives.contention`).
+    (:func:`ddlscope.modeling.collectives.contention`). ``averaging_share``: the share of the rate
+    that hivemind's averaging rounds reach on these links (:func:`averaging_goodput`); the
+    collaborative model's rounds then run at it (``ClusterSpec.averaging_efficiency`` =
+    ``averaging_share / both_ways``, at most 1); None keeps the cluster's efficiency.
 
     Raises:
-        ValueError: ``both_ways`` outside (0, 1].
+        ValueError: ``both_ways`` or ``averaging_share`` outside (0, 1].
     """
-    if not 0 < both_ways <= 1:
-        raise ValueError(f"both_ways = {both_ways}; allowed: a share of the link's rate in (0, 1]")
+    if not 0 < both_ways <= 1 or not (averaging_share is None or 0 < averaging_share <= 1):
+        raise ValueError(f"both_ways = {both_ways}, averaging_share = {averaging_share}; allowed: a share of the "
+                         "link's rate in (0, 1]")
     rates = rates_mbit_per_s if isinstance(rates_mbit_per_s, list) else [rates_mbit_per_s] * workers
     latency = cluster.intra_node.latency_s
     link = LinkSpec(bandwidth_gb_per_s=min(rates) * both_ways / 8e3, latency_s=latency)
@@ -41,8 +46,10 @@ def over_links(cluster: ClusterSpec, rates_mbit_per_s: float | list[float], work
     shares = [p.compute_share for p in cluster.peers[:workers]] if len(cluster.peers) >= workers else [shared] * workers
     peers = [PeerSpec(compute_share=c, bandwidth_gb_per_s=r * both_ways / 8e3, latency_s=latency)
              for c, r in zip(shares, rates)]
+    efficiency = cluster.averaging_efficiency if averaging_share is None else min(1.0, averaging_share / both_ways)
     return cluster.model_copy(update={"intra_node": link, "p2p_link": p2p, "peers": peers,
-                                      "inter_node": link if cluster.inter_node is not None else None})
+                                      "inter_node": link if cluster.inter_node is not None else None,
+                                      "averaging_efficiency": efficiency})
 
 
 def links_goodput(rates_mbit_per_s: float | list[float], workers: int) -> float:
@@ -57,3 +64,23 @@ def links_goodput(rates_mbit_per_s: float | list[float], workers: int) -> float:
     except UserError as err:
         print(f"validate: links of {rates} predicted at their full rate both ways ({err})", file=sys.stderr)
         return 1.0
+
+
+def averaging_goodput(rates_mbit_per_s: float | list[float], workers: int, param_bytes: float) -> float | None:
+    """The share of its rate that hivemind's averaging rounds reach over an emulated link entry, each
+    peer on one core of this process's in turn (as a run places them): a round of ``param_bytes``
+    (at least 1 MiB) among ``workers`` peers (:func:`ddlscope.network.averaging_probe.
+    measure_averaging_goodput`), or None (with a warning on stderr) where emulated networks cannot
+    be built or the probe fails."""
+    import os
+
+    from ddlscope.network.averaging_probe import measure_averaging_goodput
+
+    rates = rates_mbit_per_s if isinstance(rates_mbit_per_s, list) else [rates_mbit_per_s] * workers
+    mine = sorted(os.sched_getaffinity(0))
+    try:
+        return measure_averaging_goodput(rates[:workers], megabytes=max(1.0, param_bytes / 2**20),
+                                         cores=[[mine[i % len(mine)]] for i in range(workers)]).share
+    except (UserError, RuntimeError) as err:
+        print(f"links of {rates}: hivemind's rounds priced at the TCP share ({err})", file=sys.stderr)
+        return None

@@ -234,7 +234,7 @@ def register(app: typer.Typer) -> None:
         spec = load_cluster(cluster)
         if dataset not in DATASETS:
             raise UserError(f"unknown dataset {dataset!r}; allowed: {', '.join(sorted(DATASETS))}")
-        swarm_cfg = None
+        swarm_cfg, emulated_rates = None, None
         if swarm is not None:
             from ddlscope.config import load_config
 
@@ -244,11 +244,8 @@ def register(app: typer.Typer) -> None:
         if n < 2:
             raise UserError(f"the cluster {spec.name!r} has one device; describe at least 2 devices or peers, or pass --workers")
         if swarm_cfg is not None and swarm_cfg.network.emulate:  # the swarm's emulated links, unlimited ones as the cluster's
-            from ddlscope.modeling.links import links_goodput, over_links
-
             own = spec.intra_node.bandwidth_gb_per_s * 8e3
-            rates = [min(up or own, down or own) for up, down in swarm_cfg.network.rates(n)]
-            spec = over_links(spec, rates, n, links_goodput(rates, n))
+            emulated_rates = [min(up or own, down or own) for up, down in swarm_cfg.network.rates(n)]
         if matchmaking_time_s is None and spec.hivemind is not None:  # predict where the overhead was measured
             matchmaking_time_s = spec.hivemind.matchmaking_time_s  # None (unrecorded): the run default
         swarm_opts = {}
@@ -268,6 +265,12 @@ def register(app: typer.Typer) -> None:
             profile = load_or_profile(model, dataset, batch_size, device, threads=threads,
                                       loader_workers=(loader_workers,), cache_dir=cache_dir, progress=not as_json,
                                       optimizer=optimizer)
+        if emulated_rates is not None:  # the swarm's links; hivemind's own rounds priced as measured there
+            from ddlscope.modeling.links import averaging_goodput, links_goodput, over_links
+
+            rounds_share = averaging_goodput(emulated_rates, n, profile.param_bytes) \
+                if any(distribution.get(s.strategy).averages_with_hivemind for s in settings) else None
+            spec = over_links(spec, emulated_rates, n, links_goodput(emulated_rates, n), rounds_share)
         scale = compute_scale(profile, batch_size, spec.device.kind)
         rec = recommend(profile, spec, settings, scale.factor, (scale.low, scale.high))
         if spec.device.kind != "local":

@@ -182,6 +182,7 @@ class ValidationCell:
     predict_s: float | None = None     # seconds to profile (or read the cached profile) and predict every model
     link: str | None = None            # the emulated links the cell ran on, e.g. "50 Mbit/s" (None: loopback)
     link_goodput: float | None = None  # share of their rate they carried each way with both ways busy (measured)
+    averaging_goodput: float | None = None  # share of their rate hivemind's averaging rounds reached (collaborative)
 
     @property
     def label(self) -> str:
@@ -551,7 +552,8 @@ def cell_from_dict(d: dict[str, Any]) -> ValidationCell:
     try:
         outcomes = [StrategyOutcome(**{k: v for k, v in o.items() if k in out_fields}) for o in d["outcomes"]]
         return ValidationCell(dataset=d["dataset"], network=d["network"], workers=int(d["workers"]), outcomes=outcomes,
-                              predict_s=d.get("predict_s"), link=d.get("link"), link_goodput=d.get("link_goodput"))
+                              predict_s=d.get("predict_s"), link=d.get("link"), link_goodput=d.get("link_goodput"),
+                              averaging_goodput=d.get("averaging_goodput"))
     except (KeyError, TypeError) as e:
         raise UserError(f"validation record is missing a field or has a wrong one: {e}") from e
 
