@@ -31,6 +31,10 @@ from pathlib import Path
 ROUNDS = 5
 """Measured rounds after one warm-up round; the median is kept. Three probes of 3 rounds (8 MiB, a 200/20
 Mbit/s pair, one core per peer) read shares of 0.83, 0.73 and 0.73 in a row on this project's machine."""
+WIRE_S = 3.0
+"""Seconds of wire time at the configured rate that a probe's round lasts at least
+(:func:`ddlscope.modeling.links.averaging_goodput` sizes the rounds by it), so that the share is the
+rounds' throughput and not their fixed costs."""
 MEGABYTES = 8.0
 """MiB averaged per round when the caller names no size: about the parameters of MobileNetV2 (8.9 MB),
 the validation's network on slow links. The share shrinks with smaller rounds (fixed costs per round)."""
