@@ -433,6 +433,16 @@ def test_collaborative_rounds_run_at_the_averaging_efficiency_of_the_peers_links
     assert half.inputs["grad_round_s"] - half.inputs["matchmaking_wait_s"] == pytest.approx(2 * wire, rel=0.02)
     assert half.inputs["state_round_s"] == pytest.approx(2 * full.inputs["state_round_s"], rel=0.02)
     assert half.inputs["accumulate_s"] == full.inputs["accumulate_s"]
+    # with a hivemind fit its overhead holds the rounds' work on the cores: the wire time is added at the full
+    # bandwidth, and the efficiency counts in the link's busy time
+    fit = HivemindFit(epoch_overhead_s=0.6, overshoot_steps=0.0, reference_param_bytes=prof.param_bytes,
+                      matchmaking_time_s=0.01)
+    fitted = [predict(prof, make_cluster(peers=peers).model_copy(update={"hivemind": fit, "averaging_efficiency": e}),
+                      s) for e in (1.0, 0.5)]
+    assert fitted[1].breakdown_s["averaging_s"] - fitted[1].inputs["link_wait_s"] == pytest.approx(
+        fitted[0].breakdown_s["averaging_s"] - fitted[0].inputs["link_wait_s"])
+    busy_full, busy_half = (f.inputs["link_busy_s"] - 0.01 for f in fitted)  # less the parameter round's matchmaking
+    assert busy_half == pytest.approx(2 * busy_full, rel=0.02)
 
 
 def test_eq51_reference_equals_its_formula():

@@ -354,8 +354,11 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     global progress tracking, Ryabinin 2023). The step that ends a global epoch then waits for
     the gradient round (unless ``use_local_updates``), a :func:`butterfly_allreduce_s` of the
     gradients over the peers' links, in equal parts (ddlscope's peers declare no bandwidth to
-    hivemind), at ``cluster.averaging_efficiency`` of their bandwidths (what hivemind's rounds
-    reach, measured on emulated links by :mod:`ddlscope.network.averaging_probe`; 1 otherwise). With Moshpit-style groups (``options["target_group_size"]`` = g < peers) a round
+    hivemind). The rounds hold the links at ``cluster.averaging_efficiency`` of their bandwidths
+    (what hivemind's rounds reach, measured on emulated links by
+    :mod:`ddlscope.network.averaging_probe`; 1 otherwise): without a hivemind fit the rounds take
+    that long; with one, the fit's overhead already holds their work on the peers' cores, so the
+    round adds its wire time at the full bandwidth and the efficiency counts in ``link_busy_s``. With Moshpit-style groups (``options["target_group_size"]`` = g < peers) a round
     averages within groups of g; the g slowest links make the slowest group, whose round is timed. hivemind pre-schedules it
     (``Optimizer._maybe_schedule_gradient_averaging``): once the epoch's end is less than
     ``matchmaking_time_s`` away, matchmaking starts and the group is ready at ``max(estimated
@@ -479,15 +482,17 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     # Moshpit-style groups (target_group_size): a round averages within groups; the slowest group sets its time
     group = min(len(present), s.options.get("target_group_size") or len(present))
     order = sorted(present, key=lambda i: bws_all[i])[:group]
-    # what hivemind's rounds carry of each link (measured on emulated links: network.averaging_probe)
-    bws = [bws_all[i] * cluster.averaging_efficiency for i in order]
-    lats, roles = [lats_all[i] for i in order], [roles_all[i] for i in order]
+    bws, lats, roles = [bws_all[i] for i in order], [lats_all[i] for i in order], [roles_all[i] for i in order]
     balanced = bool(s.options.get("declared_bandwidths_mbit_per_s"))
 
-    def round_s(nbytes: float) -> float:
-        return butterfly_allreduce_s(nbytes, bws, lats, fixed, balanced=balanced, roles=roles)
+    def round_s(nbytes: float, efficiency: float = 1.0) -> float:
+        return butterfly_allreduce_s(nbytes, [b * efficiency for b in bws], lats, fixed, balanced=balanced, roles=roles)
 
-    one_round = 0.0 if alone else round_s(float(profile.param_bytes))
+    # what hivemind's rounds carry of each link (measured on emulated links: network.averaging_probe) holds the
+    # link; with a hivemind fit the rounds' own work on the peers' cores is already in the fit's overhead, so the
+    # round adds its wire time at the link's rate, and the efficiency counts where the link is the bottleneck
+    link_round = 0.0 if alone else round_s(float(profile.param_bytes), cluster.averaging_efficiency)
+    one_round = link_round if hm is None or alone else round_s(float(profile.param_bytes))
     wait = 0.0 if alone else max(0.0, s.matchmaking_time_s - max(0.0, t_acc - max(peer_steps)))
     grad_round = 0.0 if s.use_local_updates or alone else wait + one_round
     state_round = one_round / s.average_state_every
@@ -504,8 +509,8 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     # every epoch the slowest group's links carry the gradient round and the parameter round that hivemind
     # runs in the background, after the parameter round's matchmaking: the epoch lasts no less
     optimizer_after_round = 0.0 if s.use_local_updates else step.optimizer_s * slow / min(shares)
-    link_busy = 0.0 if alone else (0.0 if s.use_local_updates else one_round) + state_round \
-        + s.matchmaking_time_s / s.average_state_every
+    link_busy = 0.0 if alone else (0.0 if s.use_local_updates else link_round) \
+        + link_round / s.average_state_every + s.matchmaking_time_s / s.average_state_every
     link_wait = max(0.0, link_busy - (t_acc + averaging + optimizer_after_round))
     averaging += link_wait
     notes = []
