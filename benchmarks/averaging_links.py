@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from pathlib import Path
 from _docs import check_docs_block, markdown_table, provenance, update_docs_block
 
 from ddlscope.modeling.collectives import butterfly_allreduce_s
-from ddlscope.network.averaging_probe import averaging_round_seconds
+from ddlscope.network.averaging_probe import averaging_round_seconds, one_core_each
 from ddlscope.network.emulated import check_can_emulate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,18 +51,12 @@ SCENARIOS: dict[str, list[float]] = {
 """Each peer's upload and download, Mbit/s."""
 
 
-def _cores_round_robin(peers: int) -> list[int]:
-    """Peer i's core: this process's cores in turn (one core each, as ``ddlscope run`` gives a peer)."""
-    mine = sorted(os.sched_getaffinity(0))
-    return [mine[i % len(mine)] for i in range(peers)]
-
-
 def measure(megabytes: float, rounds: int, scenarios: list[str], pinned: bool) -> list[dict]:
     rows = []
     for name in scenarios:
         mbit = SCENARIOS[name]
         for declare in ([True, False] if len(set(mbit)) > 1 else [True]):
-            cores = [[c] for c in _cores_round_robin(len(mbit))] if pinned else None
+            cores = one_core_each(len(mbit)) if pinned else None
             seconds = averaging_round_seconds(mbit, megabytes, rounds, declare, cores)
             nbytes = megabytes * 2**20
             predicted = butterfly_allreduce_s(nbytes, [b / 8e3 for b in mbit], [0.0] * len(mbit), balanced=declare)

@@ -358,7 +358,8 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     (what hivemind's rounds reach, measured on emulated links by
     :mod:`ddlscope.network.averaging_probe`; 1 otherwise): without a hivemind fit the rounds take
     that long; with one, the fit's overhead already holds their work on the peers' cores, so the
-    round adds its wire time at the full bandwidth and the efficiency counts in ``link_busy_s``. With Moshpit-style groups (``options["target_group_size"]`` = g < peers) a round
+    round adds its wire time at the full bandwidth and the efficiency counts in ``link_busy_s``.
+    With Moshpit-style groups (``options["target_group_size"]`` = g < peers) a round
     averages within groups of g; the g slowest links make the slowest group, whose round is timed. hivemind pre-schedules it
     (``Optimizer._maybe_schedule_gradient_averaging``): once the epoch's end is less than
     ``matchmaking_time_s`` away, matchmaking starts and the group is ready at ``max(estimated

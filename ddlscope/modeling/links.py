@@ -29,7 +29,7 @@ def over_links(cluster: ClusterSpec, rates_mbit_per_s: float | list[float], work
     share this machine's cores, so each computes at ``1 / contention`` of a device alone
     (:func:`ddlscope.modeling.collectives.contention`). ``averaging_share``: the share of the rate
     that hivemind's averaging rounds reach on these links (:func:`averaging_goodput`); the
-    collaborative model's rounds then run at it (``ClusterSpec.averaging_efficiency`` =
+    collaborative model's rounds then hold the links at it (``ClusterSpec.averaging_efficiency`` =
     ``averaging_share / both_ways``, at most 1); None keeps the cluster's efficiency.
 
     Raises:
@@ -75,16 +75,13 @@ def averaging_goodput(rates_mbit_per_s: float | list[float], workers: int, param
     slowest link's rate. The share is the throughput of the rounds: a round's fixed costs
     (matchmaking left out, hivemind's per-round work) belong to the hivemind fit, and in short
     rounds they made it read 0.66-0.71 on 200 Mbit/s links, where the TCP share was 0.95."""
-    import os
-
-    from ddlscope.network.averaging_probe import WIRE_S, measure_averaging_goodput
+    from ddlscope.network.averaging_probe import WIRE_S, measure_averaging_goodput, one_core_each
 
     rates = (rates_mbit_per_s if isinstance(rates_mbit_per_s, list) else [rates_mbit_per_s] * workers)[:workers]
-    mine = sorted(os.sched_getaffinity(0))
     megabytes = max(1.0, param_bytes / 2**20, WIRE_S * min(rates) * 1e6 / 8 / 2**20)
     try:
         return measure_averaging_goodput(rates, megabytes=megabytes,
-                                         cores=[[mine[i % len(mine)]] for i in range(workers)]).share
+                                         cores=one_core_each(workers)).share
     except (UserError, RuntimeError) as err:
         print(f"links of {rates}: hivemind's rounds priced at the TCP share ({err})", file=sys.stderr)
         return None

@@ -142,6 +142,12 @@ def measure_averaging_goodput(rates_mbit_per_s: list[float], megabytes: float = 
                             cores=None if cores is None else tuple(tuple(c) for c in cores))
 
 
+def one_core_each(peers: int) -> list[list[int]]:
+    """Peer i's cores for a probe: one core of this process's in turn, as ``ddlscope run`` places peers."""
+    mine = sorted(os.sched_getaffinity(0))
+    return [[mine[i % len(mine)]] for i in range(peers)]
+
+
 def _stderr(p: subprocess.Popen) -> str:
     try:
         return (p.communicate(timeout=5)[1] or "")[-500:]
