@@ -332,16 +332,22 @@ def overhead_markdown(result: Mapping[str, Any], header: str | None = None) -> s
             dicts with ``model``, ``dataset``, ``batch_size``, ``timed_steps``, ``repeats``,
             ``plain_step_ms``, ``ddlscope_step_ms``, ``overhead_fraction``, ``target_fraction``,
             ``meets_target`` (and ``device``), plus ``device`` and ``gpu`` of the run; or one such
-            dict alone (the format before ``--device``). ``measured_at`` optional.
+            dict alone (the format before ``--device``). ``measured_at`` optional. Since the
+            paired reading, a workload also has ``overhead_interval`` (the 95 % interval of the
+            median pair's overhead, or None) and ``verdict`` (``met``, ``missed``, ``unsettled``);
+            a result without them shows "–" and its ``meets_target``.
         header: the line above the table (default: :func:`provenance` of this machine, now).
 
     Raises:
         UserError: ``result`` lacks one of those keys (not an overhead result).
     """
+    shown = {"met": "yes", "missed": "**no**", "unsettled": "unsettled"}
     try:
         rows = [[f"{w['model']} / {w['dataset']}, batch {w['batch_size']}", str(w["timed_steps"]), str(w["repeats"]),
-                 f"{w['plain_step_ms']:.1f}", f"{w['ddlscope_step_ms']:.1f}", _pct(w["overhead_fraction"]),
-                 f"< {_pct(w['target_fraction'])}", "yes" if w["meets_target"] else "**no**"]
+                 f"{w['plain_step_ms']:.1f}", f"{w['ddlscope_step_ms']:.1f}", _pct(w["overhead_fraction"], signed=True),
+                 " .. ".join(_pct(v, signed=True) for v in w["overhead_interval"]) if w.get("overhead_interval")
+                 else "–", f"< {_pct(w['target_fraction'])}",
+                 shown[w["verdict"]] if "verdict" in w else "yes" if w["meets_target"] else "**no**"]
                 for w in result.get("workloads", [result])]
     except (KeyError, TypeError) as e:
         raise UserError(f"not a benchmarks/overhead.py result: missing {e}; allowed: the dict it writes to "
@@ -350,8 +356,8 @@ def overhead_markdown(result: Mapping[str, Any], header: str | None = None) -> s
                                   result.get("machine"), result.get("commit"))
     device = result.get("device")
     where = f"\n\nDevice: {result.get('gpu') or device}." if device else ""
-    table = markdown_table(["workload", "timed steps", "repeats", "plain ms/step", "ddlscope ms/step",
-                            "overhead (median)", "target", "met"], rows)
+    table = markdown_table(["workload", "timed steps", "repeats (pairs)", "plain ms/step", "ddlscope ms/step",
+                            "overhead (median pair)", "95 % interval", "target", "met"], rows)
     return f"{header}{where}\n\n{table}"
 
 
@@ -421,7 +427,8 @@ def peers_markdown(result: Mapping[str, Any], header: str | None = None) -> str:
             ``target_batch_size``, ``matchmaking_time_s``, ``averaging_timeout_s``; ``models``, each
             ``{model, plain_samples_per_s, ddlscope_samples_per_s, ratio, ddlscope_wall_samples_per_s,
             wall_ratio, target, meets_target, note}`` (figures None and ``meets_target`` None for a
-            model that was not run); ``measured_at`` optional.
+            model that was not run), since the paired reading also ``lower_ratio_interval`` (or None)
+            and ``verdict`` (``met``, ``missed``, ``unsettled``); ``measured_at`` optional.
         header: the line above the table (default: :func:`provenance` of this machine, now).
 
     Raises:
@@ -431,6 +438,7 @@ def peers_markdown(result: Mapping[str, Any], header: str | None = None) -> str:
         return "–" if v is None else format(v, spec)
 
     met = {True: "yes", False: "**no**", None: "–"}
+    shown = {"met": "yes", "missed": "**no**", "unsettled": "unsettled"}
     try:
         cut = f", cut at layers {result['stage_bounds']}" if result["stage_bounds"] else ""
         intro = (f"{result['model']} / {result['dataset']}, batch {result['batch_size']} per worker; "
@@ -439,19 +447,24 @@ def peers_markdown(result: Mapping[str, Any], header: str | None = None) -> str:
                  f"ddlscope alternating; pipelines: {result['microbatches']} micro-batches{cut}; collaborative: "
                  f"target batch size {result['target_batch_size']}, matchmaking {result['matchmaking_time_s']:g} s, "
                  f"averaging timeout {result['averaging_timeout_s']:g} s. Samples/s of all workers, median over the "
-                 f"repeats. Plain: from a barrier after the warm-up to a barrier after the last step (swarm: the time "
-                 f"every peer trained); ddlscope: what it reports for the stored run (`measure_run`), and its "
-                 f"wall-clock window (first measured step's start to the last one's end).")
+                 f"repeats; ratios: the median pair of repeats. Plain: from a barrier after the warm-up to a barrier "
+                 f"after the last step (swarm: the time every peer trained); ddlscope: what it reports for the stored "
+                 f"run (`measure_run`), and its wall-clock window (first measured step's start to the last one's end). "
+                 f"Met or missed when the 95 % interval of the median pair's lower ratio lies on one side of the "
+                 f"target, else unsettled.")
         rows = [[m["model"], num(m["plain_samples_per_s"], ".1f"), num(m["ddlscope_samples_per_s"], ".1f"),
                  num(m["ratio"], ".3f"), num(m["ddlscope_wall_samples_per_s"], ".1f"), num(m["wall_ratio"], ".3f"),
-                 f">= {m['target']:g}", met[m["meets_target"]], m["note"]] for m in result["models"]]
+                 " .. ".join(format(v, ".3f") for v in m["lower_ratio_interval"]) if m.get("lower_ratio_interval")
+                 else "–", f">= {m['target']:g}",
+                 shown[m["verdict"]] if m.get("verdict") else met[m["meets_target"]], m["note"]]
+                for m in result["models"]]
     except (KeyError, TypeError) as e:
         raise UserError(f"not a benchmarks/peers.py result: missing {e}; allowed: the dict it writes to "
                         "benchmarks/results/peers.json") from None
     header = header or provenance("benchmarks/peers.py", str(result.get("measured_at", ""))[:16] or None)
     device = f"Device: {result.get('gpu') or result['device']}."
     table = markdown_table(["model", "plain samples/s", "ddlscope samples/s", "ratio", "ddlscope wall samples/s",
-                            "wall ratio", "target (both ratios)", "met", "note"], rows)
+                            "wall ratio", "lower ratio, 95 % interval", "target (both ratios)", "met", "note"], rows)
     return "\n\n".join([header, f"{device} {intro}", table])
 
 

@@ -3,6 +3,7 @@
 # importable (hivemind not needed): the CUDA tests, benchmarks/gpu.py (profile vs run, memory split,
 # scaling bands, fit search) and the instrumentation overhead on cuda. Limits in seconds:
 # TESTS_S, GPU_CHECK_S, OVERHEAD_S; OVERHEAD_WORKLOADS (space-separated), OVERHEAD_WINDOW_S,
+# OVERHEAD_REPEATS (pairs; 7 give a 98 % interval of the median pair, overhead.py's verdict),
 # TRAIN_SIZE (samples of the synthetic CIFAR-10; ImageNet's is 1,024).
 #
 #   OUT=/some/folder bash benchmarks/gpu_pass.sh [extra arguments of benchmarks/gpu.py]
@@ -30,6 +31,6 @@ echo "gpu.py exit: $?"
 tar -czf "$OUT/profiles.tar.gz" -C /tmp gpu-profiles 2>/dev/null
 # overhead.py saves after every workload, so a pass cut by OVERHEAD_S keeps the workloads it finished
 read -r -a workloads <<< "${OVERHEAD_WORKLOADS:-vgg11:cifar10:64 mobilenet_v2:cifar10:64 resnet18:cifar10:256 resnet50:imagenet:64}"
-(cd benchmarks && timeout "${OVERHEAD_S:-150}" python3 overhead.py --device cuda "${workloads[@]/#/--workload=}" \
-  --min-window-s "${OVERHEAD_WINDOW_S:-3}" --repeats 5 --out "$OUT/overhead-cuda.json" --no-docs)
+(cd benchmarks && timeout "${OVERHEAD_S:-240}" python3 overhead.py --device cuda "${workloads[@]/#/--workload=}" \
+  --min-window-s "${OVERHEAD_WINDOW_S:-3}" --repeats "${OVERHEAD_REPEATS:-7}" --out "$OUT/overhead-cuda.json" --no-docs)
 echo "overhead exit: $?"

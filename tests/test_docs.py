@@ -134,7 +134,14 @@ def test_default_header_names_script_date_machine_and_commit():
 
 def test_overhead_table():
     body = docs.overhead_markdown(fake_overhead_result(), header=HEADER)
-    assert "| tiny_cnn / digits, batch 16 | 27 | 3 | 10.0 | 10.2 | 1.7 % | < 3.0 % | yes |" in body.splitlines()
+    # a result from before the paired reading: no interval, its own verdict
+    assert "| tiny_cnn / digits, batch 16 | 27 | 3 | 10.0 | 10.2 | +1.7 % | – | < 3.0 % | yes |" in body.splitlines()
+    paired = dict(fake_overhead_result(), repeats=9, overhead_interval=[-0.012, 0.041], verdict="unsettled",
+                  meets_target=False)
+    lines = docs.overhead_markdown(paired, header=HEADER).splitlines()
+    assert "| tiny_cnn / digits, batch 16 | 27 | 9 | 10.0 | 10.2 | +1.7 % | -1.2 % .. +4.1 % | < 3.0 % | unsettled |" in lines
+    missed = dict(paired, overhead_interval=[0.031, 0.05], verdict="missed")
+    assert "| +3.1 % .. +5.0 % | < 3.0 % | **no** |" in docs.overhead_markdown(missed, header=HEADER)
 
 
 @pytest.mark.parametrize("text, problem", [

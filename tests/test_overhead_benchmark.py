@@ -15,3 +15,4 @@ def test_small_steps_run_long_enough_to_fill_the_window_and_large_ones_keep_the_
     assert overhead.timed_steps_for(0.001, 37, 10.0, max_steps=2000) == 2000
     assert overhead.timed_steps_for(0.0, 37, 10.0, max_steps=2000) == 2000  # a step too fast to time: the cap
     assert overhead.timed_steps_for(0.025, 37, 0.0) == 37      # no window asked for: the minimum
+

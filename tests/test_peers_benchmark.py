@@ -86,11 +86,20 @@ def test_wall_window_says_when_there_is_nothing_to_measure():
         peers.wall_window(apart, per_step=64, lockstep=False)
 
 
-def test_summarize_needs_both_ratios_at_the_target():
+def test_summarize_reads_the_lower_ratio_of_each_pair_against_the_target():
     row = peers.summarize("ddp", plain=[100.0, 90.0, 110.0], reported=[99.0, 98.0, 97.0], wall=[95.0, 96.0, 94.0])
-    assert row["ratio"] == pytest.approx(0.98) and row["wall_ratio"] == pytest.approx(0.95)
+    assert row["ratio"] == pytest.approx(0.99) and row["wall_ratio"] == pytest.approx(0.95)  # median pairs
+    assert row["lower_ratio_interval"] is None and row["verdict"] == "unsettled"   # 3 pairs: no 95 % interval
     assert row["meets_target"] is False
-    assert peers.summarize("ddp", [100.0], [99.0], [98.0])["meets_target"] is True
+    plain = [100.0, 90.0, 110.0, 95.0, 105.0, 100.0, 98.0]
+    at_par = peers.summarize("ddp", plain, [p * 0.99 for p in plain], [p * 1.0 for p in plain])
+    assert at_par["verdict"] == "met" and at_par["meets_target"] is True
+    assert at_par["lower_ratio_interval"] == pytest.approx([0.99, 0.99])
+    slow = peers.summarize("ddp", plain, [p * 0.9 for p in plain], [p * 0.95 for p in plain])
+    assert slow["verdict"] == "missed" and slow["meets_target"] is False
+    # one pair read 0.90 and the others 1.0: the median pair meets the target, the interval does not exclude 0.90
+    noisy = peers.summarize("ddp", plain, [p * (0.9 if i == 0 else 1.0) for i, p in enumerate(plain)], plain)
+    assert noisy["ratio"] == pytest.approx(1.0) and noisy["verdict"] == "unsettled"
 
 
 def test_gpu_shortage_only_for_torchrun_models_on_cuda(monkeypatch):
@@ -104,8 +113,8 @@ def _result() -> dict:
     return dict(device="cpu", gpu=None, model="resnet18", dataset="digits", batch_size=32, workers=2, cores_per_worker=1,
                 warmup_steps=5, steps=30, repeats=3, microbatches=4, stage_bounds=[0, 6, 11], target_batch_size=640,
                 matchmaking_time_s=1.0, averaging_timeout_s=30.0, measured_at="2030-01-02 03:04:05",
-                models=[peers.summarize("ddp", [100.0], [99.0], [98.5]),
-                        peers.summarize("1f1b", [50.0], [49.0], [47.0]),
+                models=[peers.summarize("ddp", [100.0] * 6, [99.0] * 6, [98.5] * 6),
+                        peers.summarize("1f1b", [50.0] * 6, [49.0] * 6, [47.0] * 6),
                         peers.not_run("fsdp", "2 workers need 2 GPUs, 1 visible")])
 
 
@@ -113,9 +122,11 @@ def test_peers_markdown_shows_every_model_with_its_ratios_and_verdict():
     text = _docs.peers_markdown(_result(), header="*Written by the test.*")
     assert text.startswith("*Written by the test.*\n\nDevice: cpu. resnet18 / digits, batch 32 per worker")
     assert "cut at layers [0, 6, 11]" in text and "target batch size 640, matchmaking 1 s" in text
-    assert "| ddp | 100.0 | 99.0 | 0.990 | 98.5 | 0.985 | >= 0.97 | yes |" in text
-    assert "| 1f1b | 50.0 | 49.0 | 0.980 | 47.0 | 0.940 | >= 0.97 | **no** |" in text
-    assert "| fsdp | – | – | – | – | – | >= 0.97 | – | not run: 2 workers need 2 GPUs, 1 visible |" in text
+    assert "| ddp | 100.0 | 99.0 | 0.990 | 98.5 | 0.985 | 0.985 .. 0.985 | >= 0.97 | yes |" in text
+    assert "| 1f1b | 50.0 | 49.0 | 0.980 | 47.0 | 0.940 | 0.940 .. 0.940 | >= 0.97 | **no** |" in text
+    assert "| fsdp | – | – | – | – | – | – | >= 0.97 | – | not run: 2 workers need 2 GPUs, 1 visible |" in text
+    old = dict(_result(), models=[dict(m, verdict=None, lower_ratio_interval=None) for m in _result()["models"][:1]])
+    assert "| ddp | 100.0 | 99.0 | 0.990 | 98.5 | 0.985 | – | >= 0.97 | yes |" in _docs.peers_markdown(old, header="*h*")
 
 
 def test_peers_markdown_rewrites_its_block_only(tmp_path):
