@@ -139,10 +139,13 @@ def test_tcp_bytes_counted_from_ss(tmp_path, monkeypatch):
     import os
 
     _fake_ss(tmp_path, monkeypatch, "cat <<'X'\n" + SS_OUTPUT.format(pid=os.getpid()) + "X\n")
-    monkeypatch.setattr(host, "_tcp_sockets", lambda pids: {("10.0.0.1:5000", "10.0.0.2:6000")})
+    asked = []
+    monkeypatch.setattr(host, "_tcp_sockets", lambda pids: asked.append(pids) or {("10.0.0.1:5000", "10.0.0.2:6000")})
     counter = TcpByteCounter()
     assert counter.totals({os.getpid()}) == (1200, 3400)  # the other process's socket is not the worker's
     assert counter.reason is None
+    # ss attributed a socket to the worker, so it can read its processes: psutil's costly list is not read
+    assert asked == []
 
 
 def test_no_tcp_traffic_is_a_measured_zero(tmp_path, monkeypatch):

@@ -142,11 +142,45 @@ class TcpByteCounter:
         counter only when it is not zero. Sockets that close while ``ss`` runs (a peer shutting
         down) are not counted as unreadable: a CI run's last sample of a finishing hivemind peer
         was stored as unknown that way, and with it the whole worker's bytes.
+
+        Cost: one ``ss`` (about 5 ms of CPU). psutil's list of the processes' sockets (about 15 ms
+        for a hivemind peer's 6 processes, each reading the namespace's whole socket table) is
+        read only when ``ss`` attributes no socket to them, the one case it decides; it used to be
+        read at every sample, 1.5 % of a one-core peer's CPU at one sample a second.
         """
         if self.ss is None:
             self.reason = "ss (iproute2) is not installed, so TCP bytes cannot be counted"
             return None
-        held = _tcp_sockets(pids)  # before ss: a socket it lists then is one ss lists too, unless it closed
+        listed = self._listed(pids)
+        if listed is None:
+            return None
+        seen, counts = listed
+        if not seen:  # no socket of theirs, or ss cannot read their processes: ask psutil, around a second ss
+            held = _tcp_sockets(pids)  # before ss: a socket it lists then is one ss lists too, unless it closed
+            if held:
+                listed = self._listed(pids)
+                if listed is None:
+                    return None
+                seen, counts = listed
+                # a socket that psutil saw open before ss ran and still sees open after it must be in ss's list;
+                # one that closed in between (a peer shutting down at the end of its run) is not a sign of
+                # unreadable processes
+                still_open = held - seen and held & _tcp_sockets(pids)
+                if still_open and not held & seen:
+                    local, peer = sorted(still_open)[0]
+                    self.reason = (f"ss shows none of the worker's {len(held)} TCP socket(s) as its own (e.g. "
+                                   f"{local} -> {peer}): it cannot read their processes")
+                    return None
+        self._per_socket.update(counts)
+        self.reason = None
+        sent = sum(s for s, _ in self._per_socket.values())
+        received = sum(r for _, r in self._per_socket.values())
+        return sent, received
+
+    def _listed(self, pids: set[int]) -> tuple[set, dict] | None:
+        """One ``ss -tinpH``: the ``(local, peer)`` sockets it attributes to ``pids`` and their
+        ``(sent, received)`` bytes; None (and :attr:`reason`) when ``ss`` fails or the kernel lacks
+        the counter."""
         try:
             run = subprocess.run([self.ss, "-tinpH"], capture_output=True, text=True, timeout=5)
         except (OSError, subprocess.SubprocessError) as err:
@@ -155,7 +189,7 @@ class TcpByteCounter:
         if run.returncode != 0:
             self.reason = f"'ss -tinpH' exited {run.returncode}: {run.stderr.strip()[:200]}"
             return None
-        key, owned, seen = None, False, set()
+        key, owned, seen, counts = None, False, set(), {}
         for line in run.stdout.splitlines():
             if not line.startswith(("\t", " ")):  # a socket line: state, queues, local, peer, users
                 parts = line.split()
@@ -164,23 +198,12 @@ class TcpByteCounter:
                 if owned and key is not None:
                     seen.add(key)
             elif key is not None and owned:  # its tcp_info line
-                counts = {k: int(v) for k, v in _SS_BYTES.findall(line)}
-                if counts.get("acked") and "sent" not in counts:
+                found = {k: int(v) for k, v in _SS_BYTES.findall(line)}
+                if found.get("acked") and "sent" not in found:
                     self.reason = "this kernel's TCP info has no bytes_sent counter (needs Linux >= 4.19)"
                     return None
-                self._per_socket[key] = (counts.get("sent", 0), counts.get("received", 0))
-        # a socket that psutil saw open before ss ran and still sees open after it must be in ss's list; one
-        # that closed in between (a peer shutting down at the end of its run) is not a sign of unreadable processes
-        still_open = held - seen and held & _tcp_sockets(pids)
-        if still_open and not held & seen:
-            local, peer = sorted(still_open)[0]
-            self.reason = (f"ss shows none of the worker's {len(held)} TCP socket(s) as its own (e.g. {local} -> "
-                           f"{peer}): it cannot read their processes")
-            return None
-        self.reason = None
-        sent = sum(s for s, _ in self._per_socket.values())
-        received = sum(r for _, r in self._per_socket.values())
-        return sent, received
+                counts[key] = (found.get("sent", 0), found.get("received", 0))
+        return seen, counts
 
 
 def _tcp_sockets(pids: set[int]) -> set[tuple[str, str]]:
