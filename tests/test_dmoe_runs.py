@@ -24,9 +24,11 @@ def _cfg(**over):
 
 def test_two_trainers_survive_a_killed_server_and_use_its_restart(tmp_path):
     db = tmp_path / "r.db"
-    # trainers train for about 25 s on 2 busy cores; the schedule counts from their first step (as the launcher
-    # sees it in the store). Evaluation (every 40 steps) is left until after the restart: its expert calls are
-    # not training steps' calls, and a kill during an evaluation at step 10 left no failed call in moe_calls (CI).
+    # trainers train for 30 s (a time limit: with a budget of 75 steps they trained 25 s on a slow day and 14 s on a
+    # fast one, when the restarted server came up 1 s before they ended and was never called); the schedule counts
+    # from their first step (as the launcher sees it in the store: 3 s late here). Evaluation (every 100 steps) is
+    # left until after the restart: its expert calls are not training steps' calls, and a kill during an evaluation
+    # at step 10 left no failed call in moe_calls (CI).
     # Run as a user runs it, in a process of its own: started from this test process after the rest of the suite,
     # hivemind's server start hung at its connection handler (twice in CI; cause not found, see docs/validation.md)
     import subprocess
@@ -39,8 +41,9 @@ model = "moe_cnn"
 dataset = "digits"
 peers = 2
 batch_size = 16
-sample_budget = 2400
-eval_every_steps = 40
+sample_budget = 1000000
+time_limit_s = 30
+eval_every_steps = 100
 loader_workers = 0
 [dmoe]
 update_period_s = 2.0
@@ -53,7 +56,8 @@ server_events = [{ server = 1, kill_at_s = 5.0, restart_at_s = 10.0 }]
         run_id = store.runs()[0]["run_id"]
         run = store.run(run_id)
         assert run["status"] == "completed", run["reason"]
-        assert store.step_counts(run_id) == {0: 75, 1: 75}
+        counts = store.step_counts(run_id)
+        assert set(counts) == {0, 1} and min(counts.values()) >= 30, counts
         services = {(s["service_index"], s["generation"]): s for s in store.services(run_id)}
         status = {k: (s["status"], s["reason"]) for k, s in services.items()}
         assert services[(1, 0)]["status"] == "killed" and "SIGKILL" in services[(1, 0)]["reason"], status
@@ -71,7 +75,7 @@ server_events = [{ server = 1, kill_at_s = 5.0, restart_at_s = 10.0 }]
         answered_by_restart = sum(c["calls"] - c["failed"] for c in calls if c["peer_id"] == restarted_peer)
         assert answered_by_restart > 0
         moe_steps = store.rows("moe_steps", run_id)
-        assert len(moe_steps) == 150 and all(m["forward_calls"] > 0 for m in moe_steps)
+        assert len(moe_steps) == sum(counts.values()) and all(m["forward_calls"] > 0 for m in moe_steps)
         assert store.rows("moe_server_batches", run_id) and store.rows("moe_server_samples", run_id)
         kinds = [e["kind"] for e in store.rows("events", run_id)]
         assert kinds.count("service_started") == 3 + len(restarts_0) and kinds.count("service_killed") == 1
