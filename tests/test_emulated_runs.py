@@ -198,8 +198,10 @@ def test_a_dmoe_run_reaches_its_servers_through_their_namespaces_and_survives_a_
 def test_two_hosts_as_namespaces_train_one_swarm_through_the_commands_a_user_types(env_data, tmp_path):
     """Host A starts the run with one local peer listening on its address; host B joins with
     `ddlscope peer`, the command host A printed, over the emulated link (not loopback). Peer 0 waits
-    for peer 1 before its first step (the swarm's peers at start); 375 steps each gave 3 averaging
-    rounds of both in 42 s here (2 cores; 1500 steps each took 117 s)."""
+    for peer 1 before its first step (the swarm's peers at start). Both train for 30 s (a time limit): a
+    budget of 375 steps each gave 3 averaging rounds of both in 42 s on a slow day, and on a fast one
+    (2026-11-28) peer 0 trained its 375 steps in 5 s, while its progress tracker had not seen peer 1 yet,
+    so every round of either peer went alone."""
     from ddlscope.network.emulated import EmulatedNetwork
 
     config = tmp_path / "run.toml"
@@ -209,7 +211,8 @@ model = "tiny_cnn"
 dataset = "mnist"
 peers = 2
 batch_size = 16
-sample_budget = 12000
+sample_budget = 10000000
+time_limit_s = 30
 loader_workers = 0
 [collaborative]
 target_batch_size = 2400

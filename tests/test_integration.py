@@ -85,7 +85,9 @@ def assert_no_new_shm_segments(before: set[str], timeout_s: float = 20.0) -> Non
 
 
 def test_collaborative_run_averages_with_both_peers(env_data, db_path):
-    cfg = validate_config(tiny_run(sample_budget=4 * 2400, **COLLAB))  # ~4 rounds of both peers
+    # 15 s of training (a time limit): a budget of 4 rounds (300 steps each) lasted ~15 s on a slow day, and on a
+    # fast one (2026-11-28) 3 s, too short for hivemind's progress trackers to see each other: every round went alone
+    cfg = validate_config(tiny_run(sample_budget=10_000_000, time_limit_s=15.0, **COLLAB))
     segments = shm_segments()
     run_id = run_local(cfg, db_path, progress=False)
     with ResultsStore(db_path) as store:
