@@ -157,7 +157,7 @@ def test_a_killed_launcher_leaves_no_namespace_link_or_process(env_data, tmp_pat
 
 
 def test_a_dmoe_run_reaches_its_servers_through_their_namespaces_and_survives_a_restart(tmp_path):
-    """Run as a user runs it, in a process of its own (see tests/test_dmoe_runs.py); about 45 s on 2 cores."""
+    """Run as a user runs it, in a process of its own (see tests/test_dmoe_runs.py); about 60 s on 2 cores."""
     db, config = tmp_path / "r.db", tmp_path / "run.toml"
     # the trainer trains for 30 s (a time limit: its 100 steps took 28 s on a slow day and 13 s on a fast one, when
     # the restarted server came up 1 s before they ended); server 1 is killed 6 s after the first step and back at
