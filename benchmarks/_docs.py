@@ -323,6 +323,10 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
     return "\n".join(lines)
 
 
+VERDICT_SHOWN = {"met": "yes", "missed": "**no**", "unsettled": "unsettled"}
+"""How a block shows a paired verdict (``benchmarks/_paired.py``)."""
+
+
 def overhead_markdown(result: Mapping[str, Any], header: str | None = None) -> str:
     """The block of ``benchmarks/overhead.py``: ms per step plain vs. instrumented and the overhead,
     one row per workload.
@@ -341,13 +345,12 @@ def overhead_markdown(result: Mapping[str, Any], header: str | None = None) -> s
     Raises:
         UserError: ``result`` lacks one of those keys (not an overhead result).
     """
-    shown = {"met": "yes", "missed": "**no**", "unsettled": "unsettled"}
     try:
         rows = [[f"{w['model']} / {w['dataset']}, batch {w['batch_size']}", str(w["timed_steps"]), str(w["repeats"]),
                  f"{w['plain_step_ms']:.1f}", f"{w['ddlscope_step_ms']:.1f}", _pct(w["overhead_fraction"], signed=True),
                  " .. ".join(_pct(v, signed=True) for v in w["overhead_interval"]) if w.get("overhead_interval")
                  else "–", f"< {_pct(w['target_fraction'])}",
-                 shown[w["verdict"]] if "verdict" in w else "yes" if w["meets_target"] else "**no**"]
+                 VERDICT_SHOWN[w["verdict"]] if "verdict" in w else "yes" if w["meets_target"] else "**no**"]
                 for w in result.get("workloads", [result])]
     except (KeyError, TypeError) as e:
         raise UserError(f"not a benchmarks/overhead.py result: missing {e}; allowed: the dict it writes to "
@@ -438,7 +441,6 @@ def peers_markdown(result: Mapping[str, Any], header: str | None = None) -> str:
         return "–" if v is None else format(v, spec)
 
     met = {True: "yes", False: "**no**", None: "–"}
-    shown = {"met": "yes", "missed": "**no**", "unsettled": "unsettled"}
     try:
         cut = f", cut at layers {result['stage_bounds']}" if result["stage_bounds"] else ""
         intro = (f"{result['model']} / {result['dataset']}, batch {result['batch_size']} per worker; "
@@ -456,7 +458,7 @@ def peers_markdown(result: Mapping[str, Any], header: str | None = None) -> str:
                  num(m["ratio"], ".3f"), num(m["ddlscope_wall_samples_per_s"], ".1f"), num(m["wall_ratio"], ".3f"),
                  " .. ".join(format(v, ".3f") for v in m["lower_ratio_interval"]) if m.get("lower_ratio_interval")
                  else "–", f">= {m['target']:g}",
-                 shown[m["verdict"]] if m.get("verdict") else met[m["meets_target"]], m["note"]]
+                 VERDICT_SHOWN[m["verdict"]] if m.get("verdict") else met[m["meets_target"]], m["note"]]
                 for m in result["models"]]
     except (KeyError, TypeError) as e:
         raise UserError(f"not a benchmarks/peers.py result: missing {e}; allowed: the dict it writes to "
