@@ -35,7 +35,9 @@ def _run_distributed(strategy: str, out: Path, attempts: int = 2, *extra: str) -
 
     A run that hangs is retried once; any other failure fails the test at once. (Seen twice in
     many runs, before dist_check.py skipped interpreter teardown: a worker deadlocked destroying
-    its gloo process group at exit.)
+    its gloo process group at exit. It still hung in 2 of 55 ddp runs on 2026-11-28, when ``main``
+    returned and freed the DDP reducer, its group's last holder; since
+    ``TorchDistributedStrategy.close`` keeps the group alive, 45 runs in a row did not hang.)
     """
     import os
     import signal

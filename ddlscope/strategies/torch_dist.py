@@ -18,6 +18,10 @@ from ddlscope.measure.comm import CommTimer
 from ddlscope.strategies.base import BatchResult, StepOutcome, Strategy
 
 
+_NEVER_FREED: list = []
+"""Process groups shut down by :meth:`TorchDistributedStrategy.close`, kept so that their destructor never runs."""
+
+
 def resolve_backend(backend: str, device: str) -> str:
     """``gloo`` for CPU and ``nccl`` for CUDA when ``backend`` is ``"auto"``; else ``backend``."""
     if backend != "auto":
@@ -60,8 +64,19 @@ class TorchDistributedStrategy(Strategy):
         return StepOutcome()
 
     def close(self) -> None:
+        """Shut the process group down, and keep its object alive until the process exits.
+
+        gloo joins its worker threads when the process group object is freed. The last reference is
+        often the DDP reducer (or an FSDP mesh), freed with the GIL held; a worker thread that is
+        still freeing its last finished collective needs the GIL to drop that collective's tensors,
+        so both wait for ever (torch 2.13: 1 of 15 runs of ``tests/dist_check.py`` hung in
+        ``~ProcessGroupGloo`` → ``std::thread::join``). Workers end with ``os._exit``, so the
+        object is never freed and nothing is lost.
+        """
         if dist.is_initialized():
+            _NEVER_FREED.append(dist.group.WORLD)
             dist.destroy_process_group()
+
 
 
 class CollectiveStrategy(TorchDistributedStrategy):
