@@ -97,7 +97,7 @@ NOTES = {
     "1f1b": "same cut on both sides; ddlscope probes its links before training and times every micro-batch",
     "collaborative": "plain: verbose=False and no end-of-swarm handling (its tail is outside the window; on a GPU it "
                      "synchronises at each step's end); ddlscope reads hivemind's log, the CPU of its daemons every "
-                     "step and a DHT record of finished peers every 0.5 s",
+                     "step and a DHT record of finished peers every 2 s",
 }
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ddlscope.measure import host
-from ddlscope.measure.host import HostSampler, TcpByteCounter, background_cpu_s
+from ddlscope.measure.host import BackgroundCpu, HostSampler, TcpByteCounter, background_cpu_s
 
 TICK_S = 0.03
 """Tolerance between two readings of the same kernel counters: a few 10 ms clock ticks."""
@@ -120,6 +120,46 @@ def test_background_cpu_leaves_out_the_calling_thread_and_ddlscope_threads():
     finally:
         release.set()
         own.join(10)
+
+
+def test_a_kept_reader_lists_the_processes_once_per_rescan_and_counts_them_in_between(monkeypatch):
+    """BackgroundCpu (read every training step) lists the tree once per rescan_s: a child that was
+    listed is counted in full from its CPU times alone; one started after the listing is counted from
+    the next listing on, with its CPU until then."""
+    listings = []
+    real = host._background_processes
+    monkeypatch.setattr(host, "_background_processes", lambda: listings.append(1) or real())
+    ctx = multiprocessing.get_context("fork")
+    first_done, second_done, release = ctx.Event(), ctx.Event(), ctx.Event()
+    first = _HivemindLikeProcess(0.3, first_done, release)
+    first.start()
+    reader, second = BackgroundCpu(rescan_s=3600), None
+    try:
+        before = reader()
+        assert first_done.wait(60)
+        first_s = _cpu_s(psutil.Process(first.pid).cpu_times())
+        second = _HivemindLikeProcess(0.3, second_done, release)
+        second.start()
+        assert second_done.wait(60)
+        second_s = _cpu_s(psutil.Process(second.pid).cpu_times())
+        for _ in range(9):
+            counted = reader() - before
+        assert len(listings) == 1
+        assert second_s >= 0.25
+        assert counted == pytest.approx(first_s, abs=TICK_S), (counted, first_s, second_s)
+        reader.rescan_s = 0.0  # the next call lists the tree again: the second child counts with all its CPU
+        assert reader() - before == pytest.approx(first_s + second_s, abs=TICK_S)
+        assert len(listings) == 2
+    finally:
+        release.set()
+        first.join(10)
+        if second is not None:
+            second.join(10)
+
+
+def test_a_negative_rescan_interval_is_refused():
+    with pytest.raises(ValueError, match="rescan_s must be >= 0"):
+        BackgroundCpu(rescan_s=-1)
 
 
 def _fake_ss(tmp_path, monkeypatch, script: str) -> None:

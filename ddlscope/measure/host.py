@@ -70,6 +70,78 @@ def background_threads() -> dict[int, str]:
             and not _is_dataloader(getattr(t, "_target", None))}
 
 
+RESCAN_S = 2.0
+"""Seconds a :class:`BackgroundCpu` keeps its list of background processes before it lists them again."""
+
+
+def _background_processes() -> list[psutil.Process]:
+    """This process's descendants whose CPU counts as background (:func:`background_cpu_s`): all of
+    them except the trees of plain multiprocessing children (DataLoader workers). One scan of ``/proc``."""
+    me = psutil.Process()
+    try:
+        descendants = me.children(recursive=True)
+    except psutil.Error:
+        return []
+    parent: dict[int, int] = {}
+    for p in descendants:
+        try:
+            parent[p.pid] = p.ppid()
+        except psutil.Error:
+            continue
+    excluded = _plain_multiprocessing_children()
+
+    def under_a_loader(pid: int) -> bool:
+        while pid in parent:
+            if pid in excluded:
+                return True
+            pid = parent[pid]
+        return False
+
+    return [p for p in descendants if p.pid in parent and not under_a_loader(p.pid)]
+
+
+def _background_thread_cpu_s() -> float:
+    """CPU seconds of the Python threads of :func:`background_threads` (0.0 when they cannot be read)."""
+    wanted = background_threads()
+    try:
+        return float(sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id in wanted))
+    except psutil.Error:
+        return 0.0
+
+
+class BackgroundCpu:
+    """:func:`background_cpu_s` for a caller that reads it often (every training step): the list of
+    background processes is kept for ``rescan_s`` seconds (default :data:`RESCAN_S`) and only their CPU
+    times are read in between (one ``/proc/PID/stat`` each), about 0.15 ms per call against ~3 ms for
+    listing the tree every time (a hivemind peer on the 2-core development machine). A process that
+    starts between two listings is counted from the next listing on, its CPU until then included;
+    one that exits is not counted, as in :func:`background_cpu_s`. Calling it returns CPU seconds.
+
+    Raises:
+        ValueError: ``rescan_s`` < 0.
+    """
+
+    def __init__(self, rescan_s: float = RESCAN_S) -> None:
+        if rescan_s < 0:
+            raise ValueError(f"rescan_s must be >= 0 seconds, got {rescan_s}")
+        self.rescan_s = rescan_s
+        self._processes: list[psutil.Process] = []
+        self._listed_at: float | None = None
+
+    def __call__(self) -> float:
+        now = time.monotonic()
+        if self._listed_at is None or now - self._listed_at >= self.rescan_s:
+            self._processes, self._listed_at = _background_processes(), now
+        total = _background_thread_cpu_s()
+        for p in self._processes:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+        return total
+
+
 def background_cpu_s() -> float:
     """CPU seconds (user + system) used so far by this process's background work: hivemind's threads
     and processes on a collaborative peer (its progress tracker, state-fetcher and RPC threads, its
@@ -93,32 +165,11 @@ def background_cpu_s() -> float:
     exited between the calls are not counted. The kernel accounts CPU time in clock ticks (usually
     10 ms): that is this figure's resolution, and a difference over a short interval may come out
     a tick below zero. Errors reading an exiting process are skipped; nothing is raised.
+
+    Each call lists the process tree afresh (about 1 ms of CPU per descendant with children, a scan
+    of ``/proc``); a caller that reads it every step keeps a :class:`BackgroundCpu` instead.
     """
-    me = psutil.Process()
-    wanted = background_threads()
-    try:
-        total = float(sum(t.user_time + t.system_time for t in me.threads() if t.id in wanted))
-    except psutil.Error:
-        total = 0.0
-    loaders = _plain_multiprocessing_children()
-    try:
-        children = me.children()
-    except psutil.Error:
-        children = []
-    for child in children:
-        if child.pid in loaders:
-            continue
-        try:
-            tree = [child, *child.children(recursive=True)]
-        except psutil.Error:
-            continue
-        for p in tree:
-            try:
-                t = p.cpu_times()
-            except psutil.Error:
-                continue
-            total += t.user + t.system
-    return total
+    return BackgroundCpu(rescan_s=0.0)()
 
 
 class TcpByteCounter:

@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ddlscope.measure.host import background_cpu_s
+from ddlscope.measure.host import BackgroundCpu
 from ddlscope.measure.stats import time_call, time_repeats, trimmed_mean
 from ddlscope.modeling.cluster import HivemindFit
 
@@ -166,6 +166,7 @@ def _one_swarm(hivemind, dht, rank: int, batch: int, workers: int, epochs: int, 
     dist.barrier()
     steps: list[list[float]] = []
     deadline = time.monotonic() + deadline_s
+    background_cpu_s = BackgroundCpu()  # read every step, as a collaborative peer reads it
     before = background_cpu_s()
     try:
         while opt.local_epoch < epochs + 1 and time.monotonic() < deadline:

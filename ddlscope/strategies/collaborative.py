@@ -15,7 +15,8 @@ What is measured per step, beyond the loop's timings:
   reports those only in its status log, so a log handler reads them while the step runs;
 - ``background_cpu_s``: CPU seconds that hivemind's processes and threads (DHT, ``p2pd``,
   averagers, progress tracker) used since the previous step ended
-  (:func:`ddlscope.measure.host.background_cpu_s`). On a peer whose cores training keeps busy
+  (:func:`ddlscope.measure.host.background_cpu_s`, read through a :class:`~ddlscope.measure.host.BackgroundCpu`
+  that lists the processes every 2 s, not every step). On a peer whose cores training keeps busy
   this is time taken from training: the step's compute runs slower by about as much.
 
 Before training, every peer that starts with the run announces itself in the DHT and waits until
@@ -50,7 +51,7 @@ from typing import Callable
 
 import torch
 
-from ddlscope.measure.host import background_cpu_s
+from ddlscope.measure.host import BackgroundCpu
 from ddlscope.strategies.base import StepOutcome, Strategy, WorkerContext
 
 _GRAD_OK = re.compile(r"Averaged gradients with (\d+) peers")
@@ -63,6 +64,12 @@ AUX_POLL_S = 0.2
 """Seconds between two optimizer steps of an auxiliary peer (each checks whether a round is due)."""
 STOP_SHUTDOWN_S = 1.0
 """Seconds hivemind's shutdown may take when the peer was asked to stop (SIGTERM/SIGINT)."""
+WATCH_S = 0.5
+"""Seconds between two checks of the swarm watcher for a stop request or a dead hivemind process (local, cheap)."""
+SWARM_POLL_S = 2.0
+"""Seconds between two DHT reads of the watcher for finished peers: each read costs the DHT processes and
+``p2pd`` of both peers CPU (0.005-0.01 CPU-s per second of a 2-peer swarm read at 2 Hz, measured on the
+2-core development machine), taken from training on one-core peers; a finished swarm is noticed up to this late."""
 
 
 def _all_finite(tensors) -> bool:
@@ -287,6 +294,7 @@ class CollaborativeStrategy(Strategy):
         self._stop_watch = threading.Event()
         self.others_done = threading.Event()
         self._background_cpu_s: float | None = None
+        self._read_background_cpu = BackgroundCpu()
         self._daemons: list = []  # hivemind's processes (DHT, p2pd, averagers) as psutil.Process, watched while training
         self._daemon_lost: str | None = None
         self._leave = threading.Event()
@@ -348,7 +356,7 @@ class CollaborativeStrategy(Strategy):
         if threading.current_thread() is threading.main_thread():  # the launcher's "leave now" (leave_at_s)
             signal.signal(signal.SIGUSR1, lambda signum, frame: self._leave.set())
         self._wait_for_swarm()
-        self._background_cpu_s = background_cpu_s()
+        self._background_cpu_s = self._read_background_cpu()
         self._daemons = _child_processes()
         threading.Thread(target=self._watch_swarm, name="ddlscope-swarm-watch", daemon=True).start()
         return model
@@ -388,13 +396,17 @@ class CollaborativeStrategy(Strategy):
     def _watch_swarm(self) -> None:
         """Once every other peer is done, cancel averaging rounds that would wait for them; note a hivemind
         process of this peer that died (the next step fails with it)."""
-        while not self._stop_watch.wait(0.5):
+        last_poll = time.monotonic() - SWARM_POLL_S
+        while not self._stop_watch.wait(WATCH_S):
             if self._daemon_lost is None:
                 self._daemon_lost = _first_dead(self._daemons, self.ctx.worker_index)
             stopping = self.ctx.stop_requested is not None and self.ctx.stop_requested.is_set()
             if stopping or self._daemon_lost:  # let a step waiting in a round return, to stop at its end
                 self._cancel_rounds()
                 continue
+            if time.monotonic() - last_poll < SWARM_POLL_S:
+                continue
+            last_poll = time.monotonic()
             try:
                 if self._count("done") < self._others_at_end():
                     continue
@@ -526,7 +538,7 @@ class CollaborativeStrategy(Strategy):
             raise RuntimeError(self._daemon_lost)
         happened, group, ok, epoch = parse_round(self._log.take())
         averaging_s = max(0.0, self._update_s - self._local_step_s) if happened else 0.0
-        before, self._background_cpu_s = self._background_cpu_s, background_cpu_s()
+        before, self._background_cpu_s = self._background_cpu_s, self._read_background_cpu()
         return StepOutcome(averaging_s=averaging_s, averaging_round=happened, group_size=group, succeeded=ok,
                            global_epoch=self.hm_opt.local_epoch,
                            param_checksum=param_checksum(self.hm_opt.param_groups) if happened else None,
