@@ -96,7 +96,6 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
     import sys
 
     import hivemind
-    import torch
     import torch.distributed as dist
 
     from ddlscope.launch.network import p2p_options
