@@ -48,7 +48,8 @@ def _run_distributed(strategy: str, out: Path, attempts: int = 2, *extra: str) -
            "--rdzv-endpoint=127.0.0.1:0", "--max-restarts=0", str(Path(__file__).parent / "dist_check.py"), strategy, str(out), *extra]
     for attempt in range(attempts):
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                # torchrun's torchelastic_* folders go to the test's folder, not /tmp
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(out.parent)})
         try:
             stdout, stderr = proc.communicate(timeout=60)  # ~12 s when it does not hang
         except subprocess.TimeoutExpired:
