@@ -165,15 +165,15 @@ def _one_swarm(hivemind, dht, rank: int, batch: int, workers: int, epochs: int, 
     dist.barrier()
     steps: list[list[float]] = []
     deadline = time.monotonic() + deadline_s
-    background_cpu_s = BackgroundCpu()  # read every step, as a collaborative peer reads it
-    before = background_cpu_s()
+    read_background_cpu = BackgroundCpu()  # read every step, as a collaborative peer reads it
+    before = read_background_cpu()
     try:
         while opt.local_epoch < epochs + 1 and time.monotonic() < deadline:
             compute_s = time_call(compute)
             t0 = time.perf_counter()
             opt.step(batch_size=batch)
             opt.zero_grad()
-            after = background_cpu_s()
+            after = read_background_cpu()
             if opt.local_epoch > (steps[-1][2] if steps else 0):
                 say(f"hivemind swarm, batch {batch}: global epoch {opt.local_epoch} of {epochs + 1}")
             steps.append([compute_s, time.perf_counter() - t0, opt.local_epoch, max(0.0, after - before)])

@@ -68,7 +68,7 @@ WATCH_S = 0.5
 """Seconds between two checks of the swarm watcher for a stop request or a dead hivemind process (local, cheap)."""
 SWARM_POLL_S = 2.0
 """Seconds between two DHT reads of the watcher for finished peers: each read costs the DHT processes and
-``p2pd`` of both peers CPU (0.005-0.01 CPU-s per second of a 2-peer swarm read at 2 Hz, measured on the
+``p2pd`` of both peers CPU (0.004-0.011 CPU-s per second of a 2-peer swarm read at 2 Hz, measured on the
 2-core development machine), taken from training on one-core peers; a finished swarm is noticed up to this late."""
 
 

@@ -69,14 +69,13 @@ class TorchDistributedStrategy(Strategy):
         gloo joins its worker threads when the process group object is freed. The last reference is
         often the DDP reducer (or an FSDP mesh), freed with the GIL held; a worker thread that is
         still freeing its last finished collective needs the GIL to drop that collective's tensors,
-        so both wait for ever (torch 2.13: 1 of 15 runs of ``tests/dist_check.py`` hung in
+        so both wait for ever (torch 2.13: 2 of 55 runs of ``tests/dist_check.py ddp`` hung in
         ``~ProcessGroupGloo`` → ``std::thread::join``). Workers end with ``os._exit``, so the
         object is never freed and nothing is lost.
         """
         if dist.is_initialized():
             _NEVER_FREED.append(dist.group.WORLD)
             dist.destroy_process_group()
-
 
 
 class CollectiveStrategy(TorchDistributedStrategy):
