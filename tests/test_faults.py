@@ -283,6 +283,7 @@ MATRIX = [
     ("ddp", "worker1", "SIGKILL", "failed", ["worker 1 died", "killed by SIGKILL"]),
     ("ddp", "worker1", "SIGTERM", "interrupted", ["worker 1 stopped by SIGTERM (not sent by the launcher)"]),
     ("ddp", "agent", "SIGKILL", "failed", ["torchrun agent", "killed by SIGKILL"]),
+    ("ddp", "agent", "SIGTERM", "interrupted", ["torchrun agent (pid {pid}) was stopped", "stopped by SIGTERM"]),
     ("collaborative", "launcher", "SIGKILL", "interrupted", [LAUNCHER_DIED]),
     ("collaborative", "worker1", "SIGKILL", "failed", ["peer 1 killed by SIGKILL"]),
     ("collaborative", "worker1", "SIGTERM", "interrupted", ["peer 1 stopped by SIGTERM (not sent by the launcher)"]),
@@ -467,6 +468,28 @@ def test_a_peer_that_failed_and_then_aborted_on_its_way_out_keeps_its_reason(tmp
     assert "then killed by SIGABRT on its way out" in reason
     assert launcher._failure(store, "r", 0) == ("failed", f"peer 0 killed by SIGKILL (log: {tmp_path / 'w0.log'})")
 
+
+
+def test_a_worker_stopped_before_torchrun_stopped_the_others_is_named_not_the_agent(tmp_path):
+    """Seen once in CI: worker 1 was sent SIGTERM, and torchrun's agent stopped worker 0 with SIGTERM before
+    worker 0's next collective failed, so both recorded "stopped by SIGTERM". The run names the worker stopped
+    first; only an agent whose log says it received a stop signal is named as the one stopped."""
+    from types import SimpleNamespace
+
+    from ddlscope.launch.local import _first_failure
+
+    rows = [{"worker_index": 0, "status": "interrupted", "reason": "stopped by SIGTERM", "failed_at": 102.5},
+            {"worker_index": 1, "status": "interrupted", "reason": "stopped by SIGTERM", "failed_at": 102.1}]
+    log = tmp_path / "agent.log"
+    log.write_text("WARNING:torch.distributed.elastic.multiprocessing.api:Sending process 11 closing signal SIGTERM\n")
+    agent = SimpleNamespace(popen=SimpleNamespace(returncode=1, pid=10), log_path=log)
+    assert _first_failure(rows, 2, agent) == (
+        "interrupted", "worker 1 stopped by SIGTERM (not sent by the launcher); the others stopped with it")
+    log.write_text("WARNING:torch.distributed.elastic.agent.server.api:Received Signals.SIGTERM death signal, "
+                   "shutting down workers\n")
+    assert _first_failure(rows, 2, agent) == (
+        "interrupted", "torchrun agent (pid 10) was stopped (exit code 1, not by the launcher); its workers: "
+                       "stopped by SIGTERM")
 
 _SHARER = """
 import subprocess, psutil, torch, torch.multiprocessing as mp

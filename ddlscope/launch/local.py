@@ -620,11 +620,12 @@ def _interrupt_reason(err: KeyboardInterrupt) -> str:
 
 def _first_failure(rows, peers: int, agent: WorkerProcess) -> tuple[str, str]:
     """``(status, reason)`` of a torchrun run whose agent exited non-zero: a worker that died without a word,
-    else a worker stopped by a signal from outside (the others fail because of it), else the first recorded
-    failure."""
+    else the agent stopped by a signal from outside (its log says it received one; it stopped every worker),
+    else a worker stopped by a signal from outside (the first to stop; the agent stopped the others after it),
+    else the first recorded failure."""
     silent = [r for r in rows if r["status"] in ("starting", "training")]
-    stopped = [r for r in rows if r["status"] == "interrupted"]
-    # the first to fail, by the time its training raised (a peer it took down fails later)
+    # the first to stop or fail, by the time its training raised (a peer it took down stops or fails later)
+    stopped = sorted((r for r in rows if r["status"] == "interrupted"), key=lambda r: r["failed_at"] or float("inf"))
     failed = sorted((r for r in rows if r["status"] == "failed"), key=lambda r: r["failed_at"] or float("inf"))
     code = agent.popen.returncode
     if len(rows) < peers:
@@ -635,7 +636,7 @@ def _first_failure(rows, peers: int, agent: WorkerProcess) -> tuple[str, str]:
         how = f"{describe_exit(exit_code)}, as torchrun reports" if exit_code is not None else "killed?"
         return "failed", (f"worker {index} died without recording a reason ({how}); torchrun exited with code "
                           f"{code}: {_log_tail(agent.log_path)}")
-    if stopped and len(stopped) == len(rows):
+    if stopped and len(stopped) == len(rows) and _agent_was_signalled(agent.log_path):
         return "interrupted", (f"torchrun agent (pid {agent.popen.pid}) was stopped (exit code {code}, not by the "
                                f"launcher); its workers: {stopped[0]['reason']}")
     if stopped:
@@ -644,6 +645,16 @@ def _first_failure(rows, peers: int, agent: WorkerProcess) -> tuple[str, str]:
     if failed:
         return "failed", f"worker {failed[0]['worker_index']} failed: {failed[0]['reason']}"
     return "failed", f"torchrun exited with code {code}: {_log_tail(agent.log_path)}"
+
+
+def _agent_was_signalled(log_path: Path) -> bool:
+    """Whether torchrun's agent logged that it received a stop signal ("Received SIGTERM death signal,
+    shutting down workers", torch.distributed.elastic's agent), rather than stopping its workers because
+    one of them stopped first."""
+    try:
+        return "death signal" in log_path.read_text(errors="replace")
+    except OSError:
+        return False
 
 
 def _torchrun_exit_codes(log_path: Path) -> dict[int, int]:
