@@ -236,6 +236,19 @@ def test_fit_swarm_reads_whole_epochs_after_the_first_and_fits_overhead_against_
     assert fit.epoch_cpu_s == pytest.approx(1.0)
     assert fit.overshoot_steps == pytest.approx(3 - STEPS_PER_EPOCH)
     assert fit.matchmaking_time_s == pytest.approx(0.7) and "32/8" in fit.reference
+    assert fit.reference_network == "resnet18" and fit.overshoot_points == [(0.25, 1.0), (1.0, 1.0)]
+    # each swarm keeps its own overshoot: 2 extra steps at the short step, 1 at the long one
+    def longer(batch, alone):  # 4 steps per epoch after the first
+        sw = swarm(batch, alone, 0.5)
+        return {**sw, "steps": sw["steps"][:3] + [s for e in range(2, 12) for s in (
+            [[alone, 0.0, e - 1, 0.1]] * 3 + [[alone, 0.5, e, 0.5]])]}
+    uneven = fit_swarm(swarm_epochs([{**worker, "swarms": [swarm(32, 1.0, 1.0), longer(8, 0.25)]}] * 2), 1000, 0.7,
+                       ("mobilenet_v2", "mnist"))
+    assert uneven.overshoot_points == [(0.25, 2.0), (1.0, 1.0)] and uneven.overshoot_steps == pytest.approx(1.5)
+    assert uneven.reference_network == "mobilenet_v2" and uneven.reference.startswith("mobilenet_v2 on mnist")
+    # read at a step: linear between the swarms, the nearest swarm's beyond them
+    assert [uneven.overshoot_at(x) for x in (0.1, 0.25, 0.625, 1.0, 5.0)] == pytest.approx([2.0, 2.0, 1.5, 1.0, 1.0])
+    assert uneven.model_copy(update={"overshoot_points": []}).overshoot_at(0.25) == pytest.approx(1.5)
     # more overhead at the shorter step: no slope, the mean overhead
     flat = fit_swarm(swarm_epochs([{**worker, "swarms": [swarm(32, 1.0, 0.2), swarm(8, 0.25, 1.5)]}] * 2), 1000, 0.7)
     assert flat.overhead_steps == 0.0 and flat.epoch_overhead_s == pytest.approx((1.2 - 0.8 + 1.55) / 2)

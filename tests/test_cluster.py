@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ddlscope.errors import UserError
-from ddlscope.modeling.cluster import (ClusterSpec, DeviceSpec, LinkSpec, PeerSpec, dumps_cluster, load_cluster,
-                                      write_cluster)
+from ddlscope.modeling.cluster import (ClusterSpec, DeviceSpec, HivemindFit, LinkSpec, PeerSpec, dumps_cluster,
+                                      load_cluster, write_cluster)
 from ddlscope.modeling.devices import DEVICE_KINDS, UNCERTAINTY, compute_scale
 from ddlscope.modeling.profile import DeviceProfile, LayerProfile, StepProfile, WorkloadProfile
 
@@ -118,7 +118,9 @@ def test_write_then_load_round_trip(tmp_path):
                        inter_node=LinkSpec(bandwidth_gb_per_s=12.5, latency_s=1.5e-5),
                        collective_fixed_s=4.2e-5, p2p_fixed_s=1e-6, concurrent_compute_slowdown=1.25, comm_overlap=0.3,
                        peers=[PeerSpec(compute_share=0.5, bandwidth_gb_per_s=0.01),
-                              PeerSpec(compute_share=2, bandwidth_gb_per_s=0.125, latency_s=0.02, memory_gib=8)])
+                              PeerSpec(compute_share=2, bandwidth_gb_per_s=0.125, latency_s=0.02, memory_gib=8)],
+                       hivemind=HivemindFit(epoch_overhead_s=1.7, overshoot_steps=0.9,
+                                            overshoot_points=[(0.35, 1.5), (0.64, 0.3)], reference_network="mobilenet_v2"))
     path = write_cluster(spec, tmp_path / "sub" / "c.toml", header="measured somewhere\non some day")
     assert load_cluster(path) == spec
     text = path.read_text()

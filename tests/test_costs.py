@@ -398,6 +398,42 @@ def test_collaborative_with_a_hivemind_fit_adds_overshoot_and_the_measured_epoch
     assert slow.breakdown_s["averaging_s"] > 1.5 + 2 * (prof.param_bytes / 2) / 0.01e9 * 0.99
 
 
+def test_collaborative_overshoot_is_read_at_the_peers_compute_step_and_names_another_network():
+    prof = make_profile()
+    s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=0.01)
+    compute = prof.step_at(8).forward_s + prof.step_at(8).backward_s
+    # 2 extra steps at this compute step, 0 at ten times it: the prediction reads 2
+    fit = HivemindFit(epoch_overhead_s=1.0, overshoot_steps=1.0, overshoot_points=[(compute, 2.0), (10 * compute, 0.0)],
+                      reference_param_bytes=prof.param_bytes, matchmaking_time_s=0.01, reference_network="toy")
+    hm = predict(prof, make_cluster(bw=1e3).model_copy(update={"hivemind": fit}), s)
+    assert hm.inputs["overshoot_steps"] == pytest.approx(2.0)
+    assert hm.inputs["samples_per_global_epoch"] == pytest.approx(64 + 2 * 2 * 8)
+    assert not hm.notes
+    other = predict(prof, make_cluster(bw=1e3).model_copy(
+        update={"hivemind": fit.model_copy(update={"reference_network": "resnet18"})}), s)
+    [note] = other.notes
+    assert "calibrated on resnet18, not toy" in note and "--swarm-network toy --swarm-batch-sizes 8" in note
+
+
+def test_collaborative_round_wire_time_overlaps_the_rounds_cpu_work_in_the_fit():
+    prof = make_profile()
+    s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=0.01)
+    peers = [PeerSpec(compute_share=1.0, bandwidth_gb_per_s=0.002) for _ in range(2)]
+
+    def with_cpu(epoch_cpu_s):
+        fit = HivemindFit(epoch_overhead_s=0.6, epoch_cpu_s=epoch_cpu_s, reference_param_bytes=prof.param_bytes,
+                          matchmaking_time_s=0.01)
+        return predict(prof, make_cluster(peers=peers).model_copy(update={"hivemind": fit}), s)
+
+    none, some, plenty = with_cpu(0.0), with_cpu(0.2), with_cpu(1e3)
+    wire = none.inputs["round_wire_beyond_cpu_s"]
+    assert wire > 0.1  # without hivemind CPU in the fit the whole round's wire time adds
+    assert some.inputs["round_wire_beyond_cpu_s"] == pytest.approx(wire - 0.1)  # half the epoch's CPU overlaps it
+    assert plenty.inputs["round_wire_beyond_cpu_s"] == 0.0
+    assert (none.breakdown_s["averaging_s"] - none.inputs["link_wait_s"]) - (
+        some.breakdown_s["averaging_s"] - some.inputs["link_wait_s"]) == pytest.approx(0.1)
+
+
 def test_collaborative_epoch_lasts_at_least_both_rounds_on_the_link():
     prof = make_profile()
     fit = HivemindFit(epoch_overhead_s=0.2, overshoot_steps=0.0, reference_param_bytes=prof.param_bytes,

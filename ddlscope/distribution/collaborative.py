@@ -378,11 +378,15 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     on the peers' cores: 1.0-1.6 CPU-seconds per global epoch on one-core CPU peers whatever the
     model (the steps' ``background_cpu_s``), and peers overshoot the target batch because they
     see the swarm's progress late. With a ``hivemind`` fit (``calibrate --hivemind``: a reference
-    network trained in a local swarm) a global epoch lasts ``overshoot_steps`` more steps of the
-    slowest peer and holds their samples, and the measured overhead, ``epoch_overhead_s +
+    network trained in a local swarm) a global epoch lasts the fit's overshoot
+    (:meth:`HivemindFit.overshoot_at` the slowest peer's compute step) more steps of the slowest
+    peer and holds their samples, and the measured overhead, ``epoch_overhead_s +
     overhead_steps x`` the slowest peer's step, replaces the two rounds on these devices, plus
-    the rounds' extra time for parameters beyond the reference's and, for listed peers, the wire
-    time over their links. The matchmaking wait leaves the peer's cores to hivemind's work, so
+    the rounds' extra time for parameters beyond the reference's and, for listed peers, the
+    gradient round's wire time over their links beyond the round's own CPU work, which the
+    overhead holds and the bytes overlap: taken as half of the fit's ``epoch_cpu_s`` (each epoch
+    runs two rounds of the same bytes). The overshoot depends on the network: a fit of another
+    network than the profile's gets a note. The matchmaking wait leaves the peer's cores to hivemind's work, so
     the two overlap: ``max(wait, overhead)``. Both
     figures depend on the matchmaking time (:mod:`ddlscope.profiling.swarm`); a setting at another
     matchmaking time than the fit's gets a note. Without a fit both are left out and CPU peers are
@@ -476,7 +480,9 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     peer_steps = [(compute + local_opt) * slow / share + load for share in shares]
     throughput = sum(s.batch_size / t for t in peer_steps)
     hm = cluster.hivemind
-    t_acc = s.target_batch_size / throughput + (hm.overshoot_steps * max(peer_steps) if hm else 0.0)
+    # peers overshoot the target batch by the calibrated steps at their compute step (the swarms' was compute alone)
+    overshoot = hm.overshoot_at(compute * slow / min(shares)) if hm and shares else 0.0
+    t_acc = s.target_batch_size / throughput + overshoot * max(peer_steps)
     alone = len(shares) < 2
     on_cpu = serial_comm(profile, cluster)
     fixed = cluster.collective_fixed_s
@@ -499,14 +505,16 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     state_round = one_round / s.average_state_every
     state_exposed = state_round if on_cpu else max(0.0, state_round - t_acc)
     averaging = grad_round + state_exposed
-    overhead = 0.0
+    overhead = wire = 0.0
     if hm and not alone:  # measured on these devices: replaces the two rounds
         reference = round_s(float(hm.reference_param_bytes))
         beyond = 2 * max(0.0, one_round - reference)
         # while a peer waits for matchmaking its cores are free for hivemind's own work: they overlap
         overhead = hm.epoch_overhead_s + hm.overhead_steps * max(peer_steps)
-        averaging = (max(wait, overhead) if not s.use_local_updates else overhead) \
-            + beyond + (one_round if cluster.peers else 0.0)
+        # over listed links the gradient round's bytes flow while its CPU work (in the overhead) goes on: only
+        # the wire time beyond that work adds, taken as half of hivemind's CPU per epoch (two rounds of equal bytes)
+        wire = max(0.0, one_round - hm.epoch_cpu_s / 2) if cluster.peers else 0.0
+        averaging = (max(wait, overhead) if not s.use_local_updates else overhead) + beyond + wire
     # every epoch the slowest group's links carry the gradient round and the parameter round that hivemind
     # runs in the background, after the parameter round's matchmaking: the epoch lasts no less
     optimizer_after_round = 0.0 if s.use_local_updates else step.optimizer_s * slow / min(shares)
@@ -524,6 +532,10 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
         notes.append(f"collaborative: hivemind's overhead and overshoot were calibrated at {at}, this setting uses "
                      f"{s.matchmaking_time_s:g} s; both depend on it (calibrate --hivemind --matchmaking-time-s "
                      f"{s.matchmaking_time_s:g} measures them there)")
+    if hm is not None and not alone and hm.reference_network not in (None, profile.network):
+        notes.append(f"collaborative: hivemind's overshoot was calibrated on {hm.reference_network}, not "
+                     f"{profile.network}; it depends on the network (calibrate --hivemind --swarm-network "
+                     f"{profile.network} --swarm-batch-sizes {s.batch_size} measures it for this workload)")
     slowest = max(peer_steps)  # the accumulation split as the slowest peer's step is made
     parts = split_compute(profile, s.batch_size, t_acc * (slowest - load - local_opt * slow / min(shares)) / slowest)
     parts["data_load_s"] = t_acc * load / slowest
@@ -538,6 +550,7 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
                                    "grad_round_s": grad_round, "state_round_s": state_round,
                                    "link_busy_s": link_busy, "link_wait_s": link_wait,
                                    "state_round_on_cores": on_cpu, "hivemind_epoch_overhead_s": overhead,
+                                   "overshoot_steps": overshoot, "round_wire_beyond_cpu_s": wire,
                                    "hivemind_fit_matchmaking_time_s": (hm.matchmaking_time_s or 0.0) if hm else 0.0,
                                    "contention": slow / scale, "compute_scale": scale}, notes=notes)
 

@@ -106,9 +106,13 @@ class HivemindFit(BaseModel):
             overhead_steps x step`` seconds beyond its steps' compute, for peers whose compute step
             takes ``step`` seconds (hivemind's DHT, ``p2pd``, averagers and progress tracker on the
             peer's cores, the rounds, and the wait for the other peers' current step).
-        overshoot_steps: extra steps per peer per global epoch beyond the target batch.
+        overshoot_steps: extra steps per peer per global epoch beyond the target batch, the mean
+            over the reference swarms.
+        overshoot_points: ``(compute step s, overshoot steps)`` of each reference swarm, by step;
+            :meth:`overshoot_at` reads them. Empty: a file from before they were kept.
         epoch_cpu_s: CPU seconds hivemind's processes and threads used per epoch (for the record).
-        reference: what was trained; reference_param_bytes: its parameter bytes.
+        reference: what was trained; reference_param_bytes: its parameter bytes;
+            reference_network: the zoo network trained (``None``: a file from before it was kept).
         matchmaking_time_s: the swarm's hivemind ``matchmaking_time`` (seconds). Overhead and
             overshoot depend on it (:mod:`ddlscope.profiling.swarm`); a prediction at another
             matchmaking time says so in its notes. ``None``: a file from before it was recorded.
@@ -123,11 +127,29 @@ class HivemindFit(BaseModel):
     epoch_overhead_s: float = Field(ge=0)
     overhead_steps: float = Field(0.0, ge=0)
     overshoot_steps: float = Field(0.0, ge=0)
+    overshoot_points: list[tuple[float, float]] = Field(default_factory=list)
     epoch_cpu_s: float = Field(0.0, ge=0)
     reference: str = ""
     reference_param_bytes: int = Field(0, ge=0)
+    reference_network: str | None = None
     matchmaking_time_s: float | None = Field(None, gt=0)
     peer_startup_s: float | None = Field(None, ge=0)
+
+    def overshoot_at(self, step_s: float) -> float:
+        """Extra steps per peer per global epoch for peers whose compute step takes ``step_s``
+        seconds: linear between the reference swarms' ``overshoot_points``, the nearest swarm's
+        beyond them (measured: no trend in the step that carries over; resnet18 overshot 0.5 and
+        0.6 steps at 0.86 and 0.22 s steps, mobilenet_v2 0.3 and 1.5 at 0.64 and 0.35 s, 2026-11-28),
+        ``overshoot_steps`` without points."""
+        points = sorted(self.overshoot_points)
+        if not points:
+            return self.overshoot_steps
+        if step_s <= points[0][0]:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if step_s <= x1:
+                return y0 + (y1 - y0) * (step_s - x0) / (x1 - x0) if x1 > x0 else y1
+        return points[-1][1]
 
 
 class DMoEFit(BaseModel):
@@ -439,7 +461,7 @@ def _toml_value(value: Any) -> str:
         return repr(value)  # Python writes 1e-05, 25.0, inf, nan: all valid TOML floats
     if isinstance(value, str):
         return json.dumps(value, ensure_ascii=False)  # JSON string escapes are valid TOML basic-string escapes
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 

@@ -144,7 +144,7 @@ def register(app: typer.Typer) -> None:
         repeats: Optional[int] = typer.Option(None, "--repeats", help="timed repeats per size (default 20, --quick 10)"),
         timeout_s: float = typer.Option(300.0, "--timeout-s", help="give up (and stop every worker) when no measurement finishes for this many seconds"),
         json_out: bool = typer.Option(False, "--json", help="print the measurements and the fit as JSON on stdout"),
-        hivemind: bool = typer.Option(False, "--hivemind", help="also train ResNet-18 in two short local hivemind swarms "
+        hivemind: bool = typer.Option(False, "--hivemind", help="also train a network (--swarm-network, default ResNet-18) in short local hivemind swarms "
                                       "(~3 min on 2 cores, ~2 with --quick) to measure what hivemind adds per global epoch (collaborative)"),
         matchmaking_time_s: float = typer.Option(1.0, "--matchmaking-time-s", min=0.01,
                                                  help="--hivemind: the swarm's matchmaking time in seconds; use the "
@@ -153,6 +153,13 @@ def register(app: typer.Typer) -> None:
                                                              help="old name of --matchmaking-time-s"),
         dmoe: bool = typer.Option(False, "--dmoe", help="also time hivemind's beam searches and remote expert calls "
                                   "between an expert server and a client (about 30 s) to fit what they cost (dmoe)"),
+        swarm_network: str = typer.Option("resnet18", "--swarm-network", help="--hivemind: the zoo network the swarms "
+                                          "train; how far peers overshoot the target batch depends on it, so use "
+                                          "the one you will predict for"),
+        swarm_dataset: str = typer.Option("mnist", "--swarm-dataset", help="--hivemind: the swarms' dataset shape"),
+        swarm_batch_sizes: str = typer.Option("32,8", "--swarm-batch-sizes", help="--hivemind: samples per step of "
+                                              "each swarm, comma-separated (one swarm each); your batch per peer "
+                                              "predicts your overshoot best"),
     ):
         """Measure all-reduce and point-to-point among local workers; fit latency, bandwidth, fixed costs.
 
@@ -168,6 +175,11 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--out {out} is a folder; allowed: a file path, e.g. {out / 'cluster.toml'}")
         if timeout_s <= 0:
             raise UserError(f"--timeout-s {timeout_s:g}; allowed: > 0")
+        try:
+            swarm_batches = [int(b) for b in swarm_batch_sizes.split(",") if b.strip()]
+        except ValueError:
+            raise UserError(f"--swarm-batch-sizes {swarm_batch_sizes!r}; allowed: whole numbers >= 1, "
+                            "comma-separated, e.g. 32,8") from None
         sizes = cal.QUICK_SIZES_BYTES if quick else cal.DEFAULT_SIZES_BYTES
         reps = repeats if repeats is not None else (cal.QUICK_REPEATS if quick else cal.DEFAULT_REPEATS)
         try:
@@ -175,7 +187,8 @@ def register(app: typer.Typer) -> None:
                 result = cal.calibrate(workers=workers, threads=threads, sizes_bytes=sizes, repeats=reps,
                                        timeout_s=timeout_s, progress=lambda msg: typer.echo(msg, err=True),
                                        hivemind=hivemind, matchmaking_time_s=matchmaking_time_s, dmoe=dmoe,
-                                       swarm_epochs=cal.QUICK_SWARM_EPOCHS if quick else None)
+                                       swarm_epochs=cal.QUICK_SWARM_EPOCHS if quick else None,
+                                       swarm_reference=(swarm_network, swarm_dataset), swarm_batch_sizes=swarm_batches)
         except cal.CalibrationError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from None

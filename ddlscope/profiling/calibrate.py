@@ -604,7 +604,8 @@ def _worker_main(argv: list[str] | None = None) -> int:
             route_hivemind_sockets(workdir)  # its socket files go with the calibration's folder
 
             out["swarm"] = measure_swarm(rank, workers, plan["swarm_epochs"], plan["timeout_s"], say,
-                                         plan["matchmaking_time_s"])
+                                         plan["matchmaking_time_s"], tuple(plan["swarm_reference"]),
+                                         tuple(plan["swarm_batch_sizes"]))
         dist.barrier()
         tmp = os.path.join(workdir, f".result-{rank}.json")
         with open(tmp, "w") as f:
@@ -774,11 +775,27 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def _check_swarm_reference(reference: tuple[str, str]) -> tuple[str, str]:
+    """``reference`` as (network, dataset shape) when the zoo can build it, else UserError naming what is allowed."""
+    from ddlscope.workloads.models import DATASET_FAMILIES, NETWORKS, network_takes
+
+    network, dataset = reference
+    if network not in NETWORKS:
+        raise UserError(f"swarm network {network!r}; allowed: a zoo network, one of {', '.join(NETWORKS)}")
+    if dataset not in DATASET_FAMILIES:
+        raise UserError(f"swarm dataset {dataset!r}; allowed: a dataset shape, one of {', '.join(DATASET_FAMILIES)}")
+    why = network_takes(network, dataset)
+    if why:
+        raise UserError(f"swarm network {network!r} on {dataset!r}: {why}")
+    return network, dataset
+
+
 def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None = None,
               repeats: int = DEFAULT_REPEATS, warmup: int = 2, timeout_s: float = 300.0,
               progress: Callable[[str], None] | None = None, name: str | None = None,
               hivemind: bool = False, matchmaking_time_s: float | None = None, dmoe: bool = False,
-              swarm_epochs: int | None = None) -> CalibrationResult:
+              swarm_epochs: int | None = None, swarm_reference: tuple[str, str] | None = None,
+              swarm_batch_sizes: list[int] | None = None) -> CalibrationResult:
     """Measure this machine's workers and fit a :class:`ClusterSpec` (see the module docstring).
 
     Args:
@@ -800,6 +817,12 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
             :data:`ddlscope.profiling.swarm.EPOCHS`, ``--quick`` :data:`QUICK_SWARM_EPOCHS`).
         matchmaking_time_s: the swarm's hivemind matchmaking time (seconds, > 0; default
             :data:`ddlscope.profiling.swarm.MATCHMAKING_S`); use the one the predictions will use.
+        swarm_reference: (zoo network, dataset shape) the hivemind swarms train (default
+            :data:`ddlscope.profiling.swarm.REFERENCE`); the overshoot depends on the network, so
+            the workload's own network predicts it best.
+        swarm_batch_sizes: samples per step of each hivemind swarm, one swarm each (default
+            :data:`ddlscope.profiling.swarm.BATCH_SIZES`); the workload's batch per peer predicts
+            its overshoot best (one size: the overhead's slope is 0).
         dmoe: also time hivemind's beam searches and remote expert calls between an expert
             server and its clients on two cores (about 35 s; :mod:`ddlscope.profiling.dmoe_rpc`) and
             fit what they cost (``cluster.dmoe``); a measurement that fails or cannot be fitted
@@ -810,7 +833,9 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
 
     Raises:
         UserError: workers < 2, threads < 1, more cores asked for than this process may use,
-            fewer than 2 distinct sizes, a size or repeats < 1, matchmaking_time_s <= 0, swarm_epochs < 2.
+            fewer than 2 distinct sizes, a size or repeats < 1, matchmaking_time_s <= 0, swarm_epochs < 2,
+            a swarm network or dataset shape the zoo does not have, or swarm batch sizes that are
+            empty, repeated or < 1.
         CalibrationError: a worker failed, died or timed out (all workers are stopped first).
     """
     from ddlscope.config import available_cores
@@ -829,7 +854,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
     sizes = sorted({max(4, -(-int(s) // 4) * 4) for s in (sizes_bytes or DEFAULT_SIZES_BYTES)})
     if any(int(s) < 1 for s in (sizes_bytes or [])) or len(sizes) < 2:
         raise UserError(f"sizes_bytes = {sizes_bytes}; allowed: at least 2 distinct sizes, each >= 1 byte")
-    from ddlscope.profiling.swarm import EPOCHS, MATCHMAKING_S
+    from ddlscope.profiling.swarm import BATCH_SIZES, EPOCHS, MATCHMAKING_S, REFERENCE
 
     swarm_epochs = EPOCHS if swarm_epochs is None else swarm_epochs
     if swarm_epochs < 2:
@@ -838,10 +863,15 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
     matchmaking_time_s = MATCHMAKING_S if matchmaking_time_s is None else matchmaking_time_s
     if not matchmaking_time_s > 0:
         raise UserError(f"matchmaking time {matchmaking_time_s:g} s; allowed: > 0 seconds")
+    swarm_reference = _check_swarm_reference(swarm_reference or REFERENCE)
+    swarm_batch_sizes = list(BATCH_SIZES if swarm_batch_sizes is None else swarm_batch_sizes)
+    if not swarm_batch_sizes or min(swarm_batch_sizes) < 1 or len(set(swarm_batch_sizes)) < len(swarm_batch_sizes):
+        raise UserError(f"swarm batch sizes {swarm_batch_sizes}; allowed: one or more distinct sizes, each >= 1")
     core_sets = [cores[i * threads:(i + 1) * threads] for i in range(workers)]
     plan = dict(workers=workers, threads=threads, core_sets=core_sets, sizes_bytes=sizes, repeats=repeats,
                 warmup=warmup, overlap_bytes=OVERLAP_BYTES, timeout_s=timeout_s,
-                hivemind=hivemind, matchmaking_time_s=matchmaking_time_s, swarm_epochs=swarm_epochs)
+                hivemind=hivemind, matchmaking_time_s=matchmaking_time_s, swarm_epochs=swarm_epochs,
+                swarm_reference=list(swarm_reference), swarm_batch_sizes=swarm_batch_sizes)
     say = progress or (lambda msg: None)
     busy_before = _busy_percent(sum(core_sets, []))
     say(f"calibrating {workers} workers x {threads} thread(s) on cores {core_sets} (gloo over loopback)")
@@ -924,7 +954,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
 
         try:
             swarm_raw = swarm_epochs([w["swarm"] for w in raw])
-            swarm = fit_swarm(swarm_raw, raw[0]["swarm"]["param_bytes"], matchmaking_time_s)
+            swarm = fit_swarm(swarm_raw, raw[0]["swarm"]["param_bytes"], matchmaking_time_s, swarm_reference)
         except ValueError as e:
             notes.append(f"hivemind swarm not fitted ({e}): collaborative predictions leave hivemind's own work out")
         else:
@@ -932,6 +962,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
             swarm = swarm.model_copy(update={**{k: _sig(getattr(swarm, k))
                                                 for k in ("epoch_overhead_s", "overhead_steps", "overshoot_steps",
                                                           "epoch_cpu_s")},
+                                             "overshoot_points": [(_sig(x), _sig(o)) for x, o in swarm.overshoot_points],
                                              "peer_startup_s": _sig(startup) if startup is not None else None})
     cluster = ClusterSpec(  # 4 significant digits: far more than the measurements' precision
         name=name or f"local-{workers}x{threads}core", nodes=1, devices_per_node=workers,
@@ -1026,7 +1057,9 @@ def print_calibration(result: CalibrationResult, console=None) -> None:
         rows.append(("hivemind", f"{hm.reference}: {hm.epoch_overhead_s:.2f} s + {hm.overhead_steps:.2f} steps per "
                                  f"global epoch beyond compute "
                                  f"({hm.epoch_cpu_s:.2f} CPU-s of hivemind's processes), overshoot "
-                                 f"{hm.overshoot_steps:.2f} steps per peer, at matchmaking {hm.matchmaking_time_s:g} s"
+                                 + (", ".join(f"{o:.2f} steps at {x:.2f} s steps" for x, o in hm.overshoot_points)
+                                    or f"{hm.overshoot_steps:.2f} steps") + f" per peer, at matchmaking "
+                                 f"{hm.matchmaking_time_s:g} s"
                                  + (f"; a joining peer starts in {hm.peer_startup_s:.1f} s"
                                     if hm.peer_startup_s is not None else "")))
     if c.dmoe is not None:

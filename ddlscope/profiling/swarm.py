@@ -15,9 +15,10 @@ not to the workload, make real runs slower and gloo microbenchmarks cannot see t
 
 A synthetic model does not reproduce these (their cost depended on its tensor layout and varied
 by 2x between runs); the real training of a fixed reference network does. So every worker
-trains :data:`REFERENCE` (random inputs) with ``hivemind.Optimizer`` at a target batch of
-:data:`STEPS_PER_EPOCH` steps per peer, once per batch size in :data:`BATCH_SIZES`, and the fit
-reads whole global epochs after the first (which includes start-up).
+trains a reference network (random inputs; :data:`REFERENCE` unless the calibration names another)
+with ``hivemind.Optimizer`` at a target batch of :data:`STEPS_PER_EPOCH` steps per peer, once per
+batch size (:data:`BATCH_SIZES` unless named), and the fit reads whole global epochs after the
+first (which includes start-up).
 
 The time hivemind adds per epoch grows with the peers' step: in validation runs on one-core peers
 it was 1.3-1.6 s for VGG-11 (0.2-0.3 s steps) and 1.9-2.2 s for ResNet-18 (0.8-1.0 s steps),
@@ -29,7 +30,13 @@ draws a line through them:
 
 - ``epoch_overhead_s`` + ``overhead_steps`` x the step: the epoch's wall time beyond its steps'
   compute at the speed measured just before, a trimmed mean over peers and epochs of each swarm;
-- ``overshoot_steps``: mean steps per peer per epoch beyond the target batch, over both swarms;
+- ``overshoot_steps``: mean steps per peer per epoch beyond the target batch, over both swarms,
+  and ``overshoot_points``, each swarm's own (the prediction reads them at its peers' step). The
+  overshoot depends on the network and its step in ways no trend in the step captures (on this
+  machine, 2026-11-28: resnet18 overshot 0.5 steps at batch 32, 0.86 s steps, and 0.6 at batch 8,
+  0.22 s; mobilenet_v2 0.3 at batch 32, 0.64 s, and 1.5 at batch 8, 0.35 s; training runs of
+  mobilenet_v2 at batch 32 overshot 0.2-0.4). So ``calibrate --hivemind --swarm-network
+  --swarm-dataset --swarm-batch-sizes`` can train the workload's own network at its own batch;
 - ``epoch_cpu_s``: median CPU seconds of hivemind's processes and threads per epoch
   (:func:`ddlscope.measure.host.background_cpu_s`), for the record;
 - ``peer_startup_s``: what a peer that joins a running swarm takes before its first step, beside
@@ -75,9 +82,11 @@ ROUND_TIMEOUT_S = 15.0
 
 
 def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: Callable[[str], None],
-                  matchmaking_time_s: float = MATCHMAKING_S) -> dict[str, Any]:
-    """Train :data:`REFERENCE` with ``hivemind.Optimizer`` in this worker, all workers together, once
-    per batch size of :data:`BATCH_SIZES`.
+                  matchmaking_time_s: float = MATCHMAKING_S, reference: tuple[str, str] = REFERENCE,
+                  batch_sizes: tuple[int, ...] = BATCH_SIZES) -> dict[str, Any]:
+    """Train ``reference`` (zoo network, dataset shape; default :data:`REFERENCE`) with
+    ``hivemind.Optimizer`` in this worker, all workers together, once per batch size of
+    ``batch_sizes`` (default :data:`BATCH_SIZES`).
 
     Needs the calibration's gloo process group (for the DHT address and barriers). Each swarm stops
     after ``epochs + 1`` global epochs or ``deadline_s`` seconds of training; each global epoch
@@ -101,7 +110,7 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
     from ddlscope.launch.network import p2p_options
     from ddlscope.workloads.models import build_model
 
-    param_bytes = sum(p.numel() * p.element_size() for p in build_model(*REFERENCE).parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in build_model(*reference).parameters())
     t0 = time.perf_counter()  # what a new peer's process does before anything of the swarm
     subprocess.run([sys.executable, "-c", "import torch, hivemind"], check=True, capture_output=True, timeout=300)
     import_s = time.perf_counter() - t0
@@ -116,18 +125,19 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
         dht = hivemind.DHT(initial_peers=maddrs[0], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, **p2p_options())
         join_s = time.perf_counter() - t0
     try:
-        swarms = [_one_swarm(hivemind, dht, rank, batch, workers, epochs, deadline_s, matchmaking_time_s, say)
-                  for batch in BATCH_SIZES]
+        swarms = [_one_swarm(hivemind, dht, rank, batch, workers, epochs, deadline_s, matchmaking_time_s, say,
+                             reference) for batch in batch_sizes]
     finally:
         dht.shutdown()
-    return {"param_bytes": param_bytes, "matchmaking_time_s": matchmaking_time_s, "swarms": swarms, "import_s": import_s, "join_s": join_s}
+    return {"param_bytes": param_bytes, "matchmaking_time_s": matchmaking_time_s, "reference": list(reference),
+            "swarms": swarms, "import_s": import_s, "join_s": join_s}
 
 
 def _one_swarm(hivemind, dht, rank: int, batch: int, workers: int, epochs: int, deadline_s: float,
-               matchmaking_time_s: float, say: Callable[[str], None]) -> dict[str, Any]:
+               matchmaking_time_s: float, say: Callable[[str], None], reference: tuple[str, str]) -> dict[str, Any]:
     """One swarm of :func:`measure_swarm` at ``batch`` samples per step (its own hivemind run id).
 
-    Each swarm trains its own copy of :data:`REFERENCE` (seeded by ``rank``): the previous swarm's
+    Each swarm trains its own copy of ``reference`` (seeded by ``rank``): the previous swarm's
     ``hivemind.Optimizer`` may still be shutting down in the background (``shutdown_hivemind`` gives
     up waiting after a few seconds), and its pending parameter round then copies the averaged
     parameters into its model, which must not be the one the next swarm is differentiating (a CI
@@ -141,8 +151,8 @@ def _one_swarm(hivemind, dht, rank: int, batch: int, workers: int, epochs: int, 
     from ddlscope.workloads.step import build_optimizer, loss_function
 
     torch.manual_seed(rank)
-    model = build_model(*REFERENCE)
-    spec = input_spec(REFERENCE[1])
+    model = build_model(*reference)
+    spec = input_spec(reference[1])
     x = torch.randn(batch, spec.channels, spec.height, spec.width)
     y = torch.randint(0, spec.num_classes, (batch,))
     loss_fn = loss_function()
@@ -181,7 +191,7 @@ def _one_swarm(hivemind, dht, rank: int, batch: int, workers: int, epochs: int, 
     finally:
         shutdown_hivemind(opt, None)
     dist.barrier()  # no peer of this swarm still averaging when the next one starts
-    say(f"hivemind swarm: {REFERENCE[0]} on {REFERENCE[1]} shapes, batch {batch}, {len(steps)} steps, "
+    say(f"hivemind swarm: {reference[0]} on {reference[1]} shapes, batch {batch}, {len(steps)} steps, "
         f"global epoch {opt.local_epoch}")
     return {"batch_size": batch, "compute_alone_s": alone, "steps": steps, "optimizer_init_s": optimizer_init_s}
 
@@ -232,11 +242,14 @@ def fit_peer_startup(raw: list[dict[str, Any]]) -> float | None:
     return statistics.median(imports) + statistics.median(joins) + statistics.median(inits)
 
 
-def fit_swarm(swarms: list[dict[str, Any]], param_bytes: int, matchmaking_time_s: float) -> HivemindFit:
+def fit_swarm(swarms: list[dict[str, Any]], param_bytes: int, matchmaking_time_s: float,
+              reference: tuple[str, str] = REFERENCE) -> HivemindFit:
     """Reduce the swarms' epochs (:func:`swarm_epochs`) to a :class:`HivemindFit` (see the module docstring).
 
-    ``param_bytes`` and ``matchmaking_time_s``: the reference network's and the swarms', as
-    :func:`measure_swarm` returns them. Per swarm: the epochs' typical overhead, a 10 % trimmed mean
+    ``param_bytes``, ``matchmaking_time_s`` and ``reference``: the reference network's bytes, the
+    swarms' matchmaking time and what was trained, as :func:`measure_swarm` returns them. The
+    overshoot is kept per swarm (``overshoot_points``: its compute step, its mean extra steps) and
+    as their mean. Per swarm: the epochs' typical overhead, a 10 % trimmed mean
     (:func:`ddlscope.measure.stats.trimmed_mean`: an epoch's time adds up, so the mean, not the
     median; trimmed, so that one averaging round given up after :data:`ROUND_TIMEOUT_S` does not
     decide it), against the swarm's compute step. A least-squares line through those points gives
@@ -256,9 +269,11 @@ def fit_swarm(swarms: list[dict[str, Any]], param_bytes: int, matchmaking_time_s
         if intercept < 0:
             slope, intercept = float((step * overhead).sum() / (step * step).sum()), 0.0
     batches = "/".join(str(sw["batch_size"]) for sw in swarms)
+    points = sorted((float(sw["compute_alone_s"]), max(0.0, statistics.fmean(sw["extra_steps"]))) for sw in swarms)
     return HivemindFit(epoch_overhead_s=max(0.0, intercept), overhead_steps=slope,
                        overshoot_steps=max(0.0, statistics.fmean(x for sw in swarms for x in sw["extra_steps"])),
+                       overshoot_points=points,
                        epoch_cpu_s=statistics.median(x for sw in swarms for x in sw["cpu_s"]),
-                       reference=f"{REFERENCE[0]} on {REFERENCE[1]} shapes, {STEPS_PER_EPOCH} steps of {batches} "
-                       f"per peer per epoch", reference_param_bytes=int(param_bytes),
+                       reference=f"{reference[0]} on {reference[1]} shapes, {STEPS_PER_EPOCH} steps of {batches} "
+                       f"per peer per epoch", reference_param_bytes=int(param_bytes), reference_network=reference[0],
                        matchmaking_time_s=float(matchmaking_time_s))
