@@ -114,3 +114,20 @@ def test_workers_that_wait_only_at_outer_rounds_are_measured_by_their_common_win
             store.finish_run(rid, "completed")
         assert measure_run(store, ids["diloco"]).step_s == pytest.approx(0.5)  # 2 s for 4 steps of both workers
         assert measure_run(store, ids["ddp"]).step_s == pytest.approx(0.6)  # in lockstep: each step's slower worker
+        assert measure_run(store, ids["ddp"]).averaging_rounds_failed == 0
+
+
+def test_a_swarms_failed_averaging_rounds_are_counted_once_per_round(tmp_path):
+    db = tmp_path / "r.db"
+    with ResultsStore(db) as store:
+        cfg = _cells("c", strategy="collaborative", peers=2)[0].config
+        rid = store.create_run("c", "collaborative", cfg.model_dump(mode="json"), "g")
+        # rounds at steps 1 and 3; the one at step 3 failed on both peers, and peer 1 also saw step 1's fail
+        outcome = {0: [None, 1, None, 0], 1: [None, 0, None, 0]}
+        for w, rounds in outcome.items():
+            for i, ok in enumerate(rounds):
+                store.add_step(rid, w, dict(step=i, wall_time=float(i), samples=cfg.batch_size, step_s=1.0, warmup=0,
+                                            optimizer_stepped=1, averaging_round=int(ok is not None),
+                                            averaging_succeeded=ok))
+        store.finish_run(rid, "completed")
+        assert measure_run(store, rid).averaging_rounds_failed == 2

@@ -243,6 +243,10 @@ def test_the_error_at_the_runs_compute_takes_forward_backward_and_optimizer_from
 
     rows = {r["network"]: r for r in cells_table([cell([o]), cell([slow], network="vgg11")])}
     assert rows["resnet18"]["error at the run's compute"] == "+0.0 %" and rows["vgg11"]["error"] == "-33.3 %"
+    assert rows["resnet18"]["status"] == "completed"
+    slow.failed_rounds_per_run = [0, 2, 0]  # the second of three runs stalled twice in a failed round
+    [row] = cells_table([cell([slow], network="vgg11")])
+    assert row["status"] == "completed (1 of 3 runs had a failed averaging round)"
     # fsdp's measured forward holds the all-gathers it waited for (on CPU): not taken at the run's compute
     sharded = out("fsdp", 40.0, 50.0)
     sharded.predicted_parts_s, sharded.measured_parts_s = dict(o.predicted_parts_s), dict(o.measured_parts_s)

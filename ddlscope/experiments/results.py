@@ -49,6 +49,9 @@ class Measurement:
             resident set at its start) and the process's memory before training (GPU: device
             memory in use beyond torch's allocator, the CUDA context; CPU: the resident set at
             the start of training). None where the run did not record them.
+        averaging_rounds_failed: averaging rounds that failed among the measured steps (a round
+            given up after ``averaging_timeout_s``: the swarm stalled that long), the most any worker
+            recorded; 0 for models without averaging rounds.
     """
 
     step_s: float
@@ -60,6 +63,7 @@ class Measurement:
     peak_memory_bytes: int | None = None
     allocator_peak_bytes: int | None = None
     runtime_bytes: int | None = None
+    averaging_rounds_failed: int = 0
 
 
 def memory_split(store: ResultsStore, run_id: str) -> tuple[int | None, int | None]:
@@ -231,7 +235,9 @@ def measure_run(store: ResultsStore, run_id: str) -> Measurement | None:
         parts_s=parts, breakdown_s=breakdown, comm_s=statistics.fmean(s["comm_s"] or 0.0 for s in steps),
         comm_bytes_per_step=statistics.fmean(s["comm_bytes"] or 0 for s in steps),
         peak_memory_bytes=max(peaks) if peaks else None, **dict(zip(("allocator_peak_bytes", "runtime_bytes"),
-                                                                  memory_split(store, run_id))))
+                                                                  memory_split(store, run_id))),
+        averaging_rounds_failed=max(sum(1 for s in steps if s["worker_index"] == w and s["averaging_succeeded"] == 0)
+                                    for w in {s["worker_index"] for s in steps}))
 
 
 def speedup(baseline_s: float | None, run_s: float | None) -> float | None:

@@ -575,6 +575,7 @@ def _repeated_outcome(grid: ValidationGrid, db_path: Path, tries: list[_Try]) ->
                 store.link_prediction(t.prediction_id, t.run[0])
     if len(tried) > 1:
         outcome.measured_repeats_epoch_s = [o.measured_epoch_s for o, _ in tried if o.measured]
+        outcome.failed_rounds_per_run = [n for o, _ in tried if o.measured for n in o.failed_rounds_per_run]
         if own or _churns(grid, tries[0].candidate.setting.strategy):
             outcome.predicted_repeats_epoch_s = [o.predicted_epoch_s for o, _ in tried if o.measured]
         failed = [o for o, _ in tried if not o.measured]
@@ -608,6 +609,7 @@ def _outcome(db_path: Path, cand: Candidate, run: tuple[str | None, str, str | N
         outcome.measured_memory_bytes, outcome.measured_parts_s = measured.peak_memory_bytes, measured.parts_s
         outcome.measured_allocator_bytes, outcome.measured_runtime_bytes = measured.allocator_peak_bytes, \
             measured.runtime_bytes
+        outcome.failed_rounds_per_run = [measured.averaging_rounds_failed]
     else:  # failed, interrupted, or completed without a measured step
         outcome.status = "failed"
         outcome.reason = row["reason"] or f"run {run_id} ended {row['status']} without measured steps"

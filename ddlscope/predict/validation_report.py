@@ -102,6 +102,9 @@ class StrategyOutcome:
     # before each repeat), theirs
     measured_repeats_epoch_s: list[float] = field(default_factory=list)
     predicted_repeats_epoch_s: list[float] = field(default_factory=list)
+    # averaging rounds that failed in each completed run (the median run's alone without repeats), in the order of
+    # measured_repeats_epoch_s: a failed round stalls a swarm for its averaging timeout (predicted only for churn)
+    failed_rounds_per_run: list[int] = field(default_factory=list)
 
     @property
     def measured(self) -> bool:
@@ -696,6 +699,9 @@ def cells_table(cells: list[ValidationCell]) -> list[dict]:
         for o in c.outcomes:
             ref = ", ".join(f"{k}: {_pct(v)}" for k, v in o.reference_errors.items()) or "-"
             status = o.status if not o.reason else f"{o.status}: {o.reason}"
+            stalled = sum(1 for n in o.failed_rounds_per_run if n)
+            if stalled:
+                status += f" ({stalled} of {len(o.failed_rounds_per_run)} runs had a failed averaging round)"
             rows.append({
                 "dataset": c.dataset, "network": c.network, "workers": c.workers, "model": o.strategy,
                 "predicted s/epoch": o.predicted_epoch_s, "measured s/epoch": o.measured_epoch_s,
