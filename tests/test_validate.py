@@ -39,6 +39,15 @@ def test_grid_defaults_to_every_model_with_a_cost_model_and_refuses_unknown_ones
         load_grid("no-such-grid.toml")
 
 
+def test_a_grid_of_one_network_calibrates_hivemind_with_that_network_at_its_batch_per_peer():
+    from ddlscope.experiments.validate import swarm_reference
+
+    assert swarm_reference(load_grid("links")) == (("mobilenet_v2", "mnist"), [32])  # global batch 64 on 2 peers
+    assert swarm_reference(load_grid("local")) is None  # three networks: one fit cannot be each one's
+    no_swarm = ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], strategies=["ddp"])
+    assert swarm_reference(no_swarm) is None
+
+
 def test_collaborative_validation_runs_exclude_the_first_global_epoch(tmp_path):
     grid = load_grid("local")
     collab = Setting("collaborative", 2, 32, epoch_samples=60000, target_batch_size=128, matchmaking_time_s=1.0)

@@ -218,6 +218,18 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def swarm_reference(grid: ValidationGrid) -> tuple[tuple[str, str], list[int]] | None:
+    """What ``calibrate --hivemind`` should train for ``grid``: ``((network, dataset shape), [batch per
+    peer])`` of its one network and dataset when a model that averages with hivemind is in it, since
+    how far peers overshoot the target batch depends on the network (:mod:`ddlscope.profiling.swarm`);
+    None for a grid of several networks or datasets, or without such a model (the default reference)."""
+    swarm = [m for m in map(distribution.get, grid.strategies) if m.averages_with_hivemind]
+    if not swarm or len(grid.networks) != 1 or len(grid.datasets) != 1:
+        return None
+    batches = sorted({max(1, grid.batch_size // m.data_parallel_size(grid.workers)) for m in swarm})
+    return (grid.networks[0], grid.datasets[0]), batches
+
+
 def load_grid(path_or_preset: str) -> ValidationGrid:
     """A grid from a preset name or a TOML file with a ``[validation]`` table.
 
