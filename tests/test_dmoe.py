@@ -124,3 +124,51 @@ def test_a_first_service_that_hangs_is_started_once_more(tmp_path):
             assert rows[1]["status"] == "serving"
         finally:
             stop_processes(sup.popens(), 2.0)
+
+
+def test_an_expert_server_start_that_never_becomes_ready_is_made_again_then_fails_with_what_hung():
+    """Seen once in CI: hivemind's Server logged "Server started" and waited on its connection handler
+    forever. A start not ready in time is shut down and made again; every start hanging fails naming the
+    handler's process; a stop while starting ends the wait."""
+    import threading
+    from types import SimpleNamespace
+
+    from ddlscope.moe.server import start_until_ready
+
+    class FakeServer:
+        def __init__(self, ready: bool):
+            self.ready = threading.Event()
+            if ready:
+                self.ready.set()
+            self.conn_handlers = [SimpleNamespace(pid=4242, ready=SimpleNamespace(done=lambda: ready))]
+            self.closed = False
+
+        def is_alive(self):
+            return True
+
+        def shutdown(self):
+            self.closed = True
+
+    made, said, cleaned = [], [], []
+
+    def make_sequence(*ready):
+        plan = list(ready)
+
+        def make():
+            made.append(FakeServer(plan.pop(0)))
+            return made[-1], None
+        return make
+
+    stop = threading.Event()
+    server, _ = start_until_ready(make_sequence(False, True), stop, said.append, lambda: cleaned.append(1),
+                                  timeout_s=0.3)
+    assert server is made[1] and made[0].closed and cleaned == [1]
+    assert said == ["hivemind's server was not ready after 0.3 s: its connection handler process (pid 4242) did "
+                    "not start serving (start 1 of 2)"]
+    made.clear()
+    with pytest.raises(RuntimeError, match=r"pid 4242\) did not start serving, in each of 2 starts"):
+        start_until_ready(make_sequence(False, False), stop, said.append, lambda: None, timeout_s=0.3)
+    assert len(made) == 2
+    stop.set()
+    server, _ = start_until_ready(make_sequence(False), stop, said.append, lambda: None, timeout_s=60)
+    assert not server.ready.is_set()  # stopped while starting: the caller sees the stop and ends

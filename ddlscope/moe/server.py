@@ -32,6 +32,13 @@ import time
 from typing import Any
 
 STOP_GRACE_S = 5.0
+READY_TIMEOUT_S = 30.0
+"""Seconds hivemind's ``Server`` gets to become ready (its runtime, task pools and connection-handler
+process started) before this server gives up on that start and makes a fresh one. A start that never
+became ready was seen once in CI (2026-11-28): the server logged "Server started" and waited on its
+connection handler forever, deaf to SIGINT, since hivemind 1.1.12 waits without a time limit."""
+START_ATTEMPTS = 2
+"""Starts of hivemind's ``Server`` (each with its own DHT) before the expert server fails."""
 FLUSH_EVERY_S = 1.0
 KIND = "expert server"
 
@@ -239,11 +246,20 @@ def serve(db: str, run_id: str, index: int, generation: int, cores: list[int], i
         cfg = RunConfig(**store.run_config(run_id))
         d = cfg.dmoe
         uids = d.server_uids(index)
-        dht = hivemind.DHT(initial_peers=initial_peers or None, host_maddrs=listen or [f"/ip4/{d.listen_host}/tcp/0"],
-                           start=True, startup_timeout=d.join_timeout_s, **p2p_options(d.nat_traversal))
         log = _BatchLog(run_id, index, generation)
-        server = Server(dht, build_backends(cfg, uids, log), num_connection_handlers=1,
-                        update_period=d.update_period_s, expiration=2 * d.update_period_s, start=True)
+        def make():
+            made = hivemind.DHT(initial_peers=initial_peers or None, host_maddrs=listen or [f"/ip4/{d.listen_host}/tcp/0"],
+                                start=True, startup_timeout=d.join_timeout_s, **p2p_options(d.nat_traversal))
+            hm_server = Server(made, build_backends(cfg, uids, log), num_connection_handlers=1,
+                               update_period=d.update_period_s, expiration=2 * d.update_period_s, start=False)
+            hm_server.run_in_background(await_ready=False)
+            return hm_server, made
+
+        server, dht = start_until_ready(make, stop, lambda msg: print(f"expert server {index}: {msg}", file=sys.stderr,
+                                                                      flush=True), end_children)
+        if stop.is_set():  # stopped while starting
+            store.upsert_service(run_id, KIND, index, generation, status="stopped", ended_at=time.time())
+            return 0
         maddrs = [str(a) for a in dht.get_visible_maddrs()]
         store.upsert_service(run_id, KIND, index, generation, status="serving", experts=json.dumps(uids),
                              peer_id=dht.peer_id.to_base58(), maddrs=json.dumps(maddrs))
@@ -265,10 +281,52 @@ def serve(db: str, run_id: str, index: int, generation: int, cores: list[int], i
         print(f"expert server {index} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     finally:
-        closer = threading.Thread(target=_shutdown, args=(server, dht), daemon=True)
-        closer.start()
-        closer.join(STOP_GRACE_S)
+        _close(server, dht)
         end_children()  # what hivemind's shutdown left (or all of it, when it timed out)
+
+
+def start_until_ready(make, stop: threading.Event, say, clean, attempts: int = START_ATTEMPTS,
+                      timeout_s: float = READY_TIMEOUT_S):
+    """``(server, dht)`` from ``make()`` (a hivemind ``Server`` started in the background and its DHT)
+    once the server is ready or ``stop`` is set; a start not ready within ``timeout_s`` seconds is
+    said (``say``), shut down, its processes ended (``clean``) and made again, ``attempts`` times in all.
+
+    Raises:
+        RuntimeError: no start was ready; the message names what was not.
+    """
+    for attempt in range(1, attempts + 1):
+        server, dht = make()
+        not_ready = _await_ready(server, stop, timeout_s)
+        if not_ready is None:
+            return server, dht
+        say(f"{not_ready} (start {attempt} of {attempts})")
+        _close(server, dht)
+        clean()  # the handler that never started, and this start's DHT and p2pd
+    raise RuntimeError(f"{not_ready}, in each of {attempts} starts")
+
+
+def _await_ready(server, stop: threading.Event, timeout_s: float) -> str | None:
+    """Wait until hivemind's ``server`` is ready, ``stop`` is set, or ``timeout_s`` seconds pass; None when
+    ready or stopped, else what was not ready (its connection-handler processes, or its runtime)."""
+    deadline = time.monotonic() + timeout_s
+    while not server.ready.wait(0.25):
+        if stop.is_set():
+            return None
+        if not server.is_alive():
+            return "hivemind's server thread ended before it was ready"
+        if time.monotonic() > deadline:
+            waiting = [h.pid for h in server.conn_handlers if not h.ready.done()]
+            what = (f"its connection handler process (pid {', '.join(map(str, waiting))}) did not start serving"
+                    if waiting else "its runtime did not start")
+            return f"hivemind's server was not ready after {timeout_s:g} s: {what}"
+    return None
+
+
+def _close(server, dht) -> None:
+    """Shut hivemind's server (or its DHT alone) down, waiting at most :data:`STOP_GRACE_S` seconds."""
+    closer = threading.Thread(target=_shutdown, args=(server, dht), daemon=True)
+    closer.start()
+    closer.join(STOP_GRACE_S)
 
 
 def _shutdown(server, dht) -> None:
