@@ -141,15 +141,12 @@ class HivemindFit(BaseModel):
         beyond them (measured: no trend in the step that carries over; resnet18 overshot 0.5 and
         0.6 steps at 0.86 and 0.22 s steps, mobilenet_v2 0.3 and 1.5 at 0.64 and 0.35 s, 2026-11-28),
         ``overshoot_steps`` without points."""
-        points = sorted(self.overshoot_points)
-        if not points:
+        if not self.overshoot_points:
             return self.overshoot_steps
-        if step_s <= points[0][0]:
-            return points[0][1]
-        for (x0, y0), (x1, y1) in zip(points, points[1:]):
-            if step_s <= x1:
-                return y0 + (y1 - y0) * (step_s - x0) / (x1 - x0) if x1 > x0 else y1
-        return points[-1][1]
+        import numpy as np
+
+        steps, overshoots = zip(*sorted(self.overshoot_points))
+        return float(np.interp(step_s, steps, overshoots))  # linear between, the end values beyond
 
 
 class DMoEFit(BaseModel):
