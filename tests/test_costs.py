@@ -398,6 +398,27 @@ def test_collaborative_with_a_hivemind_fit_adds_overshoot_and_the_measured_epoch
     assert slow.breakdown_s["averaging_s"] > 1.5 + 2 * (prof.param_bytes / 2) / 0.01e9 * 0.99
 
 
+def test_collaborative_compute_stretch_moves_hivemind_background_work_into_the_steps():
+    prof = make_profile()
+    s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=0.01)
+    fit = HivemindFit(epoch_overhead_s=0.5, overhead_steps=1.0, overshoot_steps=1.0,
+                      reference_param_bytes=prof.param_bytes, matchmaking_time_s=0.01)
+    cluster = make_cluster(bw=1e3)
+    alone = predict(prof, cluster.model_copy(update={"hivemind": fit}), s)
+    slowed = predict(prof, cluster.model_copy(update={"hivemind": fit.model_copy(update={"compute_stretch": 1.5})}), s)
+    step = prof.step_at(8)
+    compute, load = step.forward_s + step.backward_s, alone.inputs["peer_step_s"][0] - step.forward_s - step.backward_s
+    assert slowed.inputs["compute_stretch"] == 1.5 and alone.inputs["compute_stretch"] == 1.0
+    assert slowed.inputs["peer_step_s"][0] == pytest.approx(1.5 * compute + load)
+    # 4 steps per peer + 1 of overshoot, each 1.5x the compute: forward and backward hold the slowdown
+    fb = lambda p: p.breakdown_s["forward_s"] + p.breakdown_s["backward_s"]
+    assert fb(slowed) == pytest.approx(5 * 1.5 * compute) and fb(alone) == pytest.approx(5 * compute)
+    # the overhead line is read at the step alone: the rounds' part does not grow with the stretch
+    assert slowed.breakdown_s["averaging_s"] == pytest.approx(alone.breakdown_s["averaging_s"])
+    assert slowed.breakdown_s["averaging_s"] == pytest.approx(0.5 + 1.0 * (compute + load))
+    assert slowed.inputs["samples_per_global_epoch"] == pytest.approx(alone.inputs["samples_per_global_epoch"])
+
+
 def test_collaborative_overshoot_is_read_at_the_peers_compute_step_and_names_another_network():
     prof = make_profile()
     s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=0.01)

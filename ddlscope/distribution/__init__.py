@@ -158,9 +158,11 @@ class DistributionModel:
             ``optimizer_s`` hold the work its cost model puts there, so that the prediction can be
             taken at the run's own compute (:attr:`~ddlscope.predict.validation_report.StrategyOutcome.error_at_run_compute`);
             False where a run's compute parts also hold work the cost model predicts in another
-            part (fsdp: the all-gathers waited for inside the forward on CPU; collaborative:
-            hivemind's background work slowing the steps, predicted as averaging overhead; dmoe:
-            the remote experts' calls inside the forward and backward).
+            part (fsdp: the all-gathers waited for inside the forward on CPU; dmoe: the remote
+            experts' calls inside the forward and backward). collaborative's are alone since its
+            model stretches the compute by hivemind's background work as measured
+            (``HivemindFit.compute_stretch``); a cluster file from before that was measured puts
+            the slowdown in the averaging overhead instead.
         averages_with_hivemind: True when the model's rounds are hivemind's averaging rounds over
             the peers' links (collaborative): on emulated links ``validate`` and ``recommend
             --swarm`` then measure what such rounds carry (:func:`ddlscope.modeling.links.averaging_goodput`)

@@ -378,10 +378,12 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     on the peers' cores: 1.0-1.6 CPU-seconds per global epoch on one-core CPU peers whatever the
     model (the steps' ``background_cpu_s``), and peers overshoot the target batch because they
     see the swarm's progress late. With a ``hivemind`` fit (``calibrate --hivemind``: a reference
-    network trained in a local swarm) a global epoch lasts the fit's overshoot
+    network trained in a local swarm) every peer's compute runs ``compute_stretch`` times longer
+    (that work takes its cores while it trains: forward and backward, where a run measures it),
+    a global epoch lasts the fit's overshoot
     (:meth:`HivemindFit.overshoot_at` the slowest peer's compute step) more steps of the slowest
     peer and holds their samples, and the measured overhead, ``epoch_overhead_s +
-    overhead_steps x`` the slowest peer's step, replaces the two rounds on these devices, plus
+    overhead_steps x`` the slowest peer's step alone, replaces the two rounds on these devices, plus
     the rounds' extra time for parameters beyond the reference's and, for listed peers, the
     gradient round's wire time over their links beyond the round's own CPU work, which the
     overhead holds and the bytes overlap: taken as half of the fit's ``epoch_cpu_s`` (each epoch
@@ -477,9 +479,12 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     compute = step.forward_s + step.backward_s
     local_opt = step.optimizer_s if s.use_local_updates else 0.0
     load = profile.data_load_s(s.batch_size, s.loader_workers)
-    peer_steps = [(compute + local_opt) * slow / share + load for share in shares]
-    throughput = sum(s.batch_size / t for t in peer_steps)
     hm = cluster.hivemind
+    # hivemind's background work takes the peers' cores while they train: their compute stretches (measured)
+    stretch = hm.compute_stretch if hm else 1.0
+    peer_alone = [(compute + local_opt) * slow / share + load for share in shares]
+    peer_steps = [(compute * stretch + local_opt) * slow / share + load for share in shares]
+    throughput = sum(s.batch_size / t for t in peer_steps)
     # peers overshoot the target batch by the calibrated steps at their compute step (the swarms' was compute alone)
     overshoot = hm.overshoot_at(compute * slow / min(shares)) if hm and shares else 0.0
     t_acc = s.target_batch_size / throughput + overshoot * max(peer_steps)
@@ -510,7 +515,7 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
         reference = round_s(float(hm.reference_param_bytes))
         beyond = 2 * max(0.0, one_round - reference)
         # while a peer waits for matchmaking its cores are free for hivemind's own work: they overlap
-        overhead = hm.epoch_overhead_s + hm.overhead_steps * max(peer_steps)
+        overhead = hm.epoch_overhead_s + hm.overhead_steps * max(peer_alone)  # the fit's line is in the step alone
         # over listed links the gradient round's bytes flow while its CPU work (in the overhead) goes on: only
         # the wire time beyond that work adds, taken as half of hivemind's CPU per epoch (two rounds of equal bytes)
         wire = max(0.0, one_round - hm.epoch_cpu_s / 2) if cluster.peers else 0.0
@@ -544,7 +549,7 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     return make_prediction(s, parts, throughput * t_acc,
                            inputs={"peers": len(present), "trainers": len(trainers), "averaging_group_size": group,
                                    "peer_roles": roles_all, "load_balanced": int(balanced), "compute_shares": shares,
-                                   "peer_step_s": peer_steps,
+                                   "peer_step_s": peer_steps, "compute_stretch": stretch,
                                    "swarm_samples_per_s": throughput, "accumulate_s": t_acc,
                                    "samples_per_global_epoch": throughput * t_acc, "matchmaking_wait_s": wait,
                                    "grad_round_s": grad_round, "state_round_s": state_round,
@@ -743,7 +748,6 @@ MODEL = register(DistributionModel(
     churn=lambda cfg: cfg.collaborative.churn_events(cfg.peers),
     per_peer_report=True,
     averages_with_hivemind=True,
-    compute_parts_alone=False,
     global_batch=_global_batch,
     candidate=collaborative_candidate,
     uses_cluster_devices=False,
