@@ -38,7 +38,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ddlscope.errors import UserError
-from ddlscope.experiments.validate import load_grid, run_validation, swarm_reference
+from ddlscope.experiments.validate import calibration_options, load_grid, run_validation
 from ddlscope.modeling.cluster import load_cluster
 from ddlscope.modeling.recommend import candidate_settings, recommend
 from ddlscope.predict.validation_report import summarize, write_validation_report
@@ -100,11 +100,8 @@ def main() -> None:
     else:
         from ddlscope.profiling.calibrate import calibrate
 
-        swarm = swarm_reference(grid)  # the grid's own network, when it has one: it predicts the overshoot best
-        cluster = calibrate(workers=grid.workers, threads=grid.threads, hivemind="collaborative" in grid.strategies,
-                            matchmaking_time_s=grid.matchmaking_time_s, dmoe="dmoe" in grid.strategies,
-                            swarm_reference=swarm[0] if swarm else None,
-                            swarm_batch_sizes=swarm[1] if swarm else None).cluster
+        # the fits the grid's models read; hivemind's swarms train the grid's own network when it has one
+        cluster = calibrate(workers=grid.workers, threads=grid.threads, **calibration_options(grid)).cluster
         from ddlscope.modeling.cluster import write_cluster
 
         kept = write_cluster(cluster, db.parent / "cluster.toml", header="calibrated by benchmarks/predictor.py")

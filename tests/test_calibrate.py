@@ -229,13 +229,14 @@ def test_fit_swarm_reads_whole_epochs_after_the_first_and_fits_overhead_against_
     epochs = swarm_epochs([worker] * 2)
     assert [len(sw["overhead_s"]) for sw in epochs] == [20, 20]  # 10 whole epochs after the first, 2 workers
     assert epochs[0]["overhead_s"][0] == pytest.approx(1.2) and epochs[1]["overhead_s"][0] == pytest.approx(0.65)
-    assert epochs[0]["compute_ratio"][0] == pytest.approx(3.2 / 3) and epochs[1]["steps"][0] == 3
+    # of it, 0.2 x step landed in the steps' compute: 0.2 s at the 1 s step, 0.05 s at 0.25 s
+    assert epochs[0]["compute_overhead_s"][0] == pytest.approx(0.2)
+    assert epochs[1]["compute_overhead_s"][0] == pytest.approx(0.05)
     fit = fit_swarm(epochs, 1000, 0.7)
-    # the steps' compute ran 3.2 / 3 times their compute alone; beyond that stretch each epoch took its round:
-    # the line through (1.0, 1.0) and (0.25, 0.6): slope 0.4/0.75, intercept 1.0 - slope
-    assert fit.compute_stretch == pytest.approx(3.2 / 3)
-    assert fit.overhead_steps == pytest.approx(0.4 / 0.75)
-    assert fit.epoch_overhead_s == pytest.approx(1.0 - 0.4 / 0.75)
+    # the line through (1.0, 1.2) and (0.25, 0.65): slope 0.55/0.75, intercept 1.2 - slope
+    assert fit.overhead_steps == pytest.approx(0.55 / 0.75)
+    assert fit.epoch_overhead_s == pytest.approx(1.2 - 0.55 / 0.75)
+    assert fit.compute_overhead_s == pytest.approx((0.2 + 0.05) / 2)  # the mean over all epochs of both swarms
     assert fit.epoch_cpu_s == pytest.approx(1.0)
     assert fit.overshoot_steps == pytest.approx(3 - STEPS_PER_EPOCH)
     assert fit.matchmaking_time_s == pytest.approx(0.7) and "32/8" in fit.reference
@@ -254,7 +255,7 @@ def test_fit_swarm_reads_whole_epochs_after_the_first_and_fits_overhead_against_
     assert uneven.model_copy(update={"overshoot_points": []}).overshoot_at(0.25) == pytest.approx(1.5)
     # more overhead at the shorter step: no slope, the mean overhead
     flat = fit_swarm(swarm_epochs([{**worker, "swarms": [swarm(32, 1.0, 0.2), swarm(8, 0.25, 1.5)]}] * 2), 1000, 0.7)
-    assert flat.overhead_steps == 0.0 and flat.epoch_overhead_s == pytest.approx((0.2 + 1.5) / 2)
+    assert flat.overhead_steps == 0.0 and flat.epoch_overhead_s == pytest.approx((1.2 - 0.8 + 1.55) / 2)
     assert fit_peer_startup([worker] * 2) is None  # a result from before start-up was measured
     first = {**worker, "import_s": 3.0, "join_s": None,
              "swarms": [{**sw, "optimizer_init_s": 0.5} for sw in worker["swarms"]]}

@@ -398,25 +398,26 @@ def test_collaborative_with_a_hivemind_fit_adds_overshoot_and_the_measured_epoch
     assert slow.breakdown_s["averaging_s"] > 1.5 + 2 * (prof.param_bytes / 2) / 0.01e9 * 0.99
 
 
-def test_collaborative_compute_stretch_moves_hivemind_background_work_into_the_steps():
+def test_collaborative_hivemind_work_during_the_steps_moves_from_averaging_into_forward_and_backward():
     prof = make_profile()
     s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=0.01)
-    fit = HivemindFit(epoch_overhead_s=0.5, overhead_steps=1.0, overshoot_steps=1.0,
-                      reference_param_bytes=prof.param_bytes, matchmaking_time_s=0.01)
+    fit = HivemindFit(epoch_overhead_s=1.5, overshoot_steps=1.0, reference_param_bytes=prof.param_bytes,
+                      matchmaking_time_s=0.01)
     cluster = make_cluster(bw=1e3)
-    alone = predict(prof, cluster.model_copy(update={"hivemind": fit}), s)
-    slowed = predict(prof, cluster.model_copy(update={"hivemind": fit.model_copy(update={"compute_stretch": 1.5})}), s)
+    before = predict(prof, cluster.model_copy(update={"hivemind": fit}), s)
+    split = predict(prof, cluster.model_copy(update={"hivemind": fit.model_copy(update={"compute_overhead_s": 0.6})}), s)
     step = prof.step_at(8)
-    compute, load = step.forward_s + step.backward_s, alone.inputs["peer_step_s"][0] - step.forward_s - step.backward_s
-    assert slowed.inputs["compute_stretch"] == 1.5 and alone.inputs["compute_stretch"] == 1.0
-    assert slowed.inputs["peer_step_s"][0] == pytest.approx(1.5 * compute + load)
-    # 4 steps per peer + 1 of overshoot, each 1.5x the compute: forward and backward hold the slowdown
-    fb = lambda p: p.breakdown_s["forward_s"] + p.breakdown_s["backward_s"]
-    assert fb(slowed) == pytest.approx(5 * 1.5 * compute) and fb(alone) == pytest.approx(5 * compute)
-    # the overhead line is read at the step alone: the rounds' part does not grow with the stretch
-    assert slowed.breakdown_s["averaging_s"] == pytest.approx(alone.breakdown_s["averaging_s"])
-    assert slowed.breakdown_s["averaging_s"] == pytest.approx(0.5 + 1.0 * (compute + load))
-    assert slowed.inputs["samples_per_global_epoch"] == pytest.approx(alone.inputs["samples_per_global_epoch"])
+    fb = lambda p: p.breakdown_s["forward_s"] + p.breakdown_s["backward_s"]  # noqa: E731
+    # 4 steps per peer + 1 of overshoot, then 0.6 s of hivemind's work in them, in the profiled proportion
+    assert fb(before) == pytest.approx(5 * (step.forward_s + step.backward_s))
+    assert fb(split) == pytest.approx(fb(before) + 0.6) and split.inputs["hivemind_in_steps_s"] == 0.6
+    assert split.breakdown_s["forward_s"] / split.breakdown_s["backward_s"] == pytest.approx(step.forward_s / step.backward_s)
+    assert split.breakdown_s["averaging_s"] == pytest.approx(1.5 - 0.6)
+    assert split.step_s == pytest.approx(before.step_s)  # a split of the measured overhead, not more of it
+    assert split.inputs["samples_per_global_epoch"] == pytest.approx(before.inputs["samples_per_global_epoch"])
+    # never more than the overhead it is part of
+    more = predict(prof, cluster.model_copy(update={"hivemind": fit.model_copy(update={"compute_overhead_s": 9.0})}), s)
+    assert more.inputs["hivemind_in_steps_s"] == pytest.approx(1.5) and more.breakdown_s["averaging_s"] == pytest.approx(0.0)
 
 
 def test_collaborative_overshoot_is_read_at_the_peers_compute_step_and_names_another_network():

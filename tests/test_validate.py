@@ -39,13 +39,18 @@ def test_grid_defaults_to_every_model_with_a_cost_model_and_refuses_unknown_ones
         load_grid("no-such-grid.toml")
 
 
-def test_a_grid_of_one_network_calibrates_hivemind_with_that_network_at_its_batch_per_peer():
-    from ddlscope.experiments.validate import swarm_reference
+def test_a_grid_calibrates_the_fits_its_models_read_and_hivemind_with_its_one_network_at_its_batch_per_peer():
+    from ddlscope.experiments.validate import calibration_options
 
-    assert swarm_reference(load_grid("links")) == (("mobilenet_v2", "mnist"), [32])  # global batch 64 on 2 peers
-    assert swarm_reference(load_grid("local")) is None  # three networks: one fit cannot be each one's
-    no_swarm = ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], strategies=["ddp"])
-    assert swarm_reference(no_swarm) is None
+    links = calibration_options(load_grid("links"))  # global batch 64 on 2 peers, collaborative in it
+    assert links == {"hivemind": True, "dmoe": False, "matchmaking_time_s": load_grid("links").matchmaking_time_s,
+                     "swarm_reference": ("mobilenet_v2", "mnist"), "swarm_batch_sizes": [32]}
+    local = calibration_options(load_grid("local"))  # three networks: one fit cannot be each one's
+    assert local["hivemind"] and "swarm_reference" not in local
+    moe = calibration_options(load_grid("moe-links"))
+    assert moe["dmoe"] and not moe["hivemind"] and "swarm_reference" not in moe
+    no_fit = calibration_options(ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], strategies=["ddp"]))
+    assert not no_fit["hivemind"] and not no_fit["dmoe"] and "swarm_reference" not in no_fit
 
 
 def test_collaborative_validation_runs_exclude_the_first_global_epoch(tmp_path):

@@ -50,6 +50,10 @@ LAUNCHERS: tuple[str, ...] = ("process", "torchrun", "swarm")
 SWARM_OPTIONS: tuple[str, ...] = ("initial_peers", "join_timeout_s")
 """Config-table fields every ``swarm`` model has (see :data:`Launcher`)."""
 
+CALIBRATIONS: tuple[str, ...] = ("hivemind", "dmoe")
+"""The fits of ``ddlscope calibrate`` beyond the collectives' (its ``--hivemind`` and ``--dmoe``) that a
+cost model may read: :attr:`DistributionModel.calibrations`."""
+
 MATCHMAKING_OPTION = "matchmaking_time_s"
 """The config-table field of models whose averaging groups are formed by matchmaking (hivemind):
 :attr:`DistributionModel.has_matchmaking`; ``ddlscope matchmaking`` analyzes their runs."""
@@ -158,11 +162,16 @@ class DistributionModel:
             ``optimizer_s`` hold the work its cost model puts there, so that the prediction can be
             taken at the run's own compute (:attr:`~ddlscope.predict.validation_report.StrategyOutcome.error_at_run_compute`);
             False where a run's compute parts also hold work the cost model predicts in another
-            part (fsdp: the all-gathers waited for inside the forward on CPU; dmoe: the remote
-            experts' calls inside the forward and backward). collaborative's are alone since its
-            model stretches the compute by hivemind's background work as measured
-            (``HivemindFit.compute_stretch``); a cluster file from before that was measured puts
-            the slowdown in the averaging overhead instead.
+            part (fsdp: the all-gathers waited for inside the forward on CPU). dmoe's are alone:
+            its trainers take the beam searches and remote calls out of the forward and backward
+            (``comm_wait_s``), as its cost model does. collaborative's are alone since its model
+            puts hivemind's background work during the steps in them, as measured
+            (``HivemindFit.compute_overhead_s``); a cluster file from before that was measured puts
+            it in the averaging overhead instead.
+        calibrations: the fits of ``ddlscope calibrate`` its cost model reads beyond the
+            collectives': ``"hivemind"`` (``--hivemind``, ``ClusterSpec.hivemind``) and ``"dmoe"``
+            (``--dmoe``, ``ClusterSpec.dmoe``); ``validate`` and ``benchmarks/predictor.py``
+            calibrate those a grid's models read (:func:`ddlscope.experiments.validate.calibration_options`).
         averages_with_hivemind: True when the model's rounds are hivemind's averaging rounds over
             the peers' links (collaborative): on emulated links ``validate`` and ``recommend
             --swarm`` then measure what such rounds carry (:func:`ddlscope.modeling.links.averaging_goodput`)
@@ -200,11 +209,15 @@ class DistributionModel:
     churn: Callable[["RunConfig"], list[Any]] | None = None
     per_peer_report: bool = False
     compute_parts_alone: bool = True
+    calibrations: tuple[str, ...] = field(default_factory=tuple)
     averages_with_hivemind: bool = False
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"{self.name}: launcher {self.launcher!r}; allowed: {', '.join(LAUNCHERS)}")
+        unknown = sorted(set(self.calibrations) - set(CALIBRATIONS))
+        if unknown:
+            raise ValueError(f"{self.name}: calibrations {unknown}; allowed: {', '.join(CALIBRATIONS)}")
         if (self.config_table is None) != (self.config_class is None):
             raise ValueError(f"{self.name}: config_table and config_class go together")
         missing = [f for f in SWARM_OPTIONS if not self.has_option(f)] if self.launcher == "swarm" else []

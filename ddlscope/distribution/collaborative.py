@@ -378,18 +378,19 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     on the peers' cores: 1.0-1.6 CPU-seconds per global epoch on one-core CPU peers whatever the
     model (the steps' ``background_cpu_s``), and peers overshoot the target batch because they
     see the swarm's progress late. With a ``hivemind`` fit (``calibrate --hivemind``: a reference
-    network trained in a local swarm) every peer's compute runs ``compute_stretch`` times longer
-    (that work takes its cores while it trains: forward and backward, where a run measures it),
-    a global epoch lasts the fit's overshoot
+    network trained in a local swarm) a global epoch lasts the fit's overshoot
     (:meth:`HivemindFit.overshoot_at` the slowest peer's compute step) more steps of the slowest
     peer and holds their samples, and the measured overhead, ``epoch_overhead_s +
-    overhead_steps x`` the slowest peer's step alone, replaces the two rounds on these devices, plus
+    overhead_steps x`` the slowest peer's step, replaces the two rounds on these devices. Of that
+    overhead, the fit's ``compute_overhead_s`` (what hivemind's work on the peer's cores added to
+    its steps' compute in the reference swarm) goes to forward and backward, where a run measures
+    it (``inputs["hivemind_in_steps_s"]``), and the rest to averaging, plus
     the rounds' extra time for parameters beyond the reference's and, for listed peers, the
     gradient round's wire time over their links beyond the round's own CPU work, which the
     overhead holds and the bytes overlap: taken as half of the fit's ``epoch_cpu_s`` (each epoch
     runs two rounds of the same bytes). The overshoot depends on the network: a fit of another
     network than the profile's gets a note. The matchmaking wait leaves the peer's cores to hivemind's work, so
-    the two overlap: ``max(wait, overhead)``. Both
+    the two overlap: ``max(wait, overhead - compute_overhead_s)``. Both
     figures depend on the matchmaking time (:mod:`ddlscope.profiling.swarm`); a setting at another
     matchmaking time than the fit's gets a note. Without a fit both are left out and CPU peers are
     predicted too fast (see the README's validation figures), which a note says too.
@@ -406,8 +407,9 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     The step is a global epoch. Its parts: ``averaging_s`` (the rounds, matchmaking included),
     ``optimizer_s`` (the slowest peer's optimizer step after the round), and ``T_acc`` split as
     the slowest peer's step is made: its data loading into ``data_load_s``, its local optimizer
-    steps (``use_local_updates``) into ``optimizer_s``, and its compute into ``forward_s`` and
-    ``backward_s`` in the profiled forward : backward proportion.
+    steps (``use_local_updates``) into ``optimizer_s``, and its compute (plus the fit's
+    ``compute_overhead_s``) into ``forward_s`` and ``backward_s`` in the profiled forward :
+    backward proportion.
 
     **Peer roles** (the ``[collaborative]`` table's ``auxiliary_peers`` and ``client_mode_peers``
     as options): an auxiliary peer trains on nothing and takes part in the rounds as a reducer; a
@@ -479,12 +481,9 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     compute = step.forward_s + step.backward_s
     local_opt = step.optimizer_s if s.use_local_updates else 0.0
     load = profile.data_load_s(s.batch_size, s.loader_workers)
-    hm = cluster.hivemind
-    # hivemind's background work takes the peers' cores while they train: their compute stretches (measured)
-    stretch = hm.compute_stretch if hm else 1.0
-    peer_alone = [(compute + local_opt) * slow / share + load for share in shares]
-    peer_steps = [(compute * stretch + local_opt) * slow / share + load for share in shares]
+    peer_steps = [(compute + local_opt) * slow / share + load for share in shares]
     throughput = sum(s.batch_size / t for t in peer_steps)
+    hm = cluster.hivemind
     # peers overshoot the target batch by the calibrated steps at their compute step (the swarms' was compute alone)
     overshoot = hm.overshoot_at(compute * slow / min(shares)) if hm and shares else 0.0
     t_acc = s.target_batch_size / throughput + overshoot * max(peer_steps)
@@ -510,22 +509,25 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     state_round = one_round / s.average_state_every
     state_exposed = state_round if on_cpu else max(0.0, state_round - t_acc)
     averaging = grad_round + state_exposed
-    overhead = wire = 0.0
+    overhead = wire = in_steps = 0.0
     if hm and not alone:  # measured on these devices: replaces the two rounds
         reference = round_s(float(hm.reference_param_bytes))
         beyond = 2 * max(0.0, one_round - reference)
         # while a peer waits for matchmaking its cores are free for hivemind's own work: they overlap
-        overhead = hm.epoch_overhead_s + hm.overhead_steps * max(peer_alone)  # the fit's line is in the step alone
+        overhead = hm.epoch_overhead_s + hm.overhead_steps * max(peer_steps)
+        # of it, what hivemind's background work adds to the steps' compute (measured): forward and backward hold it
+        in_steps = min(hm.compute_overhead_s, overhead)
         # over listed links the gradient round's bytes flow while its CPU work (in the overhead) goes on: only
         # the wire time beyond that work adds, taken as half of hivemind's CPU per epoch (two rounds of equal bytes)
         wire = max(0.0, one_round - hm.epoch_cpu_s / 2) if cluster.peers else 0.0
-        averaging = (max(wait, overhead) if not s.use_local_updates else overhead) + beyond + wire
+        rounds = overhead - in_steps
+        averaging = (max(wait, rounds) if not s.use_local_updates else rounds) + beyond + wire
     # every epoch the slowest group's links carry the gradient round and the parameter round that hivemind
     # runs in the background, after the parameter round's matchmaking: the epoch lasts no less
     optimizer_after_round = 0.0 if s.use_local_updates else step.optimizer_s * slow / min(shares)
     link_busy = 0.0 if alone else (0.0 if s.use_local_updates else link_round) \
         + link_round / s.average_state_every + s.matchmaking_time_s / s.average_state_every
-    link_wait = max(0.0, link_busy - (t_acc + averaging + optimizer_after_round))
+    link_wait = max(0.0, link_busy - (t_acc + in_steps + averaging + optimizer_after_round))
     averaging += link_wait
     notes = []
     if hm is None and not alone:
@@ -542,14 +544,15 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
                      f"{profile.network}; it depends on the network (calibrate --hivemind --swarm-network "
                      f"{profile.network} --swarm-batch-sizes {s.batch_size} measures it for this workload)")
     slowest = max(peer_steps)  # the accumulation split as the slowest peer's step is made
-    parts = split_compute(profile, s.batch_size, t_acc * (slowest - load - local_opt * slow / min(shares)) / slowest)
+    parts = split_compute(profile, s.batch_size,
+                          t_acc * (slowest - load - local_opt * slow / min(shares)) / slowest + in_steps)
     parts["data_load_s"] = t_acc * load / slowest
     parts["optimizer_s"] = t_acc * local_opt * slow / min(shares) / slowest + optimizer_after_round
     parts["averaging_s"] = averaging
     return make_prediction(s, parts, throughput * t_acc,
                            inputs={"peers": len(present), "trainers": len(trainers), "averaging_group_size": group,
                                    "peer_roles": roles_all, "load_balanced": int(balanced), "compute_shares": shares,
-                                   "peer_step_s": peer_steps, "compute_stretch": stretch,
+                                   "peer_step_s": peer_steps, "hivemind_in_steps_s": in_steps,
                                    "swarm_samples_per_s": throughput, "accumulate_s": t_acc,
                                    "samples_per_global_epoch": throughput * t_acc, "matchmaking_wait_s": wait,
                                    "grad_round_s": grad_round, "state_round_s": state_round,
@@ -748,6 +751,7 @@ MODEL = register(DistributionModel(
     churn=lambda cfg: cfg.collaborative.churn_events(cfg.peers),
     per_peer_report=True,
     averages_with_hivemind=True,
+    calibrations=("hivemind",),
     global_batch=_global_batch,
     candidate=collaborative_candidate,
     uses_cluster_devices=False,

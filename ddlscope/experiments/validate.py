@@ -218,16 +218,23 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def swarm_reference(grid: ValidationGrid) -> tuple[tuple[str, str], list[int]] | None:
-    """What ``calibrate --hivemind`` should train for ``grid``: ``((network, dataset shape), [batch per
-    peer])`` of its one network and dataset when a model that averages with hivemind is in it, since
-    how far peers overshoot the target batch depends on the network (:mod:`ddlscope.profiling.swarm`);
-    None for a grid of several networks or datasets, or without such a model (the default reference)."""
-    swarm = [m for m in map(distribution.get, grid.strategies) if m.averages_with_hivemind]
-    if not swarm or len(grid.networks) != 1 or len(grid.datasets) != 1:
-        return None
-    batches = sorted({max(1, grid.batch_size // m.data_parallel_size(grid.workers)) for m in swarm})
-    return (grid.networks[0], grid.datasets[0]), batches
+def calibration_options(grid: ValidationGrid) -> dict[str, Any]:
+    """The keyword arguments of :func:`ddlscope.profiling.calibrate.calibrate` that ``grid`` needs
+    beyond workers and threads: ``hivemind`` and ``dmoe`` (the fits its models' cost models read,
+    their registry entries' ``calibrations``), ``matchmaking_time_s`` (the grid's), and, for a
+    grid of one network and dataset with a model that averages with hivemind, ``swarm_reference``
+    ``(network, dataset shape)`` and ``swarm_batch_sizes`` ``[batch per peer]``: how far peers
+    overshoot the target batch depends on the network (:mod:`ddlscope.profiling.swarm`), so its
+    swarms train the grid's own network (the default reference otherwise)."""
+    models = [distribution.get(name) for name in grid.strategies]
+    options: dict[str, Any] = {fit: any(fit in m.calibrations for m in models) for fit in distribution.CALIBRATIONS}
+    options["matchmaking_time_s"] = grid.matchmaking_time_s
+    swarm = [m for m in models if m.averages_with_hivemind]
+    if swarm and len(grid.networks) == 1 and len(grid.datasets) == 1:
+        options["swarm_reference"] = (grid.networks[0], grid.datasets[0])
+        options["swarm_batch_sizes"] = sorted({max(1, grid.batch_size // m.data_parallel_size(grid.workers))
+                                               for m in swarm})
+    return options
 
 
 def load_grid(path_or_preset: str) -> ValidationGrid:

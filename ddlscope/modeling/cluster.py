@@ -103,12 +103,12 @@ class HivemindFit(BaseModel):
 
     Attributes:
         epoch_overhead_s, overhead_steps: a peer's global epoch lasts ``epoch_overhead_s +
-            overhead_steps x step`` seconds beyond its steps' compute (at ``compute_stretch``), for
-            peers whose compute step alone takes ``step`` seconds (the rounds, their matchmaking,
-            and the wait for the other peers' current step).
-        compute_stretch: the steps' compute in the swarm over their compute alone (hivemind's
-            DHT, ``p2pd``, averagers and progress tracker taking the peer's cores while it trains),
-            >= 0; 1: a file from before it was measured, whose overhead holds that slowdown.
+            overhead_steps x step`` seconds beyond its steps' compute, for peers whose compute step
+            takes ``step`` seconds (hivemind's DHT, ``p2pd``, averagers and progress tracker on the
+            peer's cores, the rounds, and the wait for the other peers' current step).
+        compute_overhead_s: of that overhead, the seconds per global epoch that landed in the
+            steps' compute (hivemind's background work taking the peer's cores while it trains;
+            the rest is the rounds and the waits). 0: a file from before it was measured.
         overshoot_steps: extra steps per peer per global epoch beyond the target batch, the mean
             over the reference swarms.
         overshoot_points: ``(compute step s, overshoot steps)`` of each reference swarm, by step;
@@ -129,7 +129,7 @@ class HivemindFit(BaseModel):
 
     epoch_overhead_s: float = Field(ge=0)
     overhead_steps: float = Field(0.0, ge=0)
-    compute_stretch: float = Field(1.0, gt=0)
+    compute_overhead_s: float = Field(0.0, ge=0)
     overshoot_steps: float = Field(0.0, ge=0)
     overshoot_points: list[tuple[float, float]] = Field(default_factory=list)
     epoch_cpu_s: float = Field(0.0, ge=0)

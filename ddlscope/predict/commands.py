@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -319,7 +319,7 @@ def register(app: typer.Typer) -> None:
     ):
         """Predict every cell of a grid, run it for real here, and report error, recommendation correctness and regret."""
         from ddlscope.cli import echo_json, stdout_to_stderr
-        from ddlscope.experiments.validate import load_grid, run_validation, swarm_reference
+        from ddlscope.experiments.validate import calibration_options, load_grid, run_validation
         from ddlscope.modeling.devices import check_profile_device
         from ddlscope.predict.validation_report import print_validation, write_validation_report
         from ddlscope.store.db import default_db_path
@@ -338,8 +338,7 @@ def register(app: typer.Typer) -> None:
         check_profile_device(spec.device)
         db_path = Path(db) if db else default_db_path()
         with stdout_to_stderr(as_json):
-            cl = _local_cluster(cluster, db_path, spec.workers, spec.threads, spec.matchmaking_time_s,
-                                swarm_reference(spec))
+            cl = _local_cluster(cluster, db_path, spec.workers, spec.threads, calibration_options(spec))
             try:
                 cells = run_validation(spec, cl, db_path, progress=progress, rerun=rerun, run_real=not predict_only)
             except KeyboardInterrupt:
@@ -355,24 +354,28 @@ def register(app: typer.Typer) -> None:
             echo_json({"report": str(path), **json.loads(path.with_name("validation.json").read_text())})
 
 
-def _local_cluster(path: Path | None, db_path: Path, workers: int, threads: int, matchmaking_time_s: float,
-                   swarm: tuple[tuple[str, str], list[int]] | None = None):
-    """The cluster file given, or this machine calibrated once (hivemind at ``matchmaking_time_s``, its swarms
-    training ``swarm``'s network at its batch sizes when given, see
-    :func:`ddlscope.experiments.validate.swarm_reference`) and kept next to the database."""
+def _local_cluster(path: Path | None, db_path: Path, workers: int, threads: int, options: dict[str, Any]):
+    """The cluster file given, or this machine calibrated once with ``options`` (the grid's
+    :func:`ddlscope.experiments.validate.calibration_options`: which fits, the matchmaking time, the
+    swarms' network and batch) and kept next to the database, in a file named after them."""
     from ddlscope.modeling.cluster import load_cluster, write_cluster
 
     if path is not None:
         return load_cluster(path)
-    trained = f"-{swarm[0][0]}-{swarm[0][1]}-b{'-'.join(map(str, swarm[1]))}" if swarm else ""
-    kept = db_path.parent / f"cluster-calibrated-{workers}x{threads}-mm{matchmaking_time_s:g}s{trained}.toml"
+    name = f"cluster-calibrated-{workers}x{threads}"
+    if options.get("hivemind"):
+        name += f"-mm{options['matchmaking_time_s']:g}s"
+        if options.get("swarm_reference"):
+            name += f"-{'-'.join(options['swarm_reference'])}-b{'-'.join(map(str, options['swarm_batch_sizes']))}"
+    if options.get("dmoe"):
+        name += "-dmoe"
+    kept = db_path.parent / f"{name}.toml"
     if kept.exists():
         return load_cluster(kept)
     from ddlscope.profiling.calibrate import calibrate
 
     typer.echo(f"calibrating this machine ({workers} workers x {threads} threads) ...", err=True)
-    spec = calibrate(workers=workers, threads=threads, hivemind=True, matchmaking_time_s=matchmaking_time_s,
-                     swarm_reference=swarm[0] if swarm else None, swarm_batch_sizes=swarm[1] if swarm else None).cluster
+    spec = calibrate(workers=workers, threads=threads, **options).cluster
     write_cluster(spec, kept)
     return spec
 

@@ -124,7 +124,7 @@ class StrategyOutcome:
         forward, backward, optimizer) replaced by the run's, both in seconds per epoch
         (:func:`epoch_parts`); None without both sides' parts or without :attr:`error`, and for a
         model whose measured compute parts hold other work too (its registry entry's
-        ``compute_parts_alone``: fsdp, dmoe).
+        ``compute_parts_alone``: fsdp).
 
         What is left is the error of everything else the cost model predicts (communication
         waits, pipeline bubbles, averaging, data loading). A machine whose compute drifted

@@ -960,7 +960,7 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         else:
             startup = fit_peer_startup([w["swarm"] for w in raw])
             swarm = swarm.model_copy(update={**{k: _sig(getattr(swarm, k))
-                                                for k in ("epoch_overhead_s", "overhead_steps", "compute_stretch",
+                                                for k in ("epoch_overhead_s", "overhead_steps", "compute_overhead_s",
                                                           "overshoot_steps", "epoch_cpu_s")},
                                              "overshoot_points": [(_sig(x), _sig(o)) for x, o in swarm.overshoot_points],
                                              "peer_startup_s": _sig(startup) if startup is not None else None})
@@ -1055,7 +1055,7 @@ def print_calibration(result: CalibrationResult, console=None) -> None:
     if c.hivemind is not None:
         hm = c.hivemind
         rows.append(("hivemind", f"{hm.reference}: {hm.epoch_overhead_s:.2f} s + {hm.overhead_steps:.2f} steps per "
-                                 f"global epoch beyond compute at x{hm.compute_stretch:.2f} "
+                                 f"global epoch beyond compute ({hm.compute_overhead_s:.2f} s of it in the steps) "
                                  f"({hm.epoch_cpu_s:.2f} CPU-s of hivemind's processes), overshoot "
                                  + (", ".join(f"{o:.2f} steps at {x:.2f} s steps" for x, o in hm.overshoot_points)
                                     or f"{hm.overshoot_steps:.2f} steps") + f" per peer, at matchmaking "

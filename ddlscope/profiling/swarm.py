@@ -202,16 +202,16 @@ def swarm_epochs(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     Returns:
         per swarm: ``batch_size``, ``compute_alone_s`` (median over workers, seconds) and per
         epoch (all workers) ``overhead_s`` (wall time beyond the steps' compute alone),
-        ``compute_ratio`` (the epoch's compute over its steps' compute alone: how much hivemind's
-        background work slowed the steps), ``steps`` (steps in it), ``extra_steps`` (steps beyond
-        the target) and ``cpu_s`` (hivemind's CPU seconds).
+        ``compute_overhead_s`` (the epoch's compute beyond its steps' compute alone: what
+        hivemind's background work added to the steps), ``extra_steps`` (steps beyond the target)
+        and ``cpu_s`` (hivemind's CPU seconds).
 
     Raises:
         ValueError: a worker timed fewer than 2 whole global epochs after the first in a swarm.
     """
     out = []
     for i in range(len(raw[0]["swarms"])):
-        alone, overheads, ratios, counts, extra, cpu = [], [], [], [], [], []
+        alone, overheads, in_steps, extra, cpu = [], [], [], [], []
         for rank, w in enumerate(raw):
             swarm = w["swarms"][i]
             steps = swarm["steps"]
@@ -223,13 +223,11 @@ def swarm_epochs(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for start, end in zip(ends, ends[1:]):
                 epoch = steps[start + 1:end + 1]
                 overheads.append(sum(c + t for c, t, *_ in epoch) - len(epoch) * swarm["compute_alone_s"])
-                ratios.append(sum(s[0] for s in epoch) / (len(epoch) * swarm["compute_alone_s"]))
-                counts.append(len(epoch))
+                in_steps.append(sum(s[0] for s in epoch) - len(epoch) * swarm["compute_alone_s"])
                 cpu.append(sum(s[3] for s in epoch))
                 extra.append(len(epoch) - STEPS_PER_EPOCH)
         out.append({"batch_size": raw[0]["swarms"][i]["batch_size"], "compute_alone_s": statistics.median(alone),
-                    "overhead_s": overheads, "compute_ratio": ratios, "steps": counts, "extra_steps": extra,
-                    "cpu_s": cpu})
+                    "overhead_s": overheads, "compute_overhead_s": in_steps, "extra_steps": extra, "cpu_s": cpu})
     return out
 
 
@@ -254,24 +252,20 @@ def fit_swarm(swarms: list[dict[str, Any]], param_bytes: int, matchmaking_time_s
     ``param_bytes``, ``matchmaking_time_s`` and ``reference``: the reference network's bytes, the
     swarms' matchmaking time and what was trained, as :func:`measure_swarm` returns them. The
     overshoot is kept per swarm (``overshoot_points``: its compute step, its mean extra steps) and
-    as their mean. ``compute_stretch``: the epochs' compute over their steps' compute alone, a 10 %
-    trimmed mean over every epoch of every swarm (hivemind's background work slows the steps on
-    the peer's cores by about that factor). The overhead is what an epoch took beyond its steps' compute at that
-    stretch. Per swarm: the epochs' typical overhead, a 10 % trimmed mean
+    as their mean. Per swarm: the epochs' typical overhead, a 10 % trimmed mean
     (:func:`ddlscope.measure.stats.trimmed_mean`: an epoch's time adds up, so the mean, not the
     median; trimmed, so that one averaging round given up after :data:`ROUND_TIMEOUT_S` does not
     decide it), against the swarm's compute step. A least-squares line through those points gives
     ``epoch_overhead_s`` (intercept, seconds) and ``overhead_steps`` (slope); a slope below 0 is
     taken as 0 (the mean overhead), an intercept below 0 as 0 (a line through the origin). One
-    swarm: slope 0.
+    swarm: slope 0. Of that overhead, ``compute_overhead_s`` is what landed in the steps' compute
+    (hivemind's background work on the peer's cores while it trains): the epochs' compute beyond
+    their steps' compute alone, a 10 % trimmed mean over every epoch of every swarm, at least 0.
     """
     import numpy as np
 
-    stretch = trimmed_mean([r for sw in swarms for r in sw["compute_ratio"]])
     step = np.array([sw["compute_alone_s"] for sw in swarms])
-    # the epoch's time beyond its steps' compute at the stretch: what the rounds and the waits add
-    overhead = np.array([trimmed_mean([o - (stretch - 1) * n * sw["compute_alone_s"]
-                                       for o, n in zip(sw["overhead_s"], sw["steps"])]) for sw in swarms])
+    overhead = np.array([trimmed_mean(sw["overhead_s"]) for sw in swarms])
     slope = float(np.polyfit(step, overhead, 1)[0]) if len(swarms) > 1 and np.ptp(step) > 0 else 0.0
     if slope <= 0:
         slope, intercept = 0.0, float(overhead.mean())
@@ -281,7 +275,8 @@ def fit_swarm(swarms: list[dict[str, Any]], param_bytes: int, matchmaking_time_s
             slope, intercept = float((step * overhead).sum() / (step * step).sum()), 0.0
     batches = "/".join(str(sw["batch_size"]) for sw in swarms)
     points = sorted((float(sw["compute_alone_s"]), max(0.0, statistics.fmean(sw["extra_steps"]))) for sw in swarms)
-    return HivemindFit(epoch_overhead_s=max(0.0, intercept), overhead_steps=slope, compute_stretch=stretch,
+    return HivemindFit(epoch_overhead_s=max(0.0, intercept), overhead_steps=slope,
+                       compute_overhead_s=max(0.0, trimmed_mean([x for sw in swarms for x in sw["compute_overhead_s"]])),
                        overshoot_steps=max(0.0, statistics.fmean(x for sw in swarms for x in sw["extra_steps"])),
                        overshoot_points=points,
                        epoch_cpu_s=statistics.median(x for sw in swarms for x in sw["cpu_s"]),
