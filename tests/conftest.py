@@ -2,12 +2,38 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def children_temp_dir():
+    """A temporary folder for every process the suite starts (their ``TMPDIR``), removed when the session ends.
+
+    A child that is killed, or ends with ``os._exit`` as ddlscope's workers do, cannot remove what
+    it made in the temporary folder (multiprocessing's ``pymp-*``, torchelastic's folders, and
+    hivemind's socket files, which ddlscope routes into a ``ddlscope-run-*`` ``TMPDIR``); the
+    launcher removes a run's own folder, but the suite also starts workers, calibrations and
+    commands directly. The pytest process itself keeps the system's folder (read first, so that
+    ``tmp_path`` and the Unix socket paths made under it stay short).
+    """
+    from ddlscope.launch.processes import make_run_temp_dir, remove_run_temp_dir
+
+    tempfile.gettempdir()  # this process's own: cached before TMPDIR changes
+    folder, before = make_run_temp_dir(), os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    remove_run_temp_dir(folder)
 
 
 @pytest.fixture(scope="session")

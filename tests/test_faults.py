@@ -37,6 +37,7 @@ import psutil
 import pytest
 
 from ddlscope.launch.processes import SHM_MANAGER, is_shm_manager, remove_run_temp_dir
+from ddlscope.launch.reaper import hivemind_socket_files
 from ddlscope.store.db import ResultsStore
 
 slow = pytest.mark.slow  # each case starts a real run (seconds of start-up on 2 cores)
@@ -558,6 +559,33 @@ def test_the_reaper_ends_a_dead_commands_descendants_and_its_groups_orphans_but_
         neighbour.wait(10)
 
 
+def test_the_reaper_finds_p2pds_socket_files_and_removes_only_sockets(tmp_path):
+    import socket
+
+    from ddlscope.launch.reaper import remove_sockets
+
+    class Proc:
+        def __init__(self, args):
+            self.args = args
+
+        def cmdline(self):
+            if self.args is None:
+                raise psutil.NoSuchProcess(1)
+            return self.args
+
+    daemon = tmp_path / "hivemind-p2pd-abc.sock"
+    files = hivemind_socket_files([Proc(["p2pd", "-hostAddrs=/ip4/127.0.0.1/tcp/0", f"-listen=/unix{daemon}"]),
+                                   Proc(["python", "-m", "ddlscope.cli", "bootstrap"]), Proc(None)])
+    assert files == [daemon, tmp_path / "hivemind-p2pclient-abc.sock"]
+    for f in files:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(f))
+    plain = tmp_path / "hivemind-p2pd-plain.sock"
+    plain.write_text("not a socket")
+    assert remove_sockets([*files, plain, tmp_path / "missing.sock"]) == 2
+    assert not any(f.exists() for f in files) and plain.exists()
+
+
 def test_a_standalone_bootstrap_killed_by_sigkill_leaves_no_dht_process_or_p2pd(tmp_path):
     """`ddlscope bootstrap` typed in a shell (its own process group) and killed by SIGKILL: its reaper ends
     hivemind's DHT process and p2pd, which would otherwise run on under init (``peer`` and ``serve-experts``
@@ -574,11 +602,14 @@ def test_a_standalone_bootstrap_killed_by_sigkill_leaves_no_dht_process_or_p2pd(
         assert "/p2p/" in log.read_text(), log.read_text()[-2000:]
         seen = psutil.Process(cmd.pid).children(recursive=True)  # the DHT process, p2pd and the reaper
         assert {"p2pd"} <= {p.name() for p in seen}
+        sockets = [f for f in hivemind_socket_files(seen) if f.exists()]
+        assert sockets  # p2pd's own socket file at least
         cmd.kill()
         cmd.wait(10)
         _, alive = psutil.wait_procs(seen, timeout=GONE_WAIT_S)
         assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [p.cmdline() for p in alive]
         assert "ending the" in log.read_text()
+        assert not [f for f in sockets if f.exists()]  # a killed p2pd leaves its socket file: the reaper removes it
     finally:
         cmd.kill()
         for p in seen:  # a failed test leaves nothing behind; torch's shm manager unlinks its segments and ends

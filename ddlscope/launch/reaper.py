@@ -14,15 +14,18 @@ what is left: the noted descendants that still run, their own descendants, and, 
 led its process group (a shell job), the orphans in that group born after the command (forked
 between two notes). They get SIGTERM, then SIGKILL after :data:`GRACE_S`. torch's shared-memory
 manager is left to end by itself once its clients are gone (it unlinks their segments in
-``/dev/shm``).
+``/dev/shm``). A killed p2pd cannot remove its Unix socket file, nor the DHT process its
+client's: the reaper removes both (:func:`hivemind_socket_files`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 import time
+from pathlib import Path
 
 import psutil
 
@@ -85,6 +88,39 @@ def leftovers(owner_pid: int, owner_started_at: float, owner_pgid: int, owner_pp
     return [p for pid, p in found.items() if pid != os.getpid() and not is_shm_manager(pid)]
 
 
+def hivemind_socket_files(procs: list[psutil.Process]) -> list[Path]:
+    """The Unix socket files of the p2pd daemons among ``procs``: each daemon's own (its
+    ``-listen=/unix/<path>`` argument, ``.../hivemind-p2pd-<id>.sock``) and its client's beside it
+    (``.../hivemind-p2pclient-<id>.sock``, hivemind 1.1.12's names). Read them before the processes
+    end; a process that is gone or unreadable gives none."""
+    files = []
+    for proc in procs:
+        try:
+            args = proc.cmdline()
+        except psutil.Error:
+            continue
+        for arg in args:
+            if arg.startswith("-listen=/unix/"):
+                daemon = Path(arg[len("-listen=/unix"):])
+                files.append(daemon)
+                if daemon.name.startswith("hivemind-p2pd-"):
+                    files.append(daemon.with_name(daemon.name.replace("hivemind-p2pd-", "hivemind-p2pclient-", 1)))
+    return files
+
+
+def remove_sockets(files: list[Path]) -> int:
+    """Remove those of ``files`` that are Unix sockets (anything else is left alone); return how many."""
+    removed = 0
+    for file in files:
+        try:
+            if stat.S_ISSOCK(file.lstat().st_mode):
+                file.unlink()
+                removed += 1
+        except OSError:
+            continue
+    return removed
+
+
 def end(procs: list[psutil.Process], grace_s: float = GRACE_S) -> int:
     """SIGTERM ``procs``, SIGKILL those still running after ``grace_s``; return how many there were."""
     for proc in procs:
@@ -117,7 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     if left:
         print(f"ddlscope: process {args.owner_pid} ended without ending what it started; ending the "
               f"{len(left)} processes it left ({', '.join(sorted(_names(left)))})", file=sys.stderr)
+        sockets = hivemind_socket_files(left)
         end(left)
+        remove_sockets(sockets)
 
 
 def _names(procs: list[psutil.Process]) -> set[str]:

@@ -162,10 +162,15 @@ def _peer(args: argparse.Namespace) -> None:
     import hivemind
     import torch
 
+    from ddlscope.launch.network import p2p_options
+    from ddlscope.launch.processes import route_hivemind_sockets
+
     torch.set_num_threads(1)
     folder = Path(args.folder)
+    route_hivemind_sockets(str(folder))  # hivemind's socket files go with the probe's folder, not into /tmp
     initial = json.loads((folder / "maddrs.json").read_text()) if args.peer else None
-    dht = hivemind.DHT(initial_peers=initial, host_maddrs=[f"/ip4/{args.address}/tcp/0"], start=True)
+    dht = hivemind.DHT(initial_peers=initial, host_maddrs=[f"/ip4/{args.address}/tcp/0"], start=True,
+                       **p2p_options())  # p2pd as a run's peers have it: no NAT traversal, no relay
     if args.peer == 0:
         (folder / "maddrs.json.tmp").write_text(json.dumps([str(a) for a in dht.get_visible_maddrs()]))
         os.replace(folder / "maddrs.json.tmp", folder / "maddrs.json")
