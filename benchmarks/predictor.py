@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 import time
 from dataclasses import asdict
@@ -108,6 +109,8 @@ def main() -> None:
         print(f"calibrated this machine: {kept} (pass it as --cluster to reuse)")
     data_root = db.parent / "suite-data"
     fast = speed(grid, cluster, load_cluster(args.other_cluster), tmp / "fresh-profiles", data_root)
+    # those profiles were only for the speed figure; with --db given the folder holds nothing else
+    shutil.rmtree(tmp if args.db else tmp / "fresh-profiles", ignore_errors=True)
     t0 = time.perf_counter()
     cells = run_validation(grid, cluster, db, data_root=data_root, profile_dir=db.parent / "profiles",
                            rerun=args.rerun)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ddlscope import distribution
@@ -84,12 +86,14 @@ def test_unreachable_servers_get_one_message_in_bounded_time_and_no_run(tmp_path
     from ddlscope.cli import app
 
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDsfU27XJQS5F2Uf722KP3teQb7vL5CcwwbQbbVr4zkfo"
+    sockets = set(Path("/tmp").glob("hivemind-*.sock"))
     result = CliRunner().invoke(app, ["run", "--db", str(tmp_path / "r.db"), "--set", 'strategy="dmoe"', "--set",
                                       'model="moe_cnn"', "--set", f'dmoe.initial_peers=["{dead}"]', "--set",
                                       "dmoe.join_timeout_s=2"])
     assert isinstance(result.exception, UserError), result.output
     assert "could not reach the expert servers" in str(result.exception)
     assert not (tmp_path / "r.db").exists()
+    assert set(Path("/tmp").glob("hivemind-*.sock")) <= sockets  # the failed DHT's p2pd socket went with its folder
 
 
 def test_a_user_expert_with_the_wrong_shape_is_refused_before_anything_starts(tmp_path, monkeypatch):

@@ -25,6 +25,7 @@ Used by :mod:`ddlscope.launch.local` (runs), :mod:`ddlscope.profiling.calibrate`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -181,6 +182,25 @@ def route_hivemind_sockets(folder: str | None = None) -> None:
     from hivemind.p2p.p2p_daemon import P2P
 
     P2P._UNIX_SOCKET_PREFIX = f"/unix{tmp}/hivemind-"  # hivemind 1.1.12 names its sockets from this prefix
+
+
+@contextlib.contextmanager
+def private_hivemind_sockets():
+    """For a short use of hivemind in a process that goes on (a pre-flight check's DHT, started and
+    shut down inside the block): its socket files go to a temporary folder of their own, removed
+    with what is in it when the block ends, and hivemind's socket path is as it was after it.
+    A DHT whose start fails leaves its p2pd's socket file behind (hivemind 1.1.12 removes it only
+    while p2pd runs), which would otherwise stay in ``/tmp``."""
+    from hivemind.p2p.p2p_daemon import P2P
+
+    before = P2P._UNIX_SOCKET_PREFIX
+    folder = make_run_temp_dir()
+    try:
+        route_hivemind_sockets(str(folder))
+        yield folder
+    finally:
+        P2P._UNIX_SOCKET_PREFIX = before
+        remove_run_temp_dir(folder)
 
 
 def log_tail(path: str | Path, lines: int = 3) -> str:

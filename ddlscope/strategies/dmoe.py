@@ -226,7 +226,10 @@ class DMoEStrategy(Strategy):
         check_expert(cfg.dmoe.expert, cfg.dmoe.hidden_dim)
         d = cfg.dmoe
         if d.placement == "remote" and d.initial_peers:  # servers someone else runs: reachable, with this grid?
-            _shutdown(join_experts(d, d.initial_peers, d.k_best, "ddlscope"))
+            from ddlscope.launch.processes import private_hivemind_sockets
+
+            with private_hivemind_sockets():
+                _shutdown(join_experts(d, d.initial_peers, d.k_best, "ddlscope"))
 
     # ------------------------------------------------------------------ network
     def build_model(self, name: str, family: str, num_classes: int) -> torch.nn.Module:
