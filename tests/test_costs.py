@@ -415,6 +415,14 @@ def test_collaborative_hivemind_work_during_the_steps_moves_from_averaging_into_
     assert split.breakdown_s["averaging_s"] == pytest.approx(1.5 - 0.6)
     assert split.step_s == pytest.approx(before.step_s)  # a split of the measured overhead, not more of it
     assert split.inputs["samples_per_global_epoch"] == pytest.approx(before.inputs["samples_per_global_epoch"])
+    # a matchmaking wait starts from the epoch's end with the slowed steps: the wait is shorter by that work,
+    # and the rest of the overhead overlaps what is left of it
+    long_mm = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=10.0)
+    waited = predict(prof, cluster.model_copy(update={"hivemind": fit}), long_mm)
+    waited_split = predict(prof, cluster.model_copy(update={"hivemind": fit.model_copy(update={"compute_overhead_s": 0.6})}),
+                           long_mm)
+    assert waited_split.inputs["matchmaking_wait_s"] == pytest.approx(waited.inputs["matchmaking_wait_s"] - 0.6)
+    assert waited_split.step_s == pytest.approx(waited.step_s)  # the wait dominates either way
     # never more than the overhead it is part of
     more = predict(prof, cluster.model_copy(update={"hivemind": fit.model_copy(update={"compute_overhead_s": 9.0})}), s)
     assert more.inputs["hivemind_in_steps_s"] == pytest.approx(1.5) and more.breakdown_s["averaging_s"] == pytest.approx(0.0)

@@ -504,22 +504,23 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     # round adds its wire time at the link's rate, and the efficiency counts where the link is the bottleneck
     link_round = 0.0 if alone else round_s(float(profile.param_bytes), cluster.averaging_efficiency)
     one_round = link_round if hm is None or alone else round_s(float(profile.param_bytes))
-    wait = 0.0 if alone else max(0.0, s.matchmaking_time_s - max(0.0, t_acc - max(peer_steps)))
+    overhead = hm.epoch_overhead_s + hm.overhead_steps * max(peer_steps) if hm and not alone else 0.0
+    # of it, what hivemind's background work adds to the steps' compute (measured): forward and backward hold it
+    in_steps = min(hm.compute_overhead_s, overhead) if hm else 0.0
+    # matchmaking starts once the epoch's end (steps slowed by that work) is matchmaking_time_s away
+    wait = 0.0 if alone else max(0.0, s.matchmaking_time_s - max(0.0, t_acc + in_steps - max(peer_steps)))
     grad_round = 0.0 if s.use_local_updates or alone else wait + one_round
     state_round = one_round / s.average_state_every
     state_exposed = state_round if on_cpu else max(0.0, state_round - t_acc)
     averaging = grad_round + state_exposed
-    overhead = wire = in_steps = 0.0
+    wire = 0.0
     if hm and not alone:  # measured on these devices: replaces the two rounds
         reference = round_s(float(hm.reference_param_bytes))
         beyond = 2 * max(0.0, one_round - reference)
-        # while a peer waits for matchmaking its cores are free for hivemind's own work: they overlap
-        overhead = hm.epoch_overhead_s + hm.overhead_steps * max(peer_steps)
-        # of it, what hivemind's background work adds to the steps' compute (measured): forward and backward hold it
-        in_steps = min(hm.compute_overhead_s, overhead)
         # over listed links the gradient round's bytes flow while its CPU work (in the overhead) goes on: only
         # the wire time beyond that work adds, taken as half of hivemind's CPU per epoch (two rounds of equal bytes)
         wire = max(0.0, one_round - hm.epoch_cpu_s / 2) if cluster.peers else 0.0
+        # while a peer waits for matchmaking its cores are free for hivemind's own work: they overlap
         rounds = overhead - in_steps
         averaging = (max(wait, rounds) if not s.use_local_updates else rounds) + beyond + wire
     # every epoch the slowest group's links carry the gradient round and the parameter round that hivemind
