@@ -176,9 +176,11 @@ def test_a_dmoe_run_reaches_its_servers_through_their_namespaces_and_survives_a_
         assert list(store.step_counts(run_id)) == [0] and store.step_counts(run_id)[0] >= 30
         services = {(s["service_index"], s["generation"]): s for s in store.services(run_id)}
         # each server listened on its own namespace's address (after the trainer's 10.201.0.2), every
-        # generation of server 1 in the same namespace
+        # generation of server 1 in the same namespace; the first may be killed before it listens on any (a
+        # slow start under load: CI, 2026-11-28), the restarted one listens
         addresses = {k: {m.split("/")[2] for m in json.loads(s["maddrs"] or "[]")} for k, s in services.items()}
-        assert addresses[(0, 0)] == {"10.201.0.3"} and addresses[(1, 0)] == addresses[(1, 1)] == {"10.201.0.4"}, addresses
+        assert addresses[(0, 0)] == {"10.201.0.3"} and addresses[(1, 1)] == {"10.201.0.4"}, addresses
+        assert addresses[(1, 0)] <= {"10.201.0.4"}, addresses
         status = {k: (s["status"], s["reason"]) for k, s in services.items()}
         assert services[(1, 0)]["status"] == "killed" and services[(1, 1)]["status"] == "stopped", status
         restarted = services[(1, 1)]["peer_id"]
