@@ -8,13 +8,19 @@ user would check a shaped link with iperf:
 * ``upload``: peer 0's upload limited, one stream 0 -> 1;
 * ``download``: peer 2's download limited, two peers send to it at once (the limit is on the
   bridge's end of its veth, shared by both streams);
-* ``unlimited``: no limit (the veth's own speed on this machine, for reference).
+* ``unlimited``: no limit (the veth's own speed on this machine, for reference);
+* ``messages``: request/response exchanges, ``M`` bytes each way, between two peers whose links
+  are limited both ways, with a pause before each (an idle link, as between the remote calls of a
+  dmoe step), timed at the requester against the ``2 M`` bytes' wire time at the rate. A faithful
+  link takes about 1.04 x the wire time (headers); a token bucket that lets a burst through at
+  once takes less, down to almost nothing for a message that fits in it.
 
 Each case sends ``--seconds`` worth of data at the configured rate (at least 1 MiB), ``--repeats``
 times; the table gives the median goodput and its ratio to the configured rate (TCP/IP headers
 take about 3-5 % of a 1500-byte packet, so about 0.95 is a faithful link).
 
     python benchmarks/emulated_links.py [--rates 5 20 100 500] [--seconds 2] [--repeats 3]
+                                        [--message-rates 5 10 50] [--message-kib 8 32 256]
 
 Needs root and iproute2. Prints a table, writes ``benchmarks/results/emulated_links.json`` and
 rewrites the ``emulated-links`` block of ``docs/emulated-networks.md`` (``--no-docs`` to leave it).
@@ -75,6 +81,68 @@ def goodput_mbit_per_s(net: EmulatedNetwork, senders: list[int], receiver: int, 
     received, seconds = rx.communicate(timeout=600)[0].split()
     return int(received) * 8 / float(seconds) / 1e6
 
+RESPONDER = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(); print("ready", flush=True)
+c = s.accept()[0]; c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+m = int(sys.argv[3])
+while True:
+    got = 0
+    while got < m:
+        d = c.recv(1 << 16)
+        if not d:
+            sys.exit(0)
+        got += len(d)
+    c.sendall(b"y" * m)
+"""
+REQUESTER = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2]))); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+m, n, pause = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+for _ in range(n):
+    time.sleep(pause)
+    t0 = time.perf_counter(); c.sendall(b"x" * m); got = 0
+    while got < m:
+        got += len(c.recv(1 << 16))
+    print(time.perf_counter() - t0, flush=True)
+"""
+MESSAGE_PAUSE_S = 0.2
+"""Idle time before each exchange: longer than any bucket takes to refill."""
+
+
+def exchange_s(net: EmulatedNetwork, nbytes: int, exchanges: int) -> list[float]:
+    """Seconds of each of ``exchanges`` request/response exchanges of ``nbytes`` each way between
+    peers 0 and 1 (TCP_NODELAY, one connection, :data:`MESSAGE_PAUSE_S` idle before each); the
+    first two (the connection's slow start) are left out."""
+    rx = subprocess.Popen(net.wrap(1, [sys.executable, "-c", RESPONDER, net.address(1), str(PORT), str(nbytes)]),
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        assert rx.stdout.readline().strip() == "ready"
+        out = subprocess.run(net.wrap(0, [sys.executable, "-c", REQUESTER, net.address(1), str(PORT), str(nbytes),
+                                          str(exchanges + 2), str(MESSAGE_PAUSE_S)]),
+                             capture_output=True, text=True, timeout=600, check=True).stdout
+    finally:
+        rx.kill()
+        rx.wait()
+    return [float(x) for x in out.split()][2:]
+
+
+def measure_messages(rates: list[float], sizes_kib: list[float], exchanges: int) -> list[dict]:
+    rows = []
+    for rate in rates:
+        with EmulatedNetwork([(rate, rate), (rate, rate)]) as net:
+            for kib in sizes_kib:
+                nbytes = int(kib * 1024)
+                got = exchange_s(net, nbytes, exchanges)
+                wire_s = 2 * nbytes * 8 / (rate * 1e6)
+                median = statistics.median(got)
+                rows.append({"configured_mbit_per_s": rate, "message_bytes": nbytes, "exchange_s": got,
+                             "median_s": median, "wire_s": wire_s, "ratio": median / wire_s})
+                print(f"messages   {rate:>6g} Mbit/s, {kib:g} KiB each way: median {median * 1e3:8.2f} ms, "
+                      f"wire {wire_s * 1e3:8.2f} ms ({median / wire_s:.3f})", flush=True)
+    return rows
+
 
 def measure(rates: list[float], seconds: float, repeats: int) -> list[dict]:
     rows = []
@@ -104,8 +172,17 @@ def to_markdown(result: dict) -> str:
              str(r["streams"]), f"{r['median_mbit_per_s']:.1f} Mbit/s",
              f"{r['ratio']:.3f}" if r["ratio"] else "–", "–" if r["drops"] is None else str(r["drops"])]
             for r in result["rows"]]
-    return "\n\n".join([provenance("benchmarks/emulated_links.py", result["measured_at"]),
-                        markdown_table(header, rows)])
+    parts = [provenance("benchmarks/emulated_links.py", result["measured_at"]), markdown_table(header, rows)]
+    if result.get("messages"):
+        parts.append(f"Request/response exchanges over two links of the rate (both ways), "
+                     f"{MESSAGE_PAUSE_S * 1e3:g} ms idle before each, median of {result['exchanges']}; "
+                     f"wire time: both messages' bytes at the rate:")
+        parts.append(markdown_table(
+            ["link", "message each way", "exchange (median)", "wire time", "ratio"],
+            [[f"{m['configured_mbit_per_s']:g} Mbit/s", f"{m['message_bytes'] / 1024:g} KiB",
+              f"{m['median_s'] * 1e3:.2f} ms", f"{m['wire_s'] * 1e3:.2f} ms", f"{m['ratio']:.3f}"]
+             for m in result["messages"]]))
+    return "\n\n".join(parts)
 
 
 def main() -> None:
@@ -113,6 +190,9 @@ def main() -> None:
     p.add_argument("--rates", type=float, nargs="+", default=[5, 20, 100, 500], help="Mbit/s")
     p.add_argument("--seconds", type=float, default=2.0, help="data per case, in seconds at the configured rate")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--message-rates", type=float, nargs="*", default=[5, 10, 50], help="Mbit/s (none: skip)")
+    p.add_argument("--message-kib", type=float, nargs="+", default=[8, 32, 256], help="bytes each way, KiB")
+    p.add_argument("--exchanges", type=int, default=15, help="timed exchanges per message size")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "emulated_links.json")
     p.add_argument("--no-docs", action="store_true")
     args = p.parse_args()
@@ -120,7 +200,9 @@ def main() -> None:
     if not args.no_docs:
         check_docs_block(DOCS, "emulated-links")
     result = {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "seconds": args.seconds, "repeats": args.repeats,
-              "rows": measure(args.rates, args.seconds, args.repeats)}
+              "rows": measure(args.rates, args.seconds, args.repeats),
+              "exchanges": args.exchanges,
+              "messages": measure_messages(args.message_rates, args.message_kib, args.exchanges)}
     print(to_markdown(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

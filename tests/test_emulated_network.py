@@ -70,6 +70,9 @@ def test_peers_talk_only_through_their_rate_limited_links_and_everything_is_remo
                                           capture_output=True, text=True).stdout)
         assert [q["options"]["rate"] for q in up0 if q["kind"] == "tbf"] == [20_000_000 // 8]
         assert [q["options"]["rate"] for q in down1 if q["kind"] == "tbf"] == [50_000_000 // 8]
+        # an idle link lets 1 ms at its rate through at once, not more (a real link lets nothing through early)
+        assert [q["options"]["burst"] for q in up0 if q["kind"] == "tbf"] == [20_000_000 // 8 // 1000]
+        assert [q["options"]["burst"] for q in down1 if q["kind"] == "tbf"] == [50_000_000 // 8 // 1000]
         # 2 MiB from peer 0 to peer 1 over the namespaces' addresses
         server = subprocess.Popen(net.wrap(1, [sys.executable, "-c", (
             "import socket; s = socket.socket(); s.bind(('10.201.0.3', 5555)); s.listen(); c, _ = s.accept(); n = 0\n"

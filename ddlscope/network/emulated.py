@@ -46,6 +46,14 @@ PREFIX = "ddl"
 QUEUE_LATENCY_MS = 100
 """tbf's queue: packets that would wait longer than this at the configured rate are dropped (as
 on a real bottleneck link's buffer)."""
+BUCKET_MS = 1.0
+"""tbf's bucket, in milliseconds at the configured rate: what an idle link lets through at once.
+A real link has none (every byte waits for the bytes before it), so it is kept small; with 10 ms
+(and at least 16 KiB) a request/response of 8 KiB each way over a 5 Mbit/s link took 0.3 ms
+instead of the 26 ms its bytes need at that rate (``benchmarks/emulated_links.py``, messages)."""
+BUCKET_MIN_BYTES = 2048
+"""The smallest bucket: above one full-size packet (1,514 bytes with its Ethernet header), which
+must fit in the bucket or tbf drops it."""
 _NAMESPACE = re.compile(rf"^{PREFIX}-([0-9a-f]+)-(\d+)$")
 
 
@@ -450,16 +458,15 @@ def _ip(*args: str) -> None:
 def _shape(tc: list[str], dev: str, rate_mbit_per_s: float | None, latency_ms: float | None) -> None:
     """Limit ``dev``'s egress: a tbf rate limit, or with a latency netem's delay and rate together.
 
-    tbf's bucket holds 10 ms at the rate (at least 16 KiB, so that a whole 1500-byte packet and a
-    kernel tick's worth always fit); its queue :data:`QUEUE_LATENCY_MS`. netem (latency) queues up
-    to 1000 packets.
+    tbf's bucket holds :data:`BUCKET_MS` at the rate (at least :data:`BUCKET_MIN_BYTES`); its queue
+    :data:`QUEUE_LATENCY_MS`. netem (latency) queues up to 1000 packets.
     """
     if latency_ms is not None:
         rate = ["rate", f"{rate_mbit_per_s * 1000:.0f}kbit"] if rate_mbit_per_s is not None else []
         cmd = [*tc, "qdisc", "replace", "dev", dev, "root", "netem", "delay", f"{latency_ms:g}ms", *rate, "limit", "1000"]
     else:
         rate_bytes_per_s = rate_mbit_per_s * 1e6 / 8
-        burst_bytes = max(16 * 1024, int(rate_bytes_per_s / 100))
+        burst_bytes = max(BUCKET_MIN_BYTES, int(rate_bytes_per_s * BUCKET_MS / 1e3))
         cmd = [*tc, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit_per_s * 1000:.0f}kbit",
                "burst", str(burst_bytes), "latency", f"{QUEUE_LATENCY_MS}ms"]
     done = subprocess.run(cmd, capture_output=True, text=True)
