@@ -305,6 +305,37 @@ def test_without_a_fit_remote_calls_are_costed_from_the_link_with_a_note():
     assert with_fit.breakdown_s["comm_wait_s"] > p.breakdown_s["comm_wait_s"]
 
 
+def test_over_listed_links_the_rounds_wait_for_their_payload_and_no_core_stretches_that_wait():
+    from ddlscope.modeling.cluster import PeerSpec
+
+    profile, fit = make_profile(expert_s_per_sample=1e-4), make_fit()
+
+    def over(mbit_per_s: float):
+        peers = [PeerSpec(compute_share=1.0, bandwidth_gb_per_s=mbit_per_s / 8e3, latency_s=5e-5)] * 2
+        return predict(profile, make_cluster(fit).model_copy(update={"peers": peers}), setting(workers=2))
+
+    fast, slow = over(50.0), over(5.0)
+    h, calls = 256, 64
+    gap = (1 / (5.0 / 8e3) - 1 / (50.0 / 8e3)) / 1e9  # seconds per byte, 5 against 50 Mbit/s
+    # forward: input out, output back (2 h); backward: input and output gradient out, input gradient back (3 h)
+    assert slow.inputs["client_forward_s"] - fast.inputs["client_forward_s"] == pytest.approx(calls * 2 * h * gap)
+    assert slow.inputs["client_backward_s"] - fast.inputs["client_backward_s"] == pytest.approx(calls * 3 * h * gap)
+    for p, mbit_per_s in ((fast, 50.0), (slow, 5.0)):
+        i = p.inputs
+        assert i["core_stretch"] > 1.0 and p.step_s == pytest.approx(sum(p.breakdown_s.values()))
+        # the client's side decides, and the wire time is on the path (what the server's work does not
+        # cover); it is not stretched
+        assert i["remote_forward_s"] == i["client_forward_s"] and i["remote_backward_s"] == i["client_backward_s"]
+        whole = 4 * 5e-5 + calls * 5 * h / (mbit_per_s * 1e6 / 8)
+        assert 0 < i["wire_s"] <= whole + 1e-12
+        unstretched = i["beam_search_s"] + i["remote_forward_s"] + i["remote_backward_s"]
+        assert p.breakdown_s["comm_wait_s"] == pytest.approx((unstretched - i["wire_s"]) * i["core_stretch"]
+                                                             + i["wire_s"])
+    assert slow.inputs["wire_s"] > fast.inputs["wire_s"]
+    # a longer wait on the wire leaves the cores to the others: the step grows by less than the wire time
+    assert 0 < slow.step_s - fast.step_s < slow.inputs["wire_s"] - fast.inputs["wire_s"]
+
+
 def test_trainers_and_servers_sharing_the_cores_stretch_the_step():
     profile, fit = make_profile(expert_s_per_sample=5e-4), make_fit()
     alone = predict(profile, make_cluster(fit, devices=16), setting(workers=1))
@@ -367,6 +398,11 @@ def test_contended_step_follows_mean_value_analysis():
     mine0 = trainer + 0.037
     r0 = (critical + math.sqrt(critical ** 2 + 4 * critical * mine0 * (trainer + 0.074 - mine0) / mine0)) / 2
     assert r == pytest.approx(2 / (1 / r0 + 1 / critical))
+    # seconds waiting for a link are not stretched: all of the path on the wire takes its time
+    assert placement.contended_step_s(critical, trainer, servers, 2, wire_s=critical) == pytest.approx(critical)
+    wire = 0.03
+    assert placement.contended_step_s(critical, trainer, servers, 2, wire_s=wire) == pytest.approx(
+        (critical + math.sqrt(critical ** 2 + 4 * (critical - wire) * a)) / 2)
 
 
 def test_colocation_ratio_applies_where_servers_share_a_trainers_core():

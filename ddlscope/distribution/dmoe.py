@@ -404,17 +404,18 @@ class CorePlacement:
         return load
 
     def contended_step_s(self, critical_s: float, trainer_cpu_s: float, server_cpu_s: list[float],
-                         trainers: int) -> float:
+                         trainers: int, wire_s: float = 0.0) -> float:
         """A trainer's step when its critical path ``L = critical_s`` (alone) meets the other
         processes' CPU on the cores it runs on (mean value analysis, Reiser & Lavenberg 1980: a
         job's time at a processor-sharing station is its demand times one plus the others found
         there, Lazowska et al. 1984 ch. 6, with the others' presence taken as their utilization).
 
         The trainer's own CPU per step on core ``c``, ``w_c`` (its own work on its cores, and
-        ``1 / T`` of each server's on the server's), tells where its path runs: a share
-        ``w_c / sum(w)`` of ``L``, stretched there by the others' utilization
-        ``u_c = (load_c - w_c) / R``: ``R = L (1 + sum_c w_c u_c / sum(w))``, so
-        ``R = (L + sqrt(L^2 + 4 L A)) / 2`` with ``A = sum_c w_c (load_c - w_c) / sum(w)``.
+        ``1 / T`` of each server's on the server's), tells where the path's ``P = L - W`` seconds
+        off the wire run (``W = wire_s``, seconds of ``L`` spent waiting for a link, which no core
+        stretches): a share ``w_c / sum(w)`` of ``P``, stretched there by the others' utilization
+        ``u_c = (load_c - w_c) / R``: ``R = W + P (1 + sum_c w_c u_c / sum(w))``, so
+        ``R = (L + sqrt(L^2 + 4 P A)) / 2`` with ``A = sum_c w_c (load_c - w_c) / sum(w)``.
         Trainers on this node are taken alike (trainer 0's cores); the result is the harmonic
         mean over all ``trainers`` (those on other nodes take ``L``: they share no core with a
         server), as independent trainers' samples per second add up.
@@ -432,7 +433,8 @@ class CorePlacement:
         if total <= 0:
             return critical_s
         a = sum(w * max(0.0, load_c - w) for w, load_c in zip(mine, load)) / total
-        here = (critical_s + math.sqrt(critical_s ** 2 + 4 * critical_s * a)) / 2
+        off_wire = max(0.0, critical_s - wire_s)
+        here = (critical_s + math.sqrt(critical_s ** 2 + 4 * off_wire * a)) / 2
         on_node = len(self.trainer_cores)
         return trainers / (on_node / here + (trainers - on_node) / critical_s)
 
@@ -503,7 +505,15 @@ def predict_dmoe(profile: "WorkloadProfile", cluster: "ClusterSpec", setting: "S
     the strategy stores there). Their sum is the trainer's critical path ``L``. On a cluster whose
     device is another kind than ``local``, or that lists its peers' links (an emulated network's),
     the calls also cross that link: ``2 x latency + max(C, N) x bytes / bandwidth`` per round, ``C``
-    the trainer's own calls and ``N`` those the busiest server gets from all trainers on its link. Without a fit (:attr:`~ddlscope.modeling.cluster.ClusterSpec.dmoe`,
+    the trainer's own calls and ``N`` those the busiest server gets from all trainers on its link,
+    ``bytes`` the payload of both directions (``2 h``, ``3 h``). That time waits for the link,
+    not a core, so the stretch below leaves it out. Measured on links of 50, 10 and 5 Mbit/s
+    (``moe-links``-style grid, 3 runs each, 2026-11-28): the median step was 50 ms longer at 5
+    than at 50 Mbit/s; predicted 56 ms longer, 72 ms when the wire was stretched with the cores,
+    and 33 ms when each round's directions were taken to overlap (the busier direction's bytes,
+    ``h`` and ``2 h``). hivemind's framing of each call and the DHT's traffic are not counted
+    separately (over a run, the trainers' links carried 2.3x the payload they sent, 3.1-3.4x what
+    they received). Without a fit (:attr:`~ddlscope.modeling.cluster.ClusterSpec.dmoe`,
     ``calibrate --dmoe``) the client side is that link term alone and a beam search ``rounds x 2 x
     latency``, with a note.
 
@@ -522,9 +532,9 @@ def predict_dmoe(profile: "WorkloadProfile", cluster: "ClusterSpec", setting: "S
     * the busiest core's CPU seconds (every trainer takes a step in that time at best);
     * ``L`` stretched by the other processes' CPU on the cores the trainer's path runs on
       (:meth:`CorePlacement.contended_step_s`, mean value analysis with the others present as
-      much as they are busy: ``R = (L + sqrt(L^2 + 4 L A)) / 2``);
+      much as they are busy; the wire time on the path, ``W``, waits for the link, not a core);
 
-    and when it is longer than ``L`` every part is stretched by the same factor (a note says so).
+    and when it is longer than ``L`` every part but ``W`` is stretched by the same factor (a note says so).
     On this 2-core machine (2 trainers and 2 servers of ``moe_cnn``, batch 16, ``k_best`` 2) the
     critical path, the busiest core and the stretched path were 89, 108 and 124 ms against 124 ms
     measured in steady state.
@@ -580,7 +590,7 @@ def predict_dmoe(profile: "WorkloadProfile", cluster: "ClusterSpec", setting: "S
     c = scale * slow  # compute factor, trainers and servers alike
     calls = b * k
     hbytes = ex["hidden_bytes_per_sample"]
-    fwd_bytes, bwd_bytes = 2 * hbytes, 3 * hbytes
+    fwd_bytes, bwd_bytes = 2 * hbytes, 3 * hbytes  # payload per call, both ways together
     share, hosted = _busiest_share(d)
     n_busiest = t * calls * share  # samples (calls) the busiest server gets per trainer step
     fit = cluster.dmoe
@@ -622,6 +632,8 @@ def predict_dmoe(profile: "WorkloadProfile", cluster: "ClusterSpec", setting: "S
     server_b = (n_busiest * (ex["expert_forward_s_per_sample"] + ex["expert_backward_s_per_sample"])
                 + t * hosted * opt_expert) * c + hm_server_b
     remote_f, remote_b = max(client_f, server_f), max(client_b, server_b)
+    # the part of the remote rounds that only waits for the link (not stretched by busy cores)
+    wire_s = remote_f - max(client_f - wire_f, server_f) + remote_b - max(client_b - wire_b, server_b)
 
     parts = {"forward_s": trunk_f * c, "backward_s": trunk_b * c, "optimizer_s": opt_trainer * c,
              "comm_wait_s": beam + remote_f + remote_b}
@@ -642,17 +654,18 @@ def predict_dmoe(profile: "WorkloadProfile", cluster: "ClusterSpec", setting: "S
                                                + t * len(d.server_uids(s_index)) * opt_expert) * c * threads)
         loads = placement.loads(trainer_cpu, server_cpu)
         busiest_core_s = max(loads)
-        waited_s = placement.contended_step_s(critical, trainer_cpu, server_cpu, t)
+        waited_s = placement.contended_step_s(critical, trainer_cpu, server_cpu, t, wire_s)
         bound = max(busiest_core_s, waited_s)
-        if critical > 0 and bound > critical:
-            stretch = bound / critical
+        if critical > wire_s and bound > critical:
+            stretch = (bound - wire_s) / (critical - wire_s)
             parts = {p: v * stretch for p, v in parts.items()}
+            parts["comm_wait_s"] -= wire_s * (stretch - 1)  # the wire time as it was
             why = (f"the busiest core runs {busiest_core_s * 1e3:.3g} ms of CPU per step of every trainer"
                    if busiest_core_s >= waited_s else
                    f"a trainer's critical path shares its cores with the other processes' CPU "
                    f"({waited_s * 1e3:.3g} ms)")
             notes.append(f"dmoe: {t} trainer(s) and {servers} server(s) on {placement.cores} core(s): {why}; every "
-                         f"part stretched x{stretch:.2f}")
+                         f"part stretched x{stretch:.2f}" + (f" but the {wire_s * 1e3:.3g} ms on the wire" if wire_s else ""))
     if d.server_events:
         notes.append("dmoe: server events (late starts, kills) are not modelled: calls to a missing server wait up to "
                      "forward_timeout_s / backward_timeout_s, and its experts' samples go to fewer servers")
@@ -668,7 +681,7 @@ def predict_dmoe(profile: "WorkloadProfile", cluster: "ClusterSpec", setting: "S
                 "busiest_server_experts": hosted, "busiest_server_samples_per_step": n_busiest,
                 "beam_search_s": beam, "client_forward_s": client_f, "client_backward_s": client_b,
                 "server_forward_s": server_f, "server_backward_s": server_b, "remote_forward_s": remote_f,
-                "remote_backward_s": remote_b, "gate_share": ex["gate_share"],
+                "remote_backward_s": remote_b, "wire_s": wire_s, "gate_share": ex["gate_share"],
                 "expert_forward_s_per_sample": ex["expert_forward_s_per_sample"],
                 "expert_backward_s_per_sample": ex["expert_backward_s_per_sample"],
                 "expert_optimizer_s": opt_expert, "trainer_param_bytes": trainer_params,
