@@ -21,6 +21,10 @@ take about 3-5 % of a 1500-byte packet, so about 0.95 is a faithful link).
 
     python benchmarks/emulated_links.py [--rates 5 20 100 500] [--seconds 2] [--repeats 3]
                                         [--message-rates 5 10 50] [--message-kib 8 32 256]
+                                        [--bucket-ms 10 1]
+
+``--bucket-ms`` measures every case with each token bucket given (``[network] bucket_ms``; default:
+the network's default and 1 ms).
 
 Needs root and iproute2. Prints a table, writes ``benchmarks/results/emulated_links.json`` and
 rewrites the ``emulated-links`` block of ``docs/emulated-networks.md`` (``--no-docs`` to leave it).
@@ -38,7 +42,7 @@ from pathlib import Path
 
 from _docs import check_docs_block, markdown_table, provenance, update_docs_block
 
-from ddlscope.network.emulated import EmulatedNetwork, check_can_emulate
+from ddlscope.network.emulated import BUCKET_MS, EmulatedNetwork, check_can_emulate
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "emulated-networks.md"
@@ -128,23 +132,23 @@ def exchange_s(net: EmulatedNetwork, nbytes: int, exchanges: int) -> list[float]
     return [float(x) for x in out.split()][2:]
 
 
-def measure_messages(rates: list[float], sizes_kib: list[float], exchanges: int) -> list[dict]:
+def measure_messages(rates: list[float], sizes_kib: list[float], exchanges: int, bucket_ms: float) -> list[dict]:
     rows = []
     for rate in rates:
-        with EmulatedNetwork([(rate, rate), (rate, rate)]) as net:
+        with EmulatedNetwork([(rate, rate), (rate, rate)], bucket_ms=bucket_ms) as net:
             for kib in sizes_kib:
                 nbytes = int(kib * 1024)
                 got = exchange_s(net, nbytes, exchanges)
                 wire_s = 2 * nbytes * 8 / (rate * 1e6)
                 median = statistics.median(got)
-                rows.append({"configured_mbit_per_s": rate, "message_bytes": nbytes, "exchange_s": got,
+                rows.append({"bucket_ms": bucket_ms, "configured_mbit_per_s": rate, "message_bytes": nbytes, "exchange_s": got,
                              "median_s": median, "wire_s": wire_s, "ratio": median / wire_s})
-                print(f"messages   {rate:>6g} Mbit/s, {kib:g} KiB each way: median {median * 1e3:8.2f} ms, "
+                print(f"messages   bucket {bucket_ms:g} ms, {rate:>6g} Mbit/s, {kib:g} KiB each way: median {median * 1e3:8.2f} ms, "
                       f"wire {wire_s * 1e3:8.2f} ms ({median / wire_s:.3f})", flush=True)
     return rows
 
 
-def measure(rates: list[float], seconds: float, repeats: int) -> list[dict]:
+def measure(rates: list[float], seconds: float, repeats: int, bucket_ms: float) -> list[dict]:
     rows = []
     cases = [("unlimited", None)] + [(kind, r) for r in rates for kind in ("upload", "download")]
     for kind, rate in cases:
@@ -153,22 +157,22 @@ def measure(rates: list[float], seconds: float, repeats: int) -> list[dict]:
         else:
             links, senders, receiver = [(rate, None), (None, None)], [0], 1
         nbytes = max(1 << 20, int((rate or 2000) * 1e6 / 8 * seconds / len(senders)))
-        with EmulatedNetwork(links) as net:
+        with EmulatedNetwork(links, bucket_ms=bucket_ms) as net:
             got = [goodput_mbit_per_s(net, senders, receiver, nbytes) for _ in range(repeats)]
             drops = net.counters()[senders[0] if kind == "upload" else receiver]
         median = statistics.median(got)
-        rows.append({"case": kind, "configured_mbit_per_s": rate, "streams": len(senders),
+        rows.append({"bucket_ms": bucket_ms, "case": kind, "configured_mbit_per_s": rate, "streams": len(senders),
                      "bytes_per_stream": nbytes, "goodput_mbit_per_s": got, "median_mbit_per_s": median,
                      "ratio": median / rate if rate else None,
                      "drops": drops["drops_upload"] if kind == "upload" else drops["drops_download"]})
-        print(f"{kind:10s} {rate or '-':>6} Mbit/s: median {median:8.1f} Mbit/s "
+        print(f"bucket {bucket_ms:g} ms: {kind:10s} {rate or '-':>6} Mbit/s: median {median:8.1f} Mbit/s "
               f"({', '.join(f'{g:.1f}' for g in got)})", flush=True)
     return rows
 
 
 def to_markdown(result: dict) -> str:
-    header = ["link", "configured", "streams", "goodput (median)", "ratio", "packets dropped by the limit"]
-    rows = [[r["case"], f"{r['configured_mbit_per_s']:g} Mbit/s" if r["configured_mbit_per_s"] else "none",
+    header = ["bucket", "link", "configured", "streams", "goodput (median)", "ratio", "packets dropped by the limit"]
+    rows = [[f"{r['bucket_ms']:g} ms", r["case"], f"{r['configured_mbit_per_s']:g} Mbit/s" if r["configured_mbit_per_s"] else "none",
              str(r["streams"]), f"{r['median_mbit_per_s']:.1f} Mbit/s",
              f"{r['ratio']:.3f}" if r["ratio"] else "–", "–" if r["drops"] is None else str(r["drops"])]
             for r in result["rows"]]
@@ -178,8 +182,8 @@ def to_markdown(result: dict) -> str:
                      f"{MESSAGE_PAUSE_S * 1e3:g} ms idle before each, median of {result['exchanges']}; "
                      f"wire time: both messages' bytes at the rate:")
         parts.append(markdown_table(
-            ["link", "message each way", "exchange (median)", "wire time", "ratio"],
-            [[f"{m['configured_mbit_per_s']:g} Mbit/s", f"{m['message_bytes'] / 1024:g} KiB",
+            ["bucket", "link", "message each way", "exchange (median)", "wire time", "ratio"],
+            [[f"{m['bucket_ms']:g} ms", f"{m['configured_mbit_per_s']:g} Mbit/s", f"{m['message_bytes'] / 1024:g} KiB",
               f"{m['median_s'] * 1e3:.2f} ms", f"{m['wire_s'] * 1e3:.2f} ms", f"{m['ratio']:.3f}"]
              for m in result["messages"]]))
     return "\n\n".join(parts)
@@ -193,6 +197,7 @@ def main() -> None:
     p.add_argument("--message-rates", type=float, nargs="*", default=[5, 10, 50], help="Mbit/s (none: skip)")
     p.add_argument("--message-kib", type=float, nargs="+", default=[8, 32, 256], help="bytes each way, KiB")
     p.add_argument("--exchanges", type=int, default=15, help="timed exchanges per message size")
+    p.add_argument("--bucket-ms", type=float, nargs="+", default=[BUCKET_MS, 1.0], help="token buckets, ms at the rate")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "emulated_links.json")
     p.add_argument("--no-docs", action="store_true")
     args = p.parse_args()
@@ -200,9 +205,10 @@ def main() -> None:
     if not args.no_docs:
         check_docs_block(DOCS, "emulated-links")
     result = {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "seconds": args.seconds, "repeats": args.repeats,
-              "rows": measure(args.rates, args.seconds, args.repeats),
+              "rows": [r for b in args.bucket_ms for r in measure(args.rates, args.seconds, args.repeats, b)],
               "exchanges": args.exchanges,
-              "messages": measure_messages(args.message_rates, args.message_kib, args.exchanges)}
+              "messages": [m for b in args.bucket_ms
+                           for m in measure_messages(args.message_rates, args.message_kib, args.exchanges, b)]}
     print(to_markdown(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

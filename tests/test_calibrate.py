@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -178,6 +179,8 @@ def test_calibrate_cli_quick_writes_a_loadable_cluster_with_what_hivemind_adds(t
     """One real calibration (collectives, DDP and FSDP in steps, and the hivemind swarms) checked as a whole."""
     out = tmp_path / "cluster.toml"
     sockets = set(Path("/tmp").glob("hivemind-*.sock"))  # hivemind's socket files go with the calibration's folder
+    children_tmp = Path(os.environ["TMPDIR"])  # the suite's folder for what it starts (conftest): the command's
+    folders = set(children_tmp.glob("pymp-*"))
     proc = subprocess.run([sys.executable, "-m", "ddlscope", "calibrate", "--quick", "--workers", "2", "--hivemind",
                            "--out", str(out), "--matchmaking-time-s", "0.8", "--json"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
@@ -211,6 +214,8 @@ def test_calibrate_cli_quick_writes_a_loadable_cluster_with_what_hivemind_adds(t
     assert "32/8" in hm.reference and hm.overhead_steps >= 0  # one swarm per reference batch size
     assert 0.5 < hm.peer_startup_s < 60  # a fresh interpreter's imports, a DHT join and an optimizer: seconds
     assert set(Path("/tmp").glob("hivemind-*.sock")) <= sockets
+    # the swarm peers' multiprocessing folders went with the calibration's (its peers end with os._exit)
+    assert set(children_tmp.glob("pymp-*")) <= folders
 
 
 def test_fit_swarm_reads_whole_epochs_after_the_first_and_fits_overhead_against_the_step():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 from pathlib import Path
 
@@ -526,6 +527,8 @@ def test_real_calibration_fits_positive_costs_and_leaves_nothing_running():
 
     ours = _calibration_processes
     before, sockets = ours(), set(Path("/tmp").glob("hivemind-*.sock"))
+    children_tmp = Path(os.environ["TMPDIR"])  # the suite's folder for its children (conftest)
+    folders = set(children_tmp.glob("pymp-*"))
     lines: list[str] = []
     cal = calibrate_dmoe(lines.append)
     fit = cal.fit
@@ -540,3 +543,5 @@ def test_real_calibration_fits_positive_costs_and_leaves_nothing_running():
         assert fit.colocated_cpu_ratio == pytest.approx(cal.shared["ratio"], rel=1e-3)
     assert ours() <= before  # every process group of the calibration is gone
     assert set(Path("/tmp").glob("hivemind-*.sock")) <= sockets  # and hivemind's socket files with its folder
+    # the children's multiprocessing folders went with the calibration's (killed children cannot remove them)
+    assert set(children_tmp.glob("pymp-*")) <= folders

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -70,9 +71,9 @@ def test_peers_talk_only_through_their_rate_limited_links_and_everything_is_remo
                                           capture_output=True, text=True).stdout)
         assert [q["options"]["rate"] for q in up0 if q["kind"] == "tbf"] == [20_000_000 // 8]
         assert [q["options"]["rate"] for q in down1 if q["kind"] == "tbf"] == [50_000_000 // 8]
-        # an idle link lets 1 ms at its rate through at once, not more (a real link lets nothing through early)
-        assert [q["options"]["burst"] for q in up0 if q["kind"] == "tbf"] == [20_000_000 // 8 // 1000]
-        assert [q["options"]["burst"] for q in down1 if q["kind"] == "tbf"] == [50_000_000 // 8 // 1000]
+        # an idle link lets its bucket through at once: 10 ms at its rate by default
+        assert [q["options"]["burst"] for q in up0 if q["kind"] == "tbf"] == [20_000_000 // 8 // 100]
+        assert [q["options"]["burst"] for q in down1 if q["kind"] == "tbf"] == [50_000_000 // 8 // 100]
         # 2 MiB from peer 0 to peer 1 over the namespaces' addresses
         server = subprocess.Popen(net.wrap(1, [sys.executable, "-c", (
             "import socket; s = socket.socket(); s.bind(('10.201.0.3', 5555)); s.listen(); c, _ = s.accept(); n = 0\n"
@@ -94,6 +95,31 @@ def test_peers_talk_only_through_their_rate_limited_links_and_everything_is_remo
         net.remove()
     assert _ours(net.tag) == ([], [])
     assert net.reaper.poll() is not None
+
+
+@needs_root
+def test_a_runs_bucket_sets_what_an_idle_link_lets_through_at_once():
+    from ddlscope.config import RunConfig
+
+    cfg = RunConfig.model_validate(dict(name="b", strategy="ddp", model="tiny_cnn", dataset="mnist", peers=2,
+                                        network=dict(emulate=True, bandwidth_mbit_per_s=50.0, bucket_ms=1.0)))
+    net = EmulatedNetwork.for_run(cfg, 2).create()
+    try:
+        up = json.loads(subprocess.run(["ip", "netns", "exec", net.namespace(0), "tc", "-j", "qdisc", "show", "dev",
+                                        "eth0"], capture_output=True, text=True).stdout)
+        assert [q["options"]["burst"] for q in up if q["kind"] == "tbf"] == [50_000_000 // 8 // 1000]  # 1 ms
+    finally:
+        net.remove()
+    small = EmulatedNetwork([(5.0, None)], bucket_ms=1.0).create()  # 1 ms at 5 Mbit/s is 625 B: a packet must fit
+    try:
+        up = json.loads(subprocess.run(["ip", "netns", "exec", small.namespace(0), "tc", "-j", "qdisc", "show", "dev",
+                                        "eth0"], capture_output=True, text=True).stdout)
+        assert [q["options"]["burst"] for q in up if q["kind"] == "tbf"][0] >= 2047  # at least 2 KiB (tc rounds)
+    finally:
+        small.remove()
+    with pytest.raises(ValidationError, match="bucket_ms"):
+        RunConfig.model_validate(dict(name="b", strategy="ddp", model="tiny_cnn", dataset="mnist", peers=2,
+                                      network=dict(emulate=True, bandwidth_mbit_per_s=50.0, bucket_ms=0)))
 
 
 @needs_root
@@ -254,6 +280,8 @@ def test_hivemind_rounds_over_slow_links_carry_a_share_of_the_rate_and_leave_not
     from ddlscope.network.averaging_probe import measure_averaging_goodput
 
     before = set(namespaces())
+    children_tmp = Path(os.environ["TMPDIR"])  # the suite's folder for what it starts (conftest)
+    folders = set(children_tmp.glob("pymp-*"))
     core = min(os.sched_getaffinity(0))
     g = measure_averaging_goodput([20.0, 20.0], megabytes=1.0, rounds=1, cores=[[core], [core]])
     # 1 MiB in two halves each way at 20 Mbit/s: ~0.42 s of wire; hivemind's own costs make the round longer
@@ -262,6 +290,7 @@ def test_hivemind_rounds_over_slow_links_carry_a_share_of_the_rate_and_leave_not
     assert set(namespaces()) == before
     assert not [p for p in psutil.process_iter(["cmdline"]) if "ddlscope.network.averaging_probe" in
                 " ".join(p.info["cmdline"] or [])]
+    assert set(children_tmp.glob("pymp-*")) <= folders  # the peers' multiprocessing folders went with the probe's
 
 
 GLOO_WORKER = """

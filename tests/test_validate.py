@@ -246,6 +246,16 @@ def test_link_rates_add_emulated_cells_predicted_over_those_links(tmp_path, monk
         ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], bandwidths_mbit_per_s=[0.0])
 
 
+def test_a_grids_bucket_reaches_its_emulated_cells(tmp_path, monkeypatch):
+    from ddlscope.network.emulated import BUCKET_MS
+
+    _, configs = _validate_links(tmp_path, monkeypatch, ["ddp"], bandwidths_mbit_per_s=[10.0], bucket_ms=1.0)
+    emulated = [c for c in configs.values() if c.network.emulate]
+    assert emulated and all(c.network.bucket_ms == 1.0 for c in emulated)
+    _, configs = _validate_links(tmp_path / "default", monkeypatch, ["ddp"], bandwidths_mbit_per_s=[10.0])
+    assert all(c.network.bucket_ms == BUCKET_MS for c in configs.values() if c.network.emulate)
+
+
 def test_a_rerender_predicts_stored_runs_at_the_link_share_measured_before_them(tmp_path, monkeypatch):
     from ddlscope.experiments.validate import _stored_link_goodputs
 

@@ -104,6 +104,8 @@ class ValidationGrid(BaseModel):
         default_factory=list, description="emulated links, Mbit/s each way: a rate for every peer, or a list of one "
                                           "rate per worker (an uneven swarm); each gets cells of its own for the "
                                           "models that run on emulated networks")
+    bucket_ms: float | None = Field(None, gt=0, le=1_000, description="the emulated links' token bucket, ms at their "
+                                    "rate ([network] bucket_ms; default: the network's)")
     loopback: bool = Field(True, description="also run every model over loopback (the cells without emulated links)")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the workloads are profiled and every cell runs "
                                            "(its run config's device); `ddlscope validate --device` overrides it")
@@ -202,10 +204,12 @@ PRESETS: dict[str, dict] = {
                   target_batch_size=128, bandwidths_mbit_per_s=[200.0, 50.0, [200.0, 20.0]], loopback=False,
                   repeats=3, profile_each_repeat=True),
     # the Decentralized Mixture-of-Experts over emulated links: trainers and expert servers each in a namespace
-    # with links of the same rate (a per-worker list would leave the servers' links unlimited)
+    # with links of the same rate (a per-worker list would leave the servers' links unlimited). A bucket of 1 ms:
+    # a step's remote calls (24 KiB out, 16 KiB back) fit in the default one and would not wait for the rate
     "moe-links": dict(name="validation-moe-links", datasets=["mnist"], networks=["moe_cnn"], strategies=["dmoe"],
                       workers=2, batch_size=32, warmup_batches=3, measured_batches=20, synthetic_train_size=256,
-                      bandwidths_mbit_per_s=[50.0, 10.0], loopback=False, repeats=3, profile_each_repeat=True),
+                      bandwidths_mbit_per_s=[50.0, 10.0], bucket_ms=1.0, loopback=False, repeats=3,
+                      profile_each_repeat=True),
     # churn measured and predicted: peer 1 of a collaborative pair killed and back (seconds from the swarm's
     # first stored step: after the warm-up and start-up steps), on loopback and on 50 Mbit/s links (needs root).
     # Three runs per cell: two runs of one such cell differed by 36 % on 2 cores, more than the model's error
@@ -335,10 +339,12 @@ def validation_cell(grid: ValidationGrid, setting: Setting, network: str, datase
         values["distributed"] = dict(microbatches=setting.microbatches, stage_bounds=stage_bounds)
     if model.config_table:
         values[model.config_table] = table
+    bucket = {} if grid.bucket_ms is None else {"bucket_ms": grid.bucket_ms}
     if isinstance(mbit_per_s, list):
-        values["network"] = dict(emulate=True, links=[dict(peer=i, bandwidth_mbit_per_s=r) for i, r in enumerate(mbit_per_s)])
+        values["network"] = dict(emulate=True, links=[dict(peer=i, bandwidth_mbit_per_s=r) for i, r in enumerate(mbit_per_s)],
+                                 **bucket)
     elif mbit_per_s is not None:
-        values["network"] = dict(emulate=True, bandwidth_mbit_per_s=mbit_per_s)
+        values["network"] = dict(emulate=True, bandwidth_mbit_per_s=mbit_per_s, **bucket)
     return Cell(key=key, label=key, values=values)
 
 
@@ -466,7 +472,7 @@ class _Links:
         if label not in self.goodput:
             stored = self.stored.get(label)
             self.goodput[label] = stored if stored is not None else (
-                links_goodput(mbit, self.grid.workers) if self.measure else 1.0)
+                links_goodput(mbit, self.grid.workers, self.grid.bucket_ms) if self.measure else 1.0)
             if self.progress:
                 how = "" if stored is None else " (as measured before their stored runs; --rerun measures again)"
                 print(f"validate {self.grid.name}: links {label} carry {self.goodput[label]:.3f} of their rate each "

@@ -52,15 +52,16 @@ def over_links(cluster: ClusterSpec, rates_mbit_per_s: float | list[float], work
                                       "averaging_efficiency": efficiency})
 
 
-def links_goodput(rates_mbit_per_s: float | list[float], workers: int) -> float:
+def links_goodput(rates_mbit_per_s: float | list[float], workers: int, bucket_ms: float | None = None) -> float:
     """The share of its rate an emulated link of a grid entry carries each way with both ways busy:
     measured on the entry's two slowest links (:func:`ddlscope.network.duplex.measure_duplex_goodput`),
-    or 1.0 (the full rate, with a warning on stderr) where emulated networks cannot be built."""
+    or 1.0 (the full rate, with a warning on stderr) where emulated networks cannot be built.
+    ``bucket_ms``: the links' token bucket (``[network] bucket_ms``; None: the default)."""
     from ddlscope.network.duplex import measure_duplex_goodput
 
     rates = sorted(rates_mbit_per_s if isinstance(rates_mbit_per_s, list) else [rates_mbit_per_s] * workers)
     try:
-        return measure_duplex_goodput(rates[0], rates[1] if len(rates) > 1 else rates[0]).both_ways
+        return measure_duplex_goodput(rates[0], rates[1] if len(rates) > 1 else rates[0], bucket_ms=bucket_ms).both_ways
     except UserError as err:
         print(f"validate: links of {rates} predicted at their full rate both ways ({err})", file=sys.stderr)
         return 1.0

@@ -93,7 +93,7 @@ def averaging_round_seconds(rates_mbit_per_s: list[float], megabytes: float, rou
                    "--rounds", str(rounds), "--bandwidth", str(rates_mbit_per_s[i])] \
                 + (["--declare"] if declare else []) \
                 + (["--cores", ",".join(map(str, cores[i]))] if cores is not None else [])
-            return subprocess.Popen(net.wrap(i, cmd), env=dict(os.environ, OMP_NUM_THREADS="1"),
+            return subprocess.Popen(net.wrap(i, cmd), env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=folder),
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
         procs = [start(0)]

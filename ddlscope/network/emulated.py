@@ -46,11 +46,14 @@ PREFIX = "ddl"
 QUEUE_LATENCY_MS = 100
 """tbf's queue: packets that would wait longer than this at the configured rate are dropped (as
 on a real bottleneck link's buffer)."""
-BUCKET_MS = 1.0
-"""tbf's bucket, in milliseconds at the configured rate: what an idle link lets through at once.
-A real link has none (every byte waits for the bytes before it), so it is kept small; with 10 ms
-(and at least 16 KiB) a request/response of 8 KiB each way over a 5 Mbit/s link took 0.3 ms
-instead of the 26 ms its bytes need at that rate (``benchmarks/emulated_links.py``, messages)."""
+BUCKET_MS = 10.0
+"""tbf's bucket by default (``[network] bucket_ms``), in milliseconds at the configured rate: what
+an idle link lets through at once. A real link has none (every byte waits for the bytes before
+it), but a bucket smaller than the kernel's 64 KiB segmentation-offload packets makes tbf cut them
+into 1,514-byte packets in software, on the cores that train: with 1 ms, fsdp's steps over 50 Mbit/s
+links took 11 % longer (docs/emulated-networks.md). With 10 ms a request/response of 8 KiB each way
+over a 10 Mbit/s link takes 0.3 ms instead of the 13 ms its bytes need at that rate; ``bucket_ms =
+1`` holds such small messages (dmoe's remote calls) to the rate."""
 BUCKET_MIN_BYTES = 2048
 """The smallest bucket: above one full-size packet (1,514 bytes with its Ethernet header), which
 must fit in the bucket or tbf drops it."""
@@ -105,6 +108,9 @@ class NetworkConfig(BaseModel):
     emulate: bool = Field(False, description="each peer in a network namespace of its own (root only)")
     bandwidth_mbit_per_s: float | None = Field(None, gt=0, le=400_000, description="every peer's upload and download, Mbit/s")
     latency_ms: float | None = Field(None, ge=0, le=10_000, description="one-way delay per link, ms (needs tc netem)")
+    bucket_ms: float = Field(BUCKET_MS, gt=0, le=1_000, description=(
+        "each link's token bucket, ms at its rate (at least 2 KiB): what an idle link lets through at once; "
+        "1 holds small messages to the rate but costs CPU in bulk transfers, 10 (default) the reverse"))
     links: list[LinkConfig] = Field(default_factory=list, description="per-peer and per-server overrides")
 
     @model_validator(mode="after")
@@ -206,6 +212,7 @@ class EmulatedNetwork:
     Args:
         rates_mbit_per_s: per peer (upload, download) in Mbit/s; None is unlimited.
         latency_ms: one-way delay added to each direction of every link (netem; None: none).
+        bucket_ms: each tbf's bucket, milliseconds at its rate (:data:`BUCKET_MS`).
         owner_pid: the process that owns it (its death removes it); default this process.
 
     Use :meth:`create`, start peer ``i`` with :meth:`wrap` (``ip netns exec``), let it listen on
@@ -214,6 +221,7 @@ class EmulatedNetwork:
 
     rates_mbit_per_s: list[tuple[float | None, float | None]]
     latency_ms: float | None = None
+    bucket_ms: float = BUCKET_MS
     owner_pid: int = field(default_factory=os.getpid)
     created: bool = False
     reaper: subprocess.Popen | None = None
@@ -284,9 +292,9 @@ class EmulatedNetwork:
         _ip("-n", ns, "link", "set", self.interface, "up")
         _ip("-n", ns, "link", "set", "lo", "up")
         if up is not None or self.latency_ms is not None:
-            _shape(["ip", "netns", "exec", ns, "tc"], self.interface, up, self.latency_ms)
+            _shape(["ip", "netns", "exec", ns, "tc"], self.interface, up, self.latency_ms, self.bucket_ms)
         if down is not None or self.latency_ms is not None:
-            _shape(["tc"], host_end, down, self.latency_ms)
+            _shape(["tc"], host_end, down, self.latency_ms, self.bucket_ms)
 
     # ------------------------------------------------------------------ read
     def counters(self) -> list[dict[str, float | int | str | None]]:
@@ -345,7 +353,7 @@ class EmulatedNetwork:
                             "on this machine (an emulated network lives on one machine)")
         check_can_emulate(latency=net.latency_ms is not None)
         remove_stale()
-        return cls(run_rates(cfg), net.latency_ms)
+        return cls(run_rates(cfg), net.latency_ms, net.bucket_ms)
 
     def peer_command(self, peer: int, cmd: list[str]) -> list[str]:
         """A worker's or service's command line run inside namespace ``peer``, listening on its
@@ -455,10 +463,11 @@ def _ip(*args: str) -> None:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip() or f'exit code {done.returncode}'}")
 
 
-def _shape(tc: list[str], dev: str, rate_mbit_per_s: float | None, latency_ms: float | None) -> None:
+def _shape(tc: list[str], dev: str, rate_mbit_per_s: float | None, latency_ms: float | None,
+           bucket_ms: float = BUCKET_MS) -> None:
     """Limit ``dev``'s egress: a tbf rate limit, or with a latency netem's delay and rate together.
 
-    tbf's bucket holds :data:`BUCKET_MS` at the rate (at least :data:`BUCKET_MIN_BYTES`); its queue
+    tbf's bucket holds ``bucket_ms`` at the rate (at least :data:`BUCKET_MIN_BYTES`); its queue
     :data:`QUEUE_LATENCY_MS`. netem (latency) queues up to 1000 packets.
     """
     if latency_ms is not None:
@@ -466,7 +475,7 @@ def _shape(tc: list[str], dev: str, rate_mbit_per_s: float | None, latency_ms: f
         cmd = [*tc, "qdisc", "replace", "dev", dev, "root", "netem", "delay", f"{latency_ms:g}ms", *rate, "limit", "1000"]
     else:
         rate_bytes_per_s = rate_mbit_per_s * 1e6 / 8
-        burst_bytes = max(BUCKET_MIN_BYTES, int(rate_bytes_per_s * BUCKET_MS / 1e3))
+        burst_bytes = max(BUCKET_MIN_BYTES, int(rate_bytes_per_s * bucket_ms / 1e3))
         cmd = [*tc, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit_per_s * 1000:.0f}kbit",
                "burst", str(burst_bytes), "latency", f"{QUEUE_LATENCY_MS}ms"]
     done = subprocess.run(cmd, capture_output=True, text=True)

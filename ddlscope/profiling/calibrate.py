@@ -689,7 +689,9 @@ def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[
                 procs.append(start_process(
                     [sys.executable, "-m", "ddlscope.profiling.calibrate", "--rank", str(rank), "--dir", tmp,
                      "--parent-pid", str(os.getpid())], os.path.join(tmp, f"worker-{rank}.log"), plan["threads"],
-                    env_extra={"PYTHONPATH": pythonpath}))
+                    # TMPDIR: what the children's multiprocessing puts in temporary folders (pymp-*) is
+                    # removed with this folder, also when a child is killed before it could remove it
+                    env_extra={"PYTHONPATH": pythonpath, "TMPDIR": tmp}))
             while True:
                 relay()
                 for rank, p in enumerate(procs):

@@ -702,7 +702,8 @@ def measure(progress: Callable[[str], None] | None = None, timeout_s: float = DE
         def start(role: str, core: int):
             cmd = [sys.executable, "-m", "ddlscope.profiling.dmoe_rpc", f"--{role}", "--dir", tmp, "--core", str(core),
                    "--parent-pid", str(os.getpid())]
-            procs.append(start_process(cmd, os.path.join(tmp, f"{role}.log"), 1, env_extra=env))
+            # TMPDIR: hivemind's multiprocessing folders (pymp-*) go with this one, also from a killed child
+            procs.append(start_process(cmd, os.path.join(tmp, f"{role}.log"), 1, env_extra={**env, "TMPDIR": tmp}))
             roles.append(role)
             return procs[-1]
 
