@@ -148,9 +148,9 @@ def measure_messages(rates: list[float], sizes_kib: list[float], exchanges: int,
     return rows
 
 
-def measure(rates: list[float], seconds: float, repeats: int, bucket_ms: float) -> list[dict]:
+def measure(rates: list[float], seconds: float, repeats: int, bucket_ms: float, unlimited: bool = True) -> list[dict]:
     rows = []
-    cases = [("unlimited", None)] + [(kind, r) for r in rates for kind in ("upload", "download")]
+    cases = [("unlimited", None)] * unlimited + [(kind, r) for r in rates for kind in ("upload", "download")]
     for kind, rate in cases:
         if kind == "download":
             links, senders, receiver = [(None, None), (None, None), (None, rate)], [0, 1], 2
@@ -205,7 +205,9 @@ def main() -> None:
     if not args.no_docs:
         check_docs_block(DOCS, "emulated-links")
     result = {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "seconds": args.seconds, "repeats": args.repeats,
-              "rows": [r for b in args.bucket_ms for r in measure(args.rates, args.seconds, args.repeats, b)],
+              # no bucket limits the unlimited case: measured once
+              "rows": [r for i, b in enumerate(args.bucket_ms)
+                       for r in measure(args.rates, args.seconds, args.repeats, b, unlimited=i == 0)],
               "exchanges": args.exchanges,
               "messages": [m for b in args.bucket_ms
                            for m in measure_messages(args.message_rates, args.message_kib, args.exchanges, b)]}

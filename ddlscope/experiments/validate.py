@@ -50,7 +50,7 @@ from ddlscope.distribution.collaborative import ChurnEvent
 from ddlscope.experiments.results import churn_window, measure_run
 from ddlscope.experiments.runner import Cell, RunFn, run_cells
 from ddlscope.modeling.links import averaging_goodput, links_goodput, over_links
-from ddlscope.network.emulated import emulated_models
+from ddlscope.network.emulated import BUCKET_MS, emulated_models
 from ddlscope.store.db import ResultsStore
 
 if TYPE_CHECKING:
@@ -104,8 +104,8 @@ class ValidationGrid(BaseModel):
         default_factory=list, description="emulated links, Mbit/s each way: a rate for every peer, or a list of one "
                                           "rate per worker (an uneven swarm); each gets cells of its own for the "
                                           "models that run on emulated networks")
-    bucket_ms: float | None = Field(None, gt=0, le=1_000, description="the emulated links' token bucket, ms at their "
-                                    "rate ([network] bucket_ms; default: the network's)")
+    bucket_ms: float = Field(BUCKET_MS, gt=0, le=1_000, description="the emulated links' token bucket, ms at their "
+                             "rate ([network] bucket_ms)")
     loopback: bool = Field(True, description="also run every model over loopback (the cells without emulated links)")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the workloads are profiled and every cell runs "
                                            "(its run config's device); `ddlscope validate --device` overrides it")
@@ -339,12 +339,11 @@ def validation_cell(grid: ValidationGrid, setting: Setting, network: str, datase
         values["distributed"] = dict(microbatches=setting.microbatches, stage_bounds=stage_bounds)
     if model.config_table:
         values[model.config_table] = table
-    bucket = {} if grid.bucket_ms is None else {"bucket_ms": grid.bucket_ms}
     if isinstance(mbit_per_s, list):
         values["network"] = dict(emulate=True, links=[dict(peer=i, bandwidth_mbit_per_s=r) for i, r in enumerate(mbit_per_s)],
-                                 **bucket)
+                                 bucket_ms=grid.bucket_ms)
     elif mbit_per_s is not None:
-        values["network"] = dict(emulate=True, bandwidth_mbit_per_s=mbit_per_s, **bucket)
+        values["network"] = dict(emulate=True, bandwidth_mbit_per_s=mbit_per_s, bucket_ms=grid.bucket_ms)
     return Cell(key=key, label=key, values=values)
 
 

@@ -15,6 +15,7 @@ import sys
 from ddlscope.errors import UserError
 from ddlscope.modeling.cluster import ClusterSpec, LinkSpec, PeerSpec
 from ddlscope.modeling.collectives import contention
+from ddlscope.network.emulated import BUCKET_MS
 
 
 def over_links(cluster: ClusterSpec, rates_mbit_per_s: float | list[float], workers: int,
@@ -52,11 +53,11 @@ def over_links(cluster: ClusterSpec, rates_mbit_per_s: float | list[float], work
                                       "averaging_efficiency": efficiency})
 
 
-def links_goodput(rates_mbit_per_s: float | list[float], workers: int, bucket_ms: float | None = None) -> float:
+def links_goodput(rates_mbit_per_s: float | list[float], workers: int, bucket_ms: float = BUCKET_MS) -> float:
     """The share of its rate an emulated link of a grid entry carries each way with both ways busy:
     measured on the entry's two slowest links (:func:`ddlscope.network.duplex.measure_duplex_goodput`),
     or 1.0 (the full rate, with a warning on stderr) where emulated networks cannot be built.
-    ``bucket_ms``: the links' token bucket (``[network] bucket_ms``; None: the default)."""
+    ``bucket_ms``: the links' token bucket (``[network] bucket_ms``)."""
     from ddlscope.network.duplex import measure_duplex_goodput
 
     rates = sorted(rates_mbit_per_s if isinstance(rates_mbit_per_s, list) else [rates_mbit_per_s] * workers)

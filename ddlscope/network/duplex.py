@@ -26,6 +26,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ddlscope.network.emulated import BUCKET_MS
+
 PORT = 5601
 """TCP port of the measurement inside the namespaces (they are the measurement's own)."""
 SECONDS = 2.0
@@ -54,21 +56,21 @@ class DuplexGoodput:
 
 def measure_duplex_goodput(rate_a_mbit_per_s: float, rate_b_mbit_per_s: float,
                            seconds: float = SECONDS, repeats: int = REPEATS,
-                           bucket_ms: float | None = None) -> DuplexGoodput:
+                           bucket_ms: float = BUCKET_MS) -> DuplexGoodput:
     """Measure a pair of emulated links (each the same rate up and down) one way and both ways.
 
     Builds a 2-namespace :class:`~ddlscope.network.emulated.EmulatedNetwork` (root only), sends
     ``seconds`` worth of bytes at the slower rate from namespace 1 to 0, then both ways at once,
     and removes the network; ``repeats`` times, keeping the median of each (single 2-s transfers
     at 50 Mbit/s gave 0.82 and 0.90 both ways on the same links). ``bucket_ms``: the links' token
-    bucket (``[network] bucket_ms``; None: the default).
+    bucket (``[network] bucket_ms``).
 
     Raises:
         UserError: this process cannot build emulated networks (not root, no iproute2).
         ValueError: a rate <= 0.
         RuntimeError: a transfer failed (its output is in the message).
     """
-    from ddlscope.network.emulated import BUCKET_MS, EmulatedNetwork, check_can_emulate
+    from ddlscope.network.emulated import EmulatedNetwork, check_can_emulate
 
     if not (rate_a_mbit_per_s > 0 and rate_b_mbit_per_s > 0):
         raise ValueError(f"rates {rate_a_mbit_per_s}, {rate_b_mbit_per_s}: allowed: Mbit/s > 0")
@@ -80,7 +82,7 @@ def measure_duplex_goodput(rate_a_mbit_per_s: float, rate_b_mbit_per_s: float,
     shares: dict[bool, list[float]] = {False: [], True: []}
     for both in [False, True] * repeats:
         links = [(rate_a_mbit_per_s, rate_a_mbit_per_s), (rate_b_mbit_per_s, rate_b_mbit_per_s)]
-        with EmulatedNetwork(links, bucket_ms=bucket_ms or BUCKET_MS) as net:
+        with EmulatedNetwork(links, bucket_ms=bucket_ms) as net:
             a, b = net.address(0), net.address(1)
             ends = [subprocess.Popen(net.wrap(i, [sys.executable, "-m", "ddlscope.network.duplex", role, me, peer,
                                                   str(nbytes), str(int(both))]),

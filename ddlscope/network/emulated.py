@@ -464,7 +464,7 @@ def _ip(*args: str) -> None:
 
 
 def _shape(tc: list[str], dev: str, rate_mbit_per_s: float | None, latency_ms: float | None,
-           bucket_ms: float = BUCKET_MS) -> None:
+           bucket_ms: float) -> None:
     """Limit ``dev``'s egress: a tbf rate limit, or with a latency netem's delay and rate together.
 
     tbf's bucket holds ``bucket_ms`` at the rate (at least :data:`BUCKET_MIN_BYTES`); its queue
