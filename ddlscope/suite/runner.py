@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ddlscope import distribution
-from ddlscope.experiments.results import BREAKDOWN, baseline_times, measure_run, speedup
+from ddlscope.experiments.results import baseline_times, measure_run, speedup
 from ddlscope.experiments.runner import RunFn, run_cells
 from ddlscope.store.db import ResultsStore
 from ddlscope.suite.spec import SuiteSpec, expand
@@ -59,7 +59,7 @@ class CellResult:
     """One cell's outcome. Times in seconds, bytes in bytes; None where the cell did not run.
 
     ``breakdown_s`` is the mean per measured step over workers of each part of the step
-    (see :data:`BREAKDOWN`; ``other_s`` is the step's wall time not covered by the parts).
+    (see :data:`ddlscope.experiments.results.BREAKDOWN`; ``other_s`` is the step's wall time not covered by the parts).
     """
 
     run_id: str
