@@ -59,21 +59,25 @@ def _ours(tag: str) -> tuple[list[str], list[str]]:
             [d["ifname"] for d in json.loads(links) if d["ifname"].startswith(f"ddl{tag}-")])
 
 
+def _tbf(namespace: str | None, dev: str) -> list[dict]:
+    """The options of every tbf qdisc on ``dev`` (in ``namespace``; None: this one), as ``tc -j`` gives them."""
+    prefix = ["ip", "netns", "exec", namespace] if namespace else []
+    shown = subprocess.run([*prefix, "tc", "-j", "qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
+    return [q["options"] for q in json.loads(shown) if q["kind"] == "tbf"]
+
+
 @needs_root
 def test_peers_talk_only_through_their_rate_limited_links_and_everything_is_removed():
     net = EmulatedNetwork([(20.0, None), (None, 50.0)]).create()
     try:
         ns0 = net.namespace(0)
         # the limits sit where the text says: peer 0's upload on its eth0, peer 1's download on the bridge's end
-        up0 = json.loads(subprocess.run(["ip", "netns", "exec", ns0, "tc", "-j", "qdisc", "show", "dev", "eth0"],
-                                        capture_output=True, text=True).stdout)
-        down1 = json.loads(subprocess.run(["tc", "-j", "qdisc", "show", "dev", net.host_veth(1)],
-                                          capture_output=True, text=True).stdout)
-        assert [q["options"]["rate"] for q in up0 if q["kind"] == "tbf"] == [20_000_000 // 8]
-        assert [q["options"]["rate"] for q in down1 if q["kind"] == "tbf"] == [50_000_000 // 8]
+        up0, down1 = _tbf(ns0, "eth0"), _tbf(None, net.host_veth(1))
+        assert [q["rate"] for q in up0] == [20_000_000 // 8]
+        assert [q["rate"] for q in down1] == [50_000_000 // 8]
         # an idle link lets its bucket through at once: 10 ms at its rate by default
-        assert [q["options"]["burst"] for q in up0 if q["kind"] == "tbf"] == [20_000_000 // 8 // 100]
-        assert [q["options"]["burst"] for q in down1 if q["kind"] == "tbf"] == [50_000_000 // 8 // 100]
+        assert [q["burst"] for q in up0] == [20_000_000 // 8 // 100]
+        assert [q["burst"] for q in down1] == [50_000_000 // 8 // 100]
         # 2 MiB from peer 0 to peer 1 over the namespaces' addresses
         server = subprocess.Popen(net.wrap(1, [sys.executable, "-c", (
             "import socket; s = socket.socket(); s.bind(('10.201.0.3', 5555)); s.listen(); c, _ = s.accept(); n = 0\n"
@@ -105,16 +109,12 @@ def test_a_runs_bucket_sets_what_an_idle_link_lets_through_at_once():
                                         network=dict(emulate=True, bandwidth_mbit_per_s=50.0, bucket_ms=1.0)))
     net = EmulatedNetwork.for_run(cfg, 2).create()
     try:
-        up = json.loads(subprocess.run(["ip", "netns", "exec", net.namespace(0), "tc", "-j", "qdisc", "show", "dev",
-                                        "eth0"], capture_output=True, text=True).stdout)
-        assert [q["options"]["burst"] for q in up if q["kind"] == "tbf"] == [50_000_000 // 8 // 1000]  # 1 ms
+        assert [q["burst"] for q in _tbf(net.namespace(0), "eth0")] == [50_000_000 // 8 // 1000]  # 1 ms
     finally:
         net.remove()
     small = EmulatedNetwork([(5.0, None)], bucket_ms=1.0).create()  # 1 ms at 5 Mbit/s is 625 B: a packet must fit
     try:
-        up = json.loads(subprocess.run(["ip", "netns", "exec", small.namespace(0), "tc", "-j", "qdisc", "show", "dev",
-                                        "eth0"], capture_output=True, text=True).stdout)
-        assert [q["options"]["burst"] for q in up if q["kind"] == "tbf"][0] >= 2047  # at least 2 KiB (tc rounds)
+        assert [q["burst"] for q in _tbf(small.namespace(0), "eth0")][0] >= 2047  # at least 2 KiB (tc rounds)
     finally:
         small.remove()
     with pytest.raises(ValidationError, match="bucket_ms"):

@@ -339,11 +339,10 @@ def validation_cell(grid: ValidationGrid, setting: Setting, network: str, datase
         values["distributed"] = dict(microbatches=setting.microbatches, stage_bounds=stage_bounds)
     if model.config_table:
         values[model.config_table] = table
-    if isinstance(mbit_per_s, list):
-        values["network"] = dict(emulate=True, links=[dict(peer=i, bandwidth_mbit_per_s=r) for i, r in enumerate(mbit_per_s)],
-                                 bucket_ms=grid.bucket_ms)
-    elif mbit_per_s is not None:
-        values["network"] = dict(emulate=True, bandwidth_mbit_per_s=mbit_per_s, bucket_ms=grid.bucket_ms)
+    if mbit_per_s is not None:
+        rates = dict(links=[dict(peer=i, bandwidth_mbit_per_s=r) for i, r in enumerate(mbit_per_s)]) \
+            if isinstance(mbit_per_s, list) else dict(bandwidth_mbit_per_s=mbit_per_s)
+        values["network"] = dict(emulate=True, bucket_ms=grid.bucket_ms, **rates)
     return Cell(key=key, label=key, values=values)
 
 
