@@ -278,12 +278,25 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
         lines += ["Emulated links, measured before predicting their cells: the share of its rate a link carried each "
                   "way with both ways busy (`ddlscope.network.duplex`): "
                   + ", ".join(f"{link} {'–' if g is None else f'{g:.3f}'}" for link, g in goodput.items()) + ".", ""]
-    averaging = {c.get("link"): c.get("averaging_goodput") for c in result.get("cells", [])
-                 if c.get("link") and c.get("averaging_goodput") is not None}
+    # one share per link, or one per round of runs where each round measured its own
+    averaging = {c.get("link"): c.get("averaging_goodput_rounds") or [c.get("averaging_goodput")]
+                 for c in result.get("cells", []) if c.get("link") and c.get("averaging_goodput") is not None}
     if averaging:
+        rounds = max(len(g) for g in averaging.values()) > 1
         lines += ["The share of its rate hivemind's averaging rounds reached over the same links, each peer on one core "
-                  "(`ddlscope.network.averaging_probe`; the collaborative model's rounds run at it): "
-                  + ", ".join(f"{link} {g:.3f}" for link, g in averaging.items()) + ".", ""]
+                  "(`ddlscope.network.averaging_probe`; the collaborative model's rounds run at it)"
+                  + (", measured before each round of runs" if rounds else "") + ": "
+                  + ", ".join(f"{link} " + " / ".join("–" if x is None else f"{x:.3f}" for x in g)
+                              for link, g in averaging.items()) + ".", ""]
+    fits = next((c["hivemind_fits"] for c in result.get("cells", []) if c.get("hivemind_fits")), [])
+    if fits:
+        lines += ["hivemind's overhead and overshoot, measured again right before each round (hivemind swarms of the "
+                  "grid's network on its workers, `ddlscope.profiling.calibrate.calibrate_hivemind`; the collaborative "
+                  "cells of that round are predicted with it): "
+                  + "; ".join(f"round {f['round']} {f['epoch_overhead_s']:.3g} s + {f['overhead_steps']:.3g} x step "
+                              f"per global epoch, overshoot {f['overshoot_steps']:.2f} steps"
+                              + ("" if f.get("measured") in ("now", "cached") else f" ({f['measured']})")
+                              for f in fits) + ".", ""]
     columns = ["distribution model (@ emulated link)", "cells", "median abs error", "max abs error",
                "median error (signed)", "run-to-run spread (median)", "median abs error at the runs' compute",
                "thesis reference: median abs error", "target", "met"]

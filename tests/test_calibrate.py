@@ -269,3 +269,58 @@ def test_fit_swarm_reads_whole_epochs_after_the_first_and_fits_overhead_against_
     short = {**worker, "swarms": [swarm(32, 1.0, 1.0), {**swarm(8, 0.25, 0.6), "steps": swarm(8, 0.25, 0.6)["steps"][:6]}]}
     with pytest.raises(ValueError, match="batch 8: worker 0 timed 1 whole global epochs"):
         swarm_epochs([short])
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(workers=1), "at least 2 workers"),
+    (dict(workers=2, swarm_epochs=1), r"swarm_epochs = 1; allowed: >= 2"),
+    (dict(workers=2, matchmaking_time_s=0.0), r"matchmaking time 0 s; allowed: > 0"),
+    (dict(workers=2, swarm_batch_sizes=[8, 8]), r"swarm batch sizes \[8, 8\]; allowed: one or more distinct"),
+    (dict(workers=2, swarm_reference=("nope", "mnist")), r"swarm network 'nope'"),
+])
+def test_calibrate_hivemind_refuses_bad_arguments_before_starting_anything(kwargs, match):
+    from ddlscope.profiling.calibrate import calibrate_hivemind
+
+    before = {p.pid for p in _children()}
+    with pytest.raises(UserError, match=match):
+        calibrate_hivemind(**kwargs)
+    assert {p.pid for p in _children()} - before == set()
+
+
+def test_load_or_calibrate_hivemind_keeps_its_fit_while_the_options_match(tmp_path, monkeypatch):
+    import ddlscope.profiling.calibrate as cal
+    from ddlscope.modeling.cluster import HivemindFit
+
+    measured = []
+
+    def measure(progress=None, **options):
+        measured.append(options)
+        return HivemindFit(epoch_overhead_s=1.0 + len(measured), overshoot_points=[(0.5, 0.25)])
+
+    monkeypatch.setattr(cal, "calibrate_hivemind", measure)
+    opts = dict(workers=2, threads=1, swarm_reference=("mobilenet_v2", "mnist"), swarm_batch_sizes=[32])
+    fit, cached = cal.load_or_calibrate_hivemind(tmp_path, **opts)
+    assert (fit.epoch_overhead_s, cached, len(measured)) == (2.0, False, 1)
+    again, cached = cal.load_or_calibrate_hivemind(tmp_path, progress=print, **opts)
+    assert again == fit and cached and len(measured) == 1  # read back whole, tuples included
+    other, cached = cal.load_or_calibrate_hivemind(tmp_path, **{**opts, "swarm_batch_sizes": [16]})
+    assert other.epoch_overhead_s == 3.0 and not cached  # other options: measured again, and kept instead
+    fresh, cached = cal.load_or_calibrate_hivemind(tmp_path, refresh=True, **{**opts, "swarm_batch_sizes": [16]})
+    assert fresh.epoch_overhead_s == 4.0 and not cached
+    (tmp_path / cal.HIVEMIND_FIT_FILE).write_text("{not json")
+    assert cal.load_or_calibrate_hivemind(tmp_path, **opts)[0].epoch_overhead_s == 5.0  # unreadable: measured again
+
+
+@pytest.mark.slow
+def test_calibrate_hivemind_measures_only_the_swarms_and_leaves_no_process():
+    """The hivemind swarms alone (no collectives), on the zoo's smallest network: a fit of that network."""
+    from ddlscope.profiling.calibrate import calibrate_hivemind
+
+    before = {p.pid for p in _children()}
+    lines = []
+    fit = calibrate_hivemind(workers=2, swarm_epochs=2, swarm_reference=("tiny_cnn", "mnist"), swarm_batch_sizes=[8],
+                             matchmaking_time_s=0.5, progress=lines.append)
+    assert fit.reference_network == "tiny_cnn" and fit.matchmaking_time_s == 0.5
+    assert fit.epoch_overhead_s > 0 and fit.epoch_cpu_s > 0 and len(fit.overshoot_points) == 1
+    assert any("hivemind swarm, batch 8: global epoch" in line for line in lines)
+    assert not any("ping-pong" in line or "compute kernel" in line for line in lines)  # no collectives measured
+    assert {p.pid for p in _children()} - before == set()

@@ -122,6 +122,23 @@ def test_predictor_table_shows_each_model_and_target():
     assert "| ddp | 6 | 12.3 % | 20.0 % | +10.0 % | 18.7 % | 3.1 % | eq5.1: 10.4 % | <= 10.0 % | **no** |" in body.splitlines()
     assert "| single | 6 | 5.1 % | 7.6 % | -2.0 % | – | – |  | <= 10.0 % | yes |" in body.splitlines()
     assert "*At the runs' compute*: the prediction with its forward, backward and optimizer times" in body
+    assert "measured again right before each round" not in body  # no hivemind fit per round: no such line
+    fits = [{"round": 1, "epoch_overhead_s": 1.84, "overhead_steps": 0.0, "overshoot_steps": 0.3, "measured": "now"},
+            {"round": 2, "epoch_overhead_s": 9.0, "overhead_steps": 0.5, "overshoot_steps": 0.1,
+             "measured": "kept the cluster's fit: worker 1 failed"}]
+    repeated["cells"] = [{**cell, "hivemind_fits": fits} for cell in repeated.get("cells", [{}])]
+    body = docs.predictor_markdown(repeated, header=HEADER)
+    assert "hivemind's overhead and overshoot, measured again right before each round" in body
+    # hivemind's averaging share over each link: one per link, or one per round where each round probed its own
+    link = {"link": "10 Mbit/s", "averaging_goodput": 0.7, "outcomes": []}
+    one = docs.predictor_markdown({**repeated, "cells": [link]}, header=HEADER)
+    assert "each peer on one core (`ddlscope.network.averaging_probe`; the collaborative model's rounds run at it): " \
+           "10 Mbit/s 0.700." in one
+    rounds = docs.predictor_markdown({**repeated, "cells": [{**link, "averaging_goodput_rounds": [0.7, None, 0.75]}]},
+                                     header=HEADER)
+    assert "run at it), measured before each round of runs: 10 Mbit/s 0.700 / – / 0.750." in rounds
+    assert ("): round 1 1.84 s + 0 x step per global epoch, overshoot 0.30 steps; round 2 9 s + 0.5 x step per "
+            "global epoch, overshoot 0.10 steps (kept the cluster's fit: worker 1 failed).") in body
 
 
 def test_default_header_names_script_date_machine_and_commit():

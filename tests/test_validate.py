@@ -261,7 +261,7 @@ def test_a_rerender_predicts_stored_runs_at_the_link_share_measured_before_them(
 
     (first,), _ = _validate_links(tmp_path, monkeypatch, ["ddp"], bandwidths_mbit_per_s=[10.0], loopback=False)
     db = tmp_path / "r.db"
-    assert first.link_goodput == 1.0 and _stored_link_goodputs(db, "v") == {"10 Mbit/s": 1.0}
+    assert first.link_goodput == 1.0 and _stored_link_goodputs(db, "v") == {("10 Mbit/s", 0): 1.0}
     assert _stored_link_goodputs(tmp_path / "none.db", "v") == {}
     with ResultsStore(db) as store:  # as if the links had carried 0.8 of their rate when the runs were made
         (pred,) = store.predictions("v")
@@ -276,6 +276,38 @@ def test_a_rerender_predicts_stored_runs_at_the_link_share_measured_before_them(
         first.outcome("ddp").predicted_parts_s["comm_wait_s"] / 0.8, rel=0.05)
     (rerun,), _ = _validate_links(tmp_path, monkeypatch, ["ddp"], bandwidths_mbit_per_s=[10.0], loopback=False, rerun=True)
     assert rerun.link_goodput == 1.0  # measured again (runs stood in for: the full rate)
+
+
+def test_hivemind_rounds_share_is_measured_before_each_round_and_read_back_per_round(tmp_path, monkeypatch):
+    """A grid with a round per repeat probes hivemind's averaging rounds before each round (the TCP
+    share once); a re-render predicts each round's runs at the share stored with them."""
+    import ddlscope.experiments.validate as validate
+
+    readings = iter([0.7, 0.75, 0.8])
+    monkeypatch.setattr(validate, "averaging_goodput", lambda mbit, workers, param_bytes: next(readings))
+    grid = ValidationGrid(name="v", datasets=["mnist"], networks=["tiny_cnn"], strategies=["collaborative"],
+                          bandwidths_mbit_per_s=[10.0], loopback=False, repeats=3, profile_each_repeat=True)
+    links = validate._Links(grid, tmp_path / "none.db", measure=True, rerun=False, progress=False)
+    assert [links.averaging(10.0, 1e6, r) for r in (0, 1, 2, 1)] == [0.7, 0.75, 0.8, 0.75]  # once per round
+    assert validate.ValidationGrid.model_fields["hivemind_each_repeat"].default is True
+    # stored runs: each round's predictions made at their own share, predicted again at it
+    fields = dict(bandwidths_mbit_per_s=[10.0], loopback=False, repeats=3, profile_each_repeat=True)
+    (first,), _ = _validate_links(tmp_path, monkeypatch, ["collaborative"], **fields)
+    assert first.averaging_goodput is None and first.averaging_goodput_rounds == []  # stand-in runs: not probed
+    with ResultsStore(tmp_path / "r.db") as store:
+        for pred in store.predictions("v"):
+            share = {"-r2": 0.6, "-r3": 0.3}.get(pred["cell_key"][-3:], 0.9)  # round 1's key has no suffix
+            detail = {**json.loads(pred["detail_json"]), "averaging_goodput": share}
+            store.conn.execute("UPDATE predictions SET detail_json = ? WHERE prediction_id = ?",
+                               (json.dumps(detail), pred["prediction_id"]))
+        store.conn.commit()
+    (again,), _ = _validate_links(tmp_path, monkeypatch, ["collaborative"], **fields)
+    assert again.averaging_goodput == 0.9 and again.averaging_goodput_rounds == [0.9, 0.6, 0.3]
+    slower = again.outcome("collaborative").predicted_repeats_epoch_s
+    assert slower[0] < slower[1] < slower[2]  # the rounds' averaging at 0.9, 0.6 and 0.3 of the link
+    (one,), _ = _validate_links(tmp_path, monkeypatch, ["collaborative"], **fields, hivemind_each_repeat=False)
+    assert one.averaging_goodput_rounds == []  # one probe per link: the first round's serves them all
+    assert len(set(one.outcome("collaborative").predicted_repeats_epoch_s)) == 1
 
 
 def test_uneven_links_give_each_worker_its_rate_and_loopback_can_be_left_out(tmp_path, monkeypatch):
@@ -333,14 +365,15 @@ def test_validate_tiny_stores_predictions_next_to_real_runs(tmp_path):
     assert conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 3
 
 
-@pytest.mark.parametrize("flag, rerun, each", [([], False, False), (["--rerun"], True, False),
-                                               (["links", "--profile-each-repeat"], False, True),
-                                               (["links", "--one-profile"], False, False), (["links"], False, True)])
-def test_validate_cli_hands_rerun_to_the_runs(tmp_path, monkeypatch, flag, rerun, each):
+@pytest.mark.parametrize("flag, rerun, each, hivemind", [
+    ([], False, False, True), (["--rerun"], True, False, True), (["links", "--profile-each-repeat"], False, True, True),
+    (["links", "--one-profile"], False, False, True), (["links"], False, True, True),
+    (["links", "--one-hivemind-fit"], False, True, False), (["links", "--hivemind-each-repeat"], False, True, True)])
+def test_validate_cli_hands_rerun_to_the_runs(tmp_path, monkeypatch, flag, rerun, each, hivemind):
     """``--rerun`` reaches :func:`run_validation` (which hands it to ``run_cells``: every cell runs again,
     tests/test_experiments.py); without it, stored runs are reused (the real test above). The grid's
     ``profile_each_repeat`` (the ``links`` preset's True) is overridden by ``--profile-each-repeat`` /
-    ``--one-profile``."""
+    ``--one-profile``, its ``hivemind_each_repeat`` by ``--hivemind-each-repeat`` / ``--one-hivemind-fit``."""
     from typer.testing import CliRunner
 
     from ddlscope.cli import app
@@ -357,3 +390,58 @@ def test_validate_cli_hands_rerun_to_the_runs(tmp_path, monkeypatch, flag, rerun
                                       str(tmp_path / "r.db"), "--no-progress"])
     assert result.exit_code == 130, result.output
     assert seen["rerun"] is rerun and seen["run_real"] is True and seen["grid"].profile_each_repeat is each
+    assert seen["grid"].hivemind_each_repeat is hivemind
+
+
+def test_each_round_measures_hivemind_again_and_predicts_its_swarm_cells_with_that_fit(tmp_path, monkeypatch):
+    """profile_each_repeat with a hivemind model: before each round the hivemind fit is measured
+    again (cached next to the round's profile), that round's collaborative prediction reads it,
+    the cell lists every round's fit, and a re-render reads the cached fits; a round whose swarms
+    fail keeps the cluster's fit and says why."""
+    import ddlscope.profiling.calibrate
+    import ddlscope.profiling.profile
+    from ddlscope.modeling.cluster import HivemindFit
+    from ddlscope.profiling.calibrate import CalibrationError
+
+    monkeypatch.setattr(ddlscope.profiling.profile, "load_or_profile", lambda *a, **k: make_profile())
+    overhead_s = {"profiles": 2.0, "repeat-2": 1.5, "repeat-3": None}  # round 3's swarms fail
+    calls = []
+
+    def measure(cache_dir, refresh=False, **options):
+        calls.append((cache_dir.name, refresh, options["swarm_reference"], options["swarm_batch_sizes"]))
+        if overhead_s[cache_dir.name] is None:
+            raise CalibrationError("calibration worker 1 failed: boom")
+        return HivemindFit(epoch_overhead_s=overhead_s[cache_dir.name], overshoot_steps=0.3), False
+
+    monkeypatch.setattr(ddlscope.profiling.calibrate, "load_or_calibrate_hivemind", measure)
+    grid = ValidationGrid(name="v", datasets=["mnist"], networks=["tiny_cnn"], strategies=["collaborative", "ddp"],
+                          workers=2, batch_size=16, warmup_batches=1, measured_batches=2, threads_per_device=1,
+                          synthetic_train_size=16, repeats=3, profile_each_repeat=True, target_batch_size=32)
+    cluster = make_cluster().model_copy(update={"hivemind": HivemindFit(epoch_overhead_s=9.0)})
+    run, _ = fake_run_fn(step_s=0.5)
+    db = tmp_path / "r.db"
+    (cell,) = run_validation(grid, cluster, db, profile_dir=tmp_path / "profiles", progress=False, run_fn=run)
+    assert calls == [(name, False, ("tiny_cnn", "mnist"), [8]) for name in ("profiles", "repeat-2", "repeat-3")]
+    assert [(f["round"], f["epoch_overhead_s"]) for f in cell.hivemind_fits] == [(1, 2.0), (2, 1.5), (3, 9.0)]
+    assert [f["measured"] for f in cell.hivemind_fits][:2] == ["now", "now"]
+    assert "kept the cluster's fit" in cell.hivemind_fits[2]["measured"] and "boom" in cell.hivemind_fits[2]["measured"]
+    with ResultsStore(db) as store:
+        read = {p["cell_key"]: json.loads(p["detail_json"])["inputs"]["hivemind_epoch_overhead_s"]
+                for p in store.predictions("v") if p["strategy"] == "collaborative"}
+    base = min(read)
+    assert read == {base: 2.0, base + "-r2": 1.5, base + "-r3": 9.0}  # each round's runs, predicted with its fit
+    # without a hivemind fit in the cluster, or without a model that averages with hivemind, nothing is measured
+    calls.clear()
+    run_validation(grid, make_cluster(), tmp_path / "b.db", profile_dir=tmp_path / "p2", progress=False, run_fn=run)
+    run_validation(grid.model_copy(update={"strategies": ["ddp"]}), cluster, tmp_path / "c.db",
+                   profile_dir=tmp_path / "p3", progress=False, run_fn=run)
+    assert calls == []
+    # hivemind_each_repeat off: every round predicted with the cluster's fit, nothing measured
+    calls.clear()
+    (kept,) = run_validation(grid.model_copy(update={"hivemind_each_repeat": False}), cluster, tmp_path / "d.db",
+                             profile_dir=tmp_path / "p4", progress=False, run_fn=run)
+    assert calls == [] and kept.hivemind_fits == []
+    # --rerun measures every round's fit again
+    overhead_s["repeat-3"] = 1.0
+    run_validation(grid, cluster, db, profile_dir=tmp_path / "profiles", progress=False, run_fn=run, rerun=True)
+    assert [c[:2] for c in calls] == [("profiles", True), ("repeat-2", True), ("repeat-3", True)]

@@ -33,6 +33,7 @@ churn that happened (:func:`churn_outcome`).
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -120,6 +121,11 @@ class ValidationGrid(BaseModel):
         False, description="profile again right before each repeat's runs and predict them from that profile: on a "
                            "machine whose speed drifts over the hours a grid takes, each prediction is then compared "
                            "with runs made right after its profile, as a user's would be")
+    hivemind_each_repeat: bool = Field(
+        True, description="with profile_each_repeat: also measure the cluster's hivemind fit (calibrate --hivemind's "
+                          "swarms) and hivemind's averaging share over each link again before each round, since both "
+                          "follow how busy the machine is; false: the cluster's fit and one probe per link serve "
+                          "every round (e.g. to predict stored runs from a given calibration)")
 
     @field_validator("bandwidths_mbit_per_s")
     @classmethod
@@ -362,6 +368,13 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
     it (each prediction stored under its run's key, cached profiles in ``profile_dir/repeat-N``);
     otherwise (and with ``run_real`` False) one profile and one prediction per cell serve every round.
     ``rerun`` runs every cell again and, where each round has its profile, profiles again too.
+    Unless the grid's ``hivemind_each_repeat`` is False, such a grid with a model whose cost model
+    reads the hivemind fit (its ``calibrations``) and a cluster with that fit also measures that fit
+    again right before each round (:func:`round_hivemind_fit`, cached next to the round's profile;
+    a store from before these were kept measures them when it is re-rendered), so that hivemind's
+    overhead and overshoot follow the machine's state as the profile does; each cell's
+    ``hivemind_fits`` lists the fit every round was predicted with. Its averaging share over each
+    link is probed before each round too (``averaging_goodput_rounds``).
 
     Raises:
         KeyboardInterrupt: after the running cell was stopped and stored as interrupted.
@@ -379,9 +392,17 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
     rounds = [[r] for r in range(grid.repeats)] if each else [list(range(grid.repeats))]
     plans: list[list[_Planned]] = []
     runs: dict[str, tuple[str | None, str, str | None]] = {}
+    refit = each and grid.hivemind_each_repeat and cluster.hivemind is not None and any("hivemind" in distribution.get(name).calibrations
+                                                           for name in grid.strategies)
+    fits: list[dict[str, Any]] = []
     for repeats in rounds:
         here = profile_dir if repeats[0] == 0 else profile_dir / f"repeat-{repeats[0] + 1}"
-        plans.append(_predict(grid, cluster, db_path, root, here, repeats, links, progress, refresh=rerun and each))
+        at = cluster
+        if refit:
+            fit, row = round_hivemind_fit(grid, cluster, here, repeats[0], refresh=rerun, progress=progress)
+            fits.append(row)
+            at = cluster.model_copy(update={"hivemind": fit})
+        plans.append(_predict(grid, at, db_path, root, here, repeats, links, progress, refresh=rerun and each))
         if run_real:
             # repeats interleaved: every cell once, then every cell again, so that a drift of the machine
             # (another load, thermal state) spreads over all cells rather than biasing some
@@ -399,8 +420,49 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
             outcomes.append(_repeated_outcome(grid, db_path, tries))
         out.append(ValidationCell(dataset=first.dataset, network=first.label, workers=grid.workers, outcomes=outcomes,
                                   predict_s=first.predict_s, link=first.link, link_goodput=first.link_goodput,
-                                  averaging_goodput=first.averaging_goodput))
+                                  averaging_goodput=first.averaging_goodput, hivemind_fits=fits,
+                                  averaging_goodput_rounds=[plan[i].averaging_goodput for plan in plans]
+                                  if len(plans) > 1 and grid.hivemind_each_repeat and first.averaging_goodput is not None
+                                  else []))
     return out
+
+
+def round_hivemind_fit(grid: ValidationGrid, cluster: ClusterSpec, cache_dir: Path, round_index: int,
+                       refresh: bool = False, progress: bool = True) -> tuple[Any, dict[str, Any]]:
+    """The hivemind fit a round of ``grid`` is predicted with: measured right before it on the grid's
+    workers (:func:`ddlscope.profiling.calibrate.load_or_calibrate_hivemind`, the swarm options of
+    :func:`calibration_options`), kept in ``cache_dir`` (the round's profile folder) so that a
+    re-render predicts from the same fit (``refresh``: measured again). Where the swarms fail, the
+    cluster's own fit, with the reason printed and recorded.
+
+    Returns:
+        (the :class:`~ddlscope.modeling.cluster.HivemindFit`, a row for the report: ``round`` (from 1),
+        ``epoch_overhead_s``, ``overhead_steps``, ``overshoot_steps`` and ``measured``: ``"now"``,
+        ``"cached"`` or why the cluster's fit was kept).
+    """
+    from ddlscope.profiling.calibrate import CalibrationError, load_or_calibrate_hivemind
+
+    options = {k: v for k, v in calibration_options(grid).items()
+               if k in ("matchmaking_time_s", "swarm_reference", "swarm_batch_sizes")}
+
+    def say(line: str) -> None:
+        print(f"validate {grid.name}: {line}", file=sys.stderr, flush=True)
+
+    if progress:
+        say(f"measuring hivemind's overhead and overshoot before round {round_index + 1} (hivemind swarms)")
+    try:
+        fit, cached = load_or_calibrate_hivemind(cache_dir, refresh=refresh, workers=grid.workers,
+                                                 threads=grid.threads, progress=say if progress else None, **options)
+        measured = "cached" if cached else "now"
+    except CalibrationError as e:
+        fit, measured = cluster.hivemind, f"kept the cluster's fit: {e}"
+        say(f"round {round_index + 1}: hivemind's fit not measured ({e}); predicting with the cluster's")
+    row = {"round": round_index + 1, "epoch_overhead_s": fit.epoch_overhead_s, "overhead_steps": fit.overhead_steps,
+           "overshoot_steps": fit.overshoot_steps, "measured": measured}
+    if progress:
+        say(f"round {round_index + 1}: hivemind adds {fit.epoch_overhead_s:.3g} s + {fit.overhead_steps:.3g} x step "
+            f"per global epoch, peers overshoot by {fit.overshoot_steps:.3g} steps ({measured})")
+    return fit, row
 
 
 @dataclass
@@ -439,36 +501,39 @@ class _Try:
 
 class _Links:
     """The both-ways share of each link entry's rate (``ddlscope.network.duplex``), measured once
-    per validation (1.0 when ``measure`` is False: no real runs, or stand-in runs), or as stored
-    with the grid's earlier predictions (:func:`_stored_link_goodputs`) unless ``rerun``."""
+    per validation (1.0 when ``measure`` is False: no real runs, or stand-in runs), and the share
+    hivemind's averaging rounds reach, measured once per round of runs, or both as stored with the
+    grid's earlier predictions (:func:`_stored_link_goodputs`) unless ``rerun``."""
 
     def __init__(self, grid: ValidationGrid, db_path: Path, measure: bool, rerun: bool, progress: bool):
         self.grid, self.measure, self.progress = grid, measure, progress
         self.stored = {} if rerun else _stored_link_goodputs(db_path, grid.name)
         self.stored_averaging = {} if rerun else _stored_link_goodputs(db_path, grid.name, "averaging_goodput")
         self.goodput: dict[str, float] = {}
-        self.averaging_goodput: dict[str, float | None] = {}
+        self.averaging_goodput: dict[tuple[str, int], float | None] = {}
 
-    def averaging(self, mbit: float | list[float], param_bytes: float) -> float | None:
+    def averaging(self, mbit: float | list[float], param_bytes: float, round_index: int = 0) -> float | None:
         """The share hivemind's averaging rounds reach on the entry's links (``links.averaging_goodput``,
-        rounds of ``param_bytes``), measured once per validation like :meth:`share`; None without
-        real runs or where it cannot be measured (the rounds are then priced at the TCP share)."""
-        label = link_label(mbit)
-        if label not in self.averaging_goodput:
-            stored = self.stored_averaging.get(label)
-            self.averaging_goodput[label] = stored if stored is not None else (
+        rounds of ``param_bytes``), measured once per round of runs (``round_index``, from 0: each
+        peer's one core is as busy as the machine is then; two passes' probes of the same 50 Mbit/s
+        links read 0.709 and 0.773 and moved the link-bound collaborative cell by 7 %); None
+        without real runs or where it cannot be measured (the rounds are then priced at the TCP share)."""
+        key = (link_label(mbit), round_index)
+        if key not in self.averaging_goodput:
+            stored = self.stored_averaging.get(key)
+            self.averaging_goodput[key] = stored if stored is not None else (
                 averaging_goodput(mbit, self.grid.workers, param_bytes) if self.measure else None)
-            if self.progress and self.averaging_goodput[label] is not None:
+            if self.progress and self.averaging_goodput[key] is not None:
                 how = "" if stored is None else " (as measured before their stored runs; --rerun measures again)"
-                print(f"validate {self.grid.name}: hivemind's averaging rounds over links {label} carry "
-                      f"{self.averaging_goodput[label]:.3f} of their rate, one core per peer{how}",
-                      file=sys.stderr, flush=True)
-        return self.averaging_goodput[label]
+                print(f"validate {self.grid.name}: hivemind's averaging rounds over links {key[0]} carry "
+                      f"{self.averaging_goodput[key]:.3f} of their rate, one core per peer"
+                      + (f" (round {round_index + 1})" if round_index else "") + how, file=sys.stderr, flush=True)
+        return self.averaging_goodput[key]
 
     def share(self, mbit: float | list[float]) -> float:
         label = link_label(mbit)
         if label not in self.goodput:
-            stored = self.stored.get(label)
+            stored = self.stored.get((label, 0))
             self.goodput[label] = stored if stored is not None else (
                 links_goodput(mbit, self.grid.workers, self.grid.bucket_ms) if self.measure else 1.0)
             if self.progress:
@@ -510,7 +575,7 @@ def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Pa
                 goodput = None if mbit is None else links.share(mbit)  # measured once per link entry, not timed
                 averaging = None if mbit is None or not any(distribution.get(s.strategy).averages_with_hivemind
                                                             for s in here) \
-                    else links.averaging(mbit, profile.param_bytes)
+                    else links.averaging(mbit, profile.param_bytes, repeats[0] if grid.hivemind_each_repeat else 0)
                 t1 = time.perf_counter()
                 over = None if mbit is None else over_links(cluster, mbit, grid.workers, goodput, averaging)
                 rec = recommend(profile, cluster if mbit is None else over, here)
@@ -533,24 +598,26 @@ def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Pa
     return planned
 
 
-def _stored_link_goodputs(db_path: Path, group: str, field: str = "link_goodput") -> dict[str, float]:
-    """Per link entry (e.g. ``"200 Mbit/s"``), the both-ways share (``field`` ``link_goodput``; or
-    ``averaging_goodput``: hivemind's rounds) that the grid ``group``'s first predictions for it were
-    made with (stored in their ``detail``); empty without a store.
+def _stored_link_goodputs(db_path: Path, group: str, field: str = "link_goodput") -> dict[tuple[str, int], float]:
+    """Per link entry (e.g. ``"200 Mbit/s"``) and round of runs (from 0: a prediction's key ends
+    in ``-r2`` for the second), the both-ways share (``field`` ``link_goodput``; or
+    ``averaging_goodput``: hivemind's rounds) that the grid ``group``'s first predictions for them
+    were made with (stored in their ``detail``); empty without a store.
 
     Runs reused from the store are predicted again with the share measured before they ran:
     measured anew, the share of the same links moved by up to 6 % between measurements on this
     project's machine (200/20 Mbit/s: 0.81, 0.78, 0.83), which moved the predictions of their
     cells as much.
     """
-    shares: dict[str, float] = {}
+    shares: dict[tuple[str, int], float] = {}
     if not Path(db_path).exists():
         return shares
     with ResultsStore(db_path) as store:
         for pred in store.predictions(group):
             detail = json.loads(pred["detail_json"] or "{}")
             if detail.get("link") is not None and detail.get(field) is not None:
-                shares.setdefault(detail["link"], float(detail[field]))
+                repeat = re.search(r"-r(\d+)$", pred["cell_key"])
+                shares.setdefault((detail["link"], int(repeat.group(1)) - 1 if repeat else 0), float(detail[field]))
     return shares
 
 

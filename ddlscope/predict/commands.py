@@ -314,6 +314,11 @@ def register(app: typer.Typer) -> None:
             None, "--profile-each-repeat/--one-profile",
             help="profile again before each repeat's runs and predict them from it, for a machine whose speed drifts "
                  "(default: the grid's profile_each_repeat)"),
+        hivemind_each_repeat: Optional[bool] = typer.Option(
+            None, "--hivemind-each-repeat/--one-hivemind-fit",
+            help="with a profile per repeat: measure hivemind's fit and averaging share again before each repeat's "
+                 "runs too; --one-hivemind-fit predicts every round from the cluster's fit (default: the grid's "
+                 "hivemind_each_repeat, on)"),
         as_json: bool = typer.Option(False, "--json", help="print the validation (the report's validation.json and its "
                                                            "path) as JSON on stdout; everything else goes to stderr"),
     ):
@@ -331,6 +336,8 @@ def register(app: typer.Typer) -> None:
             spec = spec.model_copy(update={"repeats": repeats})
         if profile_each_repeat is not None:
             spec = spec.model_copy(update={"profile_each_repeat": profile_each_repeat})
+        if hivemind_each_repeat is not None:
+            spec = spec.model_copy(update={"hivemind_each_repeat": hivemind_each_repeat})
         if spec.device == "cuda" and cluster is None:
             raise UserError("validate on cuda needs --cluster FILE: calibrating this machine times gloo collectives "
                             "between CPU cores, not nccl between GPUs; allowed: --cluster with kind = \"local\" and "

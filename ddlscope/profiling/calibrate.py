@@ -53,6 +53,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -61,7 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ddlscope.errors import UserError
 from ddlscope.launch.processes import die_with_parent, log_tail, start_process, stop_processes
 from ddlscope.measure.stats import time_call, trimmed_mean
-from ddlscope.modeling.cluster import ClusterSpec, CollectiveFit, DeviceSpec, LinkSpec
+from ddlscope.modeling.cluster import ClusterSpec, CollectiveFit, DeviceSpec, HivemindFit, LinkSpec
 from ddlscope.profiling.dmoe_rpc import DMoECalibration
 from ddlscope.profiling.dmoe_rpc import describe as describe_dmoe
 
@@ -596,7 +597,7 @@ def _worker_main(argv: list[str] | None = None) -> int:
                 with open(os.path.join(workdir, "progress.log"), "a") as log:
                     log.write(msg + "\n")
 
-        out = _measure(rank, workers, plan, say)
+        out = _measure(rank, workers, plan, say) if plan.get("collectives", True) else {}
         if plan.get("hivemind"):  # 6. hivemind's own per-epoch cost and overshoot, on a reference network
             from ddlscope.launch.processes import route_hivemind_sockets
             from ddlscope.profiling.swarm import measure_swarm
@@ -792,6 +793,131 @@ def _check_swarm_reference(reference: tuple[str, str]) -> tuple[str, str]:
     return network, dataset
 
 
+def _core_sets(workers: int, threads: int) -> list[list[int]]:
+    """Each worker's cores: ``threads`` of this process's cores each, in order.
+
+    Raises:
+        UserError: workers < 2, threads < 1, or more cores than this process may use.
+    """
+    from ddlscope.config import available_cores
+
+    if workers < 2:
+        raise UserError(f"--workers {workers}: calibrate needs at least 2 workers (all-reduce and ping-pong need a "
+                        f"partner); allowed: 2..{len(available_cores()) // max(1, threads)}")
+    if threads < 1:
+        raise UserError(f"--threads {threads}; allowed: >= 1")
+    cores = available_cores()
+    if workers * threads > len(cores):
+        raise UserError(f"--workers {workers} x --threads {threads} needs {workers * threads} cores, but this process "
+                        f"may use {len(cores)} ({cores}); allowed: workers x threads <= {len(cores)}")
+    return [cores[i * threads:(i + 1) * threads] for i in range(workers)]
+
+
+def _swarm_plan(matchmaking_time_s: float | None, swarm_epochs: int | None, swarm_reference: tuple[str, str] | None,
+                swarm_batch_sizes: list[int] | None) -> dict[str, Any]:
+    """The hivemind swarms' part of a worker plan, defaults filled in (:mod:`ddlscope.profiling.swarm`).
+
+    Raises:
+        UserError: see :func:`calibrate` (matchmaking time, swarm epochs, reference, batch sizes).
+    """
+    from ddlscope.profiling.swarm import BATCH_SIZES, EPOCHS, MATCHMAKING_S, REFERENCE
+
+    swarm_epochs = EPOCHS if swarm_epochs is None else swarm_epochs
+    if swarm_epochs < 2:
+        raise UserError(f"swarm_epochs = {swarm_epochs}; allowed: >= 2 (the fit needs 2 whole epochs after the first)")
+    matchmaking_time_s = MATCHMAKING_S if matchmaking_time_s is None else matchmaking_time_s
+    if not matchmaking_time_s > 0:
+        raise UserError(f"matchmaking time {matchmaking_time_s:g} s; allowed: > 0 seconds")
+    swarm_reference = _check_swarm_reference(swarm_reference or REFERENCE)
+    swarm_batch_sizes = list(BATCH_SIZES if swarm_batch_sizes is None else swarm_batch_sizes)
+    if not swarm_batch_sizes or min(swarm_batch_sizes) < 1 or len(set(swarm_batch_sizes)) < len(swarm_batch_sizes):
+        raise UserError(f"swarm batch sizes {swarm_batch_sizes}; allowed: one or more distinct sizes, each >= 1")
+    return dict(matchmaking_time_s=float(matchmaking_time_s), swarm_epochs=int(swarm_epochs),
+                swarm_reference=list(swarm_reference), swarm_batch_sizes=[int(b) for b in swarm_batch_sizes])
+
+
+def _fit_hivemind(raw: list[dict[str, Any]], plan: dict[str, Any]) -> tuple[HivemindFit | None, list[dict[str, Any]],
+                                                                           str | None]:
+    """The hivemind fit from the workers' swarms (``raw[i]["swarm"]``), rounded to 4 significant digits:
+    (fit, every timed global epoch of each swarm, None), or (None, [], why) where it cannot be fitted."""
+    from ddlscope.profiling.swarm import fit_peer_startup, fit_swarm, swarm_epochs
+
+    try:
+        epochs = swarm_epochs([w["swarm"] for w in raw])
+        fit = fit_swarm(epochs, raw[0]["swarm"]["param_bytes"], plan["matchmaking_time_s"],
+                        tuple(plan["swarm_reference"]))
+    except ValueError as e:
+        return None, [], str(e)
+    startup = fit_peer_startup([w["swarm"] for w in raw])
+    fit = fit.model_copy(update={**{k: _sig(getattr(fit, k)) for k in ("epoch_overhead_s", "overhead_steps",
+                                                                       "compute_overhead_s", "overshoot_steps",
+                                                                       "epoch_cpu_s")},
+                                 "overshoot_points": [(_sig(x), _sig(o)) for x, o in fit.overshoot_points],
+                                 "peer_startup_s": _sig(startup) if startup is not None else None})
+    return fit, epochs, None
+
+
+def calibrate_hivemind(workers: int = 2, threads: int = 1, timeout_s: float = 300.0,
+                       progress: Callable[[str], None] | None = None, matchmaking_time_s: float | None = None,
+                       swarm_epochs: int | None = None, swarm_reference: tuple[str, str] | None = None,
+                       swarm_batch_sizes: list[int] | None = None) -> HivemindFit:
+    """Only the hivemind swarms of :func:`calibrate` (``hivemind=True``): the fit of what hivemind
+    adds per global epoch on these workers now, without the collectives (about a minute per swarm
+    batch size on this project's 2 cores). The arguments are :func:`calibrate`'s.
+
+    A validation that profiles each round measures it again before each round
+    (:func:`load_or_calibrate_hivemind`): the fit follows the machine's state as the profile does
+    (two calibrations an hour apart on the same code read 1.94 and 1.50 s of overhead per epoch).
+
+    Raises:
+        UserError: as :func:`calibrate`.
+        CalibrationError: a worker failed, died or timed out, or the swarms cannot be fitted.
+    """
+    plan = dict(workers=workers, threads=threads, core_sets=_core_sets(workers, threads), timeout_s=timeout_s,
+                collectives=False, hivemind=True,
+                **_swarm_plan(matchmaking_time_s, swarm_epochs, swarm_reference, swarm_batch_sizes))
+    fit, _, why = _fit_hivemind(_run_workers(plan, progress or (lambda msg: None)), plan)
+    if fit is None:
+        raise CalibrationError(f"hivemind swarm not fitted: {why}")
+    return fit
+
+
+#: the file :func:`load_or_calibrate_hivemind` keeps its fit in, in its cache folder
+HIVEMIND_FIT_FILE = "hivemind-fit.json"
+
+
+def load_or_calibrate_hivemind(cache_dir: Path, refresh: bool = False, **options: Any) -> tuple[HivemindFit, bool]:
+    """:func:`calibrate_hivemind` with ``options`` (its keyword arguments but ``progress``, which
+    passes through), kept in ``cache_dir/hivemind-fit.json`` with the options it was measured with
+    and read from there while they match (``refresh``: measured again even so), as
+    :func:`ddlscope.profiling.profile.load_or_profile` keeps profiles.
+
+    Returns:
+        (the fit, whether it was read from the cache).
+
+    Raises:
+        as :func:`calibrate_hivemind`.
+    """
+    import json
+
+    progress = options.pop("progress", None)
+    key = {k: (list(v) if isinstance(v, (tuple, list)) else v) for k, v in sorted(options.items())}
+    path = Path(cache_dir) / HIVEMIND_FIT_FILE
+    if path.exists() and not refresh:
+        try:
+            kept = json.loads(path.read_text())
+            if kept.get("options") == key:
+                return HivemindFit.model_validate(kept["fit"]), True
+        except (ValueError, KeyError, TypeError):
+            pass  # an unreadable or older file: measured again
+    fit = calibrate_hivemind(progress=progress, **options)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"options": key, "fit": fit.model_dump(mode="json")}, indent=1))
+    os.replace(tmp, path)
+    return fit, False
+
+
 def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None = None,
               repeats: int = DEFAULT_REPEATS, warmup: int = 2, timeout_s: float = 300.0,
               progress: Callable[[str], None] | None = None, name: str | None = None,
@@ -840,40 +966,15 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
             empty, repeated or < 1.
         CalibrationError: a worker failed, died or timed out (all workers are stopped first).
     """
-    from ddlscope.config import available_cores
-
-    if workers < 2:
-        raise UserError(f"--workers {workers}: calibrate needs at least 2 workers (all-reduce and ping-pong need a "
-                        f"partner); allowed: 2..{len(available_cores()) // max(1, threads)}")
-    if threads < 1:
-        raise UserError(f"--threads {threads}; allowed: >= 1")
-    cores = available_cores()
-    if workers * threads > len(cores):
-        raise UserError(f"--workers {workers} x --threads {threads} needs {workers * threads} cores, but this process "
-                        f"may use {len(cores)} ({cores}); allowed: workers x threads <= {len(cores)}")
+    core_sets = _core_sets(workers, threads)
     if repeats < 1 or warmup < 0:
         raise UserError(f"repeats = {repeats}, warmup = {warmup}; allowed: repeats >= 1, warmup >= 0")
     sizes = sorted({max(4, -(-int(s) // 4) * 4) for s in (sizes_bytes or DEFAULT_SIZES_BYTES)})
     if any(int(s) < 1 for s in (sizes_bytes or [])) or len(sizes) < 2:
         raise UserError(f"sizes_bytes = {sizes_bytes}; allowed: at least 2 distinct sizes, each >= 1 byte")
-    from ddlscope.profiling.swarm import BATCH_SIZES, EPOCHS, MATCHMAKING_S, REFERENCE
-
-    swarm_epochs = EPOCHS if swarm_epochs is None else swarm_epochs
-    if swarm_epochs < 2:
-        raise UserError(f"swarm_epochs = {swarm_epochs}; allowed: >= 2 (the fit needs 2 whole epochs after the first)")
-
-    matchmaking_time_s = MATCHMAKING_S if matchmaking_time_s is None else matchmaking_time_s
-    if not matchmaking_time_s > 0:
-        raise UserError(f"matchmaking time {matchmaking_time_s:g} s; allowed: > 0 seconds")
-    swarm_reference = _check_swarm_reference(swarm_reference or REFERENCE)
-    swarm_batch_sizes = list(BATCH_SIZES if swarm_batch_sizes is None else swarm_batch_sizes)
-    if not swarm_batch_sizes or min(swarm_batch_sizes) < 1 or len(set(swarm_batch_sizes)) < len(swarm_batch_sizes):
-        raise UserError(f"swarm batch sizes {swarm_batch_sizes}; allowed: one or more distinct sizes, each >= 1")
-    core_sets = [cores[i * threads:(i + 1) * threads] for i in range(workers)]
+    swarm = _swarm_plan(matchmaking_time_s, swarm_epochs, swarm_reference, swarm_batch_sizes)
     plan = dict(workers=workers, threads=threads, core_sets=core_sets, sizes_bytes=sizes, repeats=repeats,
-                warmup=warmup, overlap_bytes=OVERLAP_BYTES, timeout_s=timeout_s,
-                hivemind=hivemind, matchmaking_time_s=matchmaking_time_s, swarm_epochs=swarm_epochs,
-                swarm_reference=list(swarm_reference), swarm_batch_sizes=swarm_batch_sizes)
+                warmup=warmup, overlap_bytes=OVERLAP_BYTES, timeout_s=timeout_s, hivemind=hivemind, **swarm)
     say = progress or (lambda msg: None)
     busy_before = _busy_percent(sum(core_sets, []))
     say(f"calibrating {workers} workers x {threads} thread(s) on cores {core_sets} (gloo over loopback)")
@@ -952,20 +1053,9 @@ def calibrate(workers: int = 2, threads: int = 1, sizes_bytes: list[int] | None 
         ddp=(step_s("ddp", "plain"), step_s("ddp", "wrapped")), notes=notes)
     swarm, swarm_raw = None, []
     if hivemind:
-        from ddlscope.profiling.swarm import fit_peer_startup, fit_swarm, swarm_epochs
-
-        try:
-            swarm_raw = swarm_epochs([w["swarm"] for w in raw])
-            swarm = fit_swarm(swarm_raw, raw[0]["swarm"]["param_bytes"], matchmaking_time_s, swarm_reference)
-        except ValueError as e:
-            notes.append(f"hivemind swarm not fitted ({e}): collaborative predictions leave hivemind's own work out")
-        else:
-            startup = fit_peer_startup([w["swarm"] for w in raw])
-            swarm = swarm.model_copy(update={**{k: _sig(getattr(swarm, k))
-                                                for k in ("epoch_overhead_s", "overhead_steps", "compute_overhead_s",
-                                                          "overshoot_steps", "epoch_cpu_s")},
-                                             "overshoot_points": [(_sig(x), _sig(o)) for x, o in swarm.overshoot_points],
-                                             "peer_startup_s": _sig(startup) if startup is not None else None})
+        swarm, swarm_raw, why = _fit_hivemind(raw, plan)
+        if swarm is None:
+            notes.append(f"hivemind swarm not fitted ({why}): collaborative predictions leave hivemind's own work out")
     cluster = ClusterSpec(  # 4 significant digits: far more than the measurements' precision
         name=name or f"local-{workers}x{threads}core", nodes=1, devices_per_node=workers,
         device=DeviceSpec(kind="local"),
