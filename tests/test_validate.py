@@ -289,9 +289,10 @@ def test_hivemind_rounds_share_is_measured_before_each_round_and_read_back_per_r
                           bandwidths_mbit_per_s=[10.0], loopback=False, repeats=3, profile_each_repeat=True)
     links = validate._Links(grid, tmp_path / "none.db", measure=True, rerun=False, progress=False)
     assert [links.averaging(10.0, 1e6, r) for r in (0, 1, 2, 1)] == [0.7, 0.75, 0.8, 0.75]  # once per round
-    assert validate.ValidationGrid.model_fields["hivemind_each_repeat"].default is True
+    assert validate.ValidationGrid.model_fields["hivemind_each_repeat"].default is False  # opt-in (stop 41)
     # stored runs: each round's predictions made at their own share, predicted again at it
-    fields = dict(bandwidths_mbit_per_s=[10.0], loopback=False, repeats=3, profile_each_repeat=True)
+    fields = dict(bandwidths_mbit_per_s=[10.0], loopback=False, repeats=3, profile_each_repeat=True,
+                  hivemind_each_repeat=True)
     (first,), _ = _validate_links(tmp_path, monkeypatch, ["collaborative"], **fields)
     assert first.averaging_goodput is None and first.averaging_goodput_rounds == []  # stand-in runs: not probed
     with ResultsStore(tmp_path / "r.db") as store:
@@ -305,7 +306,7 @@ def test_hivemind_rounds_share_is_measured_before_each_round_and_read_back_per_r
     assert again.averaging_goodput == 0.9 and again.averaging_goodput_rounds == [0.9, 0.6, 0.3]
     slower = again.outcome("collaborative").predicted_repeats_epoch_s
     assert slower[0] < slower[1] < slower[2]  # the rounds' averaging at 0.9, 0.6 and 0.3 of the link
-    (one,), _ = _validate_links(tmp_path, monkeypatch, ["collaborative"], **fields, hivemind_each_repeat=False)
+    (one,), _ = _validate_links(tmp_path, monkeypatch, ["collaborative"], **{**fields, "hivemind_each_repeat": False})
     assert one.averaging_goodput_rounds == []  # one probe per link: the first round's serves them all
     assert len(set(one.outcome("collaborative").predicted_repeats_epoch_s)) == 1
 
@@ -366,8 +367,8 @@ def test_validate_tiny_stores_predictions_next_to_real_runs(tmp_path):
 
 
 @pytest.mark.parametrize("flag, rerun, each, hivemind", [
-    ([], False, False, True), (["--rerun"], True, False, True), (["links", "--profile-each-repeat"], False, True, True),
-    (["links", "--one-profile"], False, False, True), (["links"], False, True, True),
+    ([], False, False, False), (["--rerun"], True, False, False), (["links", "--profile-each-repeat"], False, True, False),
+    (["links", "--one-profile"], False, False, False), (["links"], False, True, False),
     (["links", "--one-hivemind-fit"], False, True, False), (["links", "--hivemind-each-repeat"], False, True, True)])
 def test_validate_cli_hands_rerun_to_the_runs(tmp_path, monkeypatch, flag, rerun, each, hivemind):
     """``--rerun`` reaches :func:`run_validation` (which hands it to ``run_cells``: every cell runs again,
@@ -416,7 +417,8 @@ def test_each_round_measures_hivemind_again_and_predicts_its_swarm_cells_with_th
     monkeypatch.setattr(ddlscope.profiling.calibrate, "load_or_calibrate_hivemind", measure)
     grid = ValidationGrid(name="v", datasets=["mnist"], networks=["tiny_cnn"], strategies=["collaborative", "ddp"],
                           workers=2, batch_size=16, warmup_batches=1, measured_batches=2, threads_per_device=1,
-                          synthetic_train_size=16, repeats=3, profile_each_repeat=True, target_batch_size=32)
+                          synthetic_train_size=16, repeats=3, profile_each_repeat=True, target_batch_size=32,
+                          hivemind_each_repeat=True)
     cluster = make_cluster().model_copy(update={"hivemind": HivemindFit(epoch_overhead_s=9.0)})
     run, _ = fake_run_fn(step_s=0.5)
     db = tmp_path / "r.db"

@@ -122,10 +122,12 @@ class ValidationGrid(BaseModel):
                            "machine whose speed drifts over the hours a grid takes, each prediction is then compared "
                            "with runs made right after its profile, as a user's would be")
     hivemind_each_repeat: bool = Field(
-        True, description="with profile_each_repeat: also measure the cluster's hivemind fit (calibrate --hivemind's "
-                          "swarms) and hivemind's averaging share over each link again before each round, since both "
-                          "follow how busy the machine is; false: the cluster's fit and one probe per link serve "
-                          "every round (e.g. to predict stored runs from a given calibration)")
+        False, description="with profile_each_repeat: also measure the cluster's hivemind fit (calibrate --hivemind's "
+                           "swarms, about a minute) and hivemind's averaging share over each link again before each "
+                           "round, and predict the round from them; off: the cluster's fit and one probe per link "
+                           "serve every round. Off by default: in the one pass that tried it (docs/validation.md, stop "
+                           "41) a fit's 10 epochs read overshoots of 0.05-0.35 steps within 30 minutes, noise larger "
+                           "than the drift it was meant to follow, and the collaborative cells missed by more")
 
     @field_validator("bandwidths_mbit_per_s")
     @classmethod
@@ -368,8 +370,8 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
     it (each prediction stored under its run's key, cached profiles in ``profile_dir/repeat-N``);
     otherwise (and with ``run_real`` False) one profile and one prediction per cell serve every round.
     ``rerun`` runs every cell again and, where each round has its profile, profiles again too.
-    Unless the grid's ``hivemind_each_repeat`` is False, such a grid with a model whose cost model
-    reads the hivemind fit (its ``calibrations``) and a cluster with that fit also measures that fit
+    With the grid's ``hivemind_each_repeat``, such a grid with a model whose cost model reads the
+    hivemind fit (its ``calibrations``) and a cluster with that fit also measures that fit
     again right before each round (:func:`round_hivemind_fit`, cached next to the round's profile;
     a store from before these were kept measures them when it is re-rendered), so that hivemind's
     overhead and overshoot follow the machine's state as the profile does; each cell's

@@ -318,7 +318,7 @@ def register(app: typer.Typer) -> None:
             None, "--hivemind-each-repeat/--one-hivemind-fit",
             help="with a profile per repeat: measure hivemind's fit and averaging share again before each repeat's "
                  "runs too; --one-hivemind-fit predicts every round from the cluster's fit (default: the grid's "
-                 "hivemind_each_repeat, on)"),
+                 "hivemind_each_repeat, off)"),
         as_json: bool = typer.Option(False, "--json", help="print the validation (the report's validation.json and its "
                                                            "path) as JSON on stdout; everything else goes to stderr"),
     ):

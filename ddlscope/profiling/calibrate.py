@@ -865,9 +865,11 @@ def calibrate_hivemind(workers: int = 2, threads: int = 1, timeout_s: float = 30
     adds per global epoch on these workers now, without the collectives (about a minute per swarm
     batch size on this project's 2 cores). The arguments are :func:`calibrate`'s.
 
-    A validation that profiles each round measures it again before each round
-    (:func:`load_or_calibrate_hivemind`): the fit follows the machine's state as the profile does
-    (two calibrations an hour apart on the same code read 1.94 and 1.50 s of overhead per epoch).
+    ``validate --hivemind-each-repeat`` measures it again before each round of runs
+    (:func:`load_or_calibrate_hivemind`), to follow the machine's state as the profile does (two
+    calibrations an hour apart on the same code read 1.94 and 1.50 s of overhead per epoch); each
+    fit's overshoot comes from 10 epochs, whose noise (0.05-0.35 steps within 30 minutes) was
+    larger than that drift in the one pass that tried it.
 
     Raises:
         UserError: as :func:`calibrate`.
