@@ -447,3 +447,26 @@ def test_each_round_measures_hivemind_again_and_predicts_its_swarm_cells_with_th
     overhead_s["repeat-3"] = 1.0
     run_validation(grid, cluster, db, profile_dir=tmp_path / "profiles", progress=False, run_fn=run, rerun=True)
     assert [c[:2] for c in calls] == [("profiles", True), ("repeat-2", True), ("repeat-3", True)]
+
+
+@pytest.mark.slow
+def test_validate_stopped_by_sigterm_says_so_and_leaves_no_process(tmp_path):
+    """SIGTERM stops a validation as Ctrl-C does: the running step unwinds (its processes stopped,
+    its temporary folders removed), the command says how to resume and exits 130."""
+    import signal
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-m", "ddlscope", "validate", "tiny", "--cluster", str(LOCAL), "--db",
+                             str(tmp_path / "r.db")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "profiles").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)  # it has started profiling
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted: finished cells are stored; run the same command again to resume" in err
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
