@@ -331,3 +331,25 @@ def end_children(pid: int | None = None) -> None:
                 child.kill()
             except psutil.Error:
                 continue
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While the block runs in the main thread, SIGTERM raises KeyboardInterrupt there, so the code
+    that Ctrl-C unwinds (stopping child processes, removing temporary folders and namespaces) runs
+    on a SIGTERM too; the previous handler is restored after it. Elsewhere (another thread, where
+    handlers cannot be set) it does nothing."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

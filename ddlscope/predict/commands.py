@@ -9,7 +9,6 @@ and everything else on stderr; tables take the terminal's width.
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 from typing import Any, Optional
 
@@ -328,7 +327,7 @@ def register(app: typer.Typer) -> None:
         from ddlscope.experiments.validate import calibration_options, load_grid, run_validation
         from ddlscope.modeling.devices import check_profile_device
         from ddlscope.predict.validation_report import print_validation, write_validation_report
-        from ddlscope.profiling.calibrate import _sigterm_as_interrupt
+        from ddlscope.launch.processes import sigterm_as_interrupt
         from ddlscope.store.db import default_db_path
 
         spec = load_grid(grid)
@@ -349,15 +348,12 @@ def register(app: typer.Typer) -> None:
         with stdout_to_stderr(as_json):
             cl = _local_cluster(cluster, db_path, spec.workers, spec.threads, calibration_options(spec))
             # SIGTERM as Ctrl-C: the running cell or probe stops its processes, namespaces and temporary folders
-            previous_sigterm = _sigterm_as_interrupt()
             try:
-                cells = run_validation(spec, cl, db_path, progress=progress, rerun=rerun, run_real=not predict_only)
+                with sigterm_as_interrupt():
+                    cells = run_validation(spec, cl, db_path, progress=progress, rerun=rerun, run_real=not predict_only)
             except KeyboardInterrupt:
                 typer.echo("interrupted: finished cells are stored; run the same command again to resume", err=True)
                 raise typer.Exit(130)
-            finally:
-                if previous_sigterm is not None:
-                    signal.signal(signal.SIGTERM, previous_sigterm)
             folder = out or db_path.parent / "validation" / spec.name
             path = write_validation_report(cells, folder, f"Predictor validation: {spec.name}",
                                            extra={"cluster": cl.model_dump(), "grid": spec.model_dump()})

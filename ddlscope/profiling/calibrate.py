@@ -49,7 +49,6 @@ import platform
 import signal
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -60,7 +59,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from ddlscope.errors import UserError
-from ddlscope.launch.processes import die_with_parent, log_tail, start_process, stop_processes
+from ddlscope.launch.processes import die_with_parent, log_tail, sigterm_as_interrupt, start_process, stop_processes
 from ddlscope.measure.stats import time_call, trimmed_mean
 from ddlscope.modeling.cluster import ClusterSpec, CollectiveFit, DeviceSpec, HivemindFit, LinkSpec
 from ddlscope.profiling.dmoe_rpc import DMoECalibration
@@ -684,61 +683,47 @@ def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[
                 last_line = line
                 watchdog.progress()
 
-        previous_sigterm = _sigterm_as_interrupt()
-        try:
-            for rank in range(workers):  # each in a process group of its own (ddlscope.launch.processes)
-                procs.append(start_process(
-                    [sys.executable, "-m", "ddlscope.profiling.calibrate", "--rank", str(rank), "--dir", tmp,
-                     "--parent-pid", str(os.getpid())], os.path.join(tmp, f"worker-{rank}.log"), plan["threads"],
-                    # TMPDIR: what the children's multiprocessing puts in temporary folders (pymp-*) is
-                    # removed with this folder, also when a child is killed before it could remove it
-                    env_extra={"PYTHONPATH": pythonpath, "TMPDIR": tmp}))
-            while True:
-                relay()
-                for rank, p in enumerate(procs):
-                    err_path = os.path.join(tmp, f"error-{rank}.txt")
-                    if os.path.exists(err_path) and p.poll() is not None:
-                        with open(err_path) as f:
-                            raise CalibrationError(f"calibration worker {rank} failed: {f.read().strip()}")
-                    if p.poll() not in (None, 0):
-                        tail = log_tail(os.path.join(tmp, f"worker-{rank}.log"))
-                        raise CalibrationError(f"calibration worker {rank} exited with code {p.returncode} without a "
-                                               f"result" + (f": {tail}" if tail else " (killed?)"))
-                if all(p.poll() == 0 for p in procs):
-                    break
-                if watchdog.expired():
+        with sigterm_as_interrupt():  # a SIGTERM stops the workers and removes the folder, as Ctrl-C does
+            try:
+                for rank in range(workers):  # each in a process group of its own (ddlscope.launch.processes)
+                    procs.append(start_process(
+                        [sys.executable, "-m", "ddlscope.profiling.calibrate", "--rank", str(rank), "--dir", tmp,
+                         "--parent-pid", str(os.getpid())], os.path.join(tmp, f"worker-{rank}.log"), plan["threads"],
+                        # TMPDIR: what the children's multiprocessing puts in temporary folders (pymp-*) is
+                        # removed with this folder, also when a child is killed before it could remove it
+                        env_extra={"PYTHONPATH": pythonpath, "TMPDIR": tmp}))
+                while True:
                     relay()
-                    running = [r for r, p in enumerate(procs) if p.poll() is None]
-                    tails = "; ".join(f"worker {r}: {log_tail(os.path.join(tmp, f'worker-{r}.log'), 1) or 'no output'}"
-                                      for r in running)
-                    raise CalibrationError(f"calibration made no progress for {plan['timeout_s']:g} s; workers still "
-                                           f"running: {running}; last step: {last_line or 'none'}; {tails}")
-                time.sleep(0.1)
-            relay()
-            results = []
-            for rank in range(workers):
-                path = os.path.join(tmp, f"result-{rank}.json")
-                if not os.path.exists(path):
-                    raise CalibrationError(f"calibration worker {rank} exited without writing its result")
-                with open(path) as f:
-                    results.append(json.load(f))
-            return results
-        finally:
-            stop_processes(procs, STOP_GRACE_S)
-            if previous_sigterm is not None:
-                signal.signal(signal.SIGTERM, previous_sigterm)
-
-
-def _sigterm_as_interrupt():
-    """In the main thread, make SIGTERM raise KeyboardInterrupt (so workers are stopped and the
-    temporary folder removed, as on Ctrl-C); return the previous handler, or None if not installed."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt("SIGTERM")
-
-    return signal.signal(signal.SIGTERM, handler)
+                    for rank, p in enumerate(procs):
+                        err_path = os.path.join(tmp, f"error-{rank}.txt")
+                        if os.path.exists(err_path) and p.poll() is not None:
+                            with open(err_path) as f:
+                                raise CalibrationError(f"calibration worker {rank} failed: {f.read().strip()}")
+                        if p.poll() not in (None, 0):
+                            tail = log_tail(os.path.join(tmp, f"worker-{rank}.log"))
+                            raise CalibrationError(f"calibration worker {rank} exited with code {p.returncode} without a "
+                                                   f"result" + (f": {tail}" if tail else " (killed?)"))
+                    if all(p.poll() == 0 for p in procs):
+                        break
+                    if watchdog.expired():
+                        relay()
+                        running = [r for r, p in enumerate(procs) if p.poll() is None]
+                        tails = "; ".join(f"worker {r}: {log_tail(os.path.join(tmp, f'worker-{r}.log'), 1) or 'no output'}"
+                                          for r in running)
+                        raise CalibrationError(f"calibration made no progress for {plan['timeout_s']:g} s; workers still "
+                                               f"running: {running}; last step: {last_line or 'none'}; {tails}")
+                    time.sleep(0.1)
+                relay()
+                results = []
+                for rank in range(workers):
+                    path = os.path.join(tmp, f"result-{rank}.json")
+                    if not os.path.exists(path):
+                        raise CalibrationError(f"calibration worker {rank} exited without writing its result")
+                    with open(path) as f:
+                        results.append(json.load(f))
+                return results
+            finally:
+                stop_processes(procs, STOP_GRACE_S)
 
 
 # ------------------------------------------------------------------------------------ calibrate

@@ -690,7 +690,8 @@ def measure(progress: Callable[[str], None] | None = None, timeout_s: float = DE
             Every child (its whole process group) is stopped before this returns or raises.
     """
     from ddlscope.launch.processes import log_tail, signal_group, start_process, stop_processes
-    from ddlscope.profiling.calibrate import CalibrationError, ProgressWatchdog, _sigterm_as_interrupt
+    from ddlscope.launch.processes import sigterm_as_interrupt
+    from ddlscope.profiling.calibrate import CalibrationError, ProgressWatchdog
 
     say = progress or (lambda msg: None)
     server_core, client_core = _children_cores()
@@ -741,31 +742,29 @@ def measure(progress: Callable[[str], None] | None = None, timeout_s: float = DE
             watchdog.progress()
             return True
 
-        previous_sigterm = _sigterm_as_interrupt()
-        try:
-            say(f"dmoe: expert server on core {server_core}, client on core {client_core} (hivemind over loopback)")
-            server = start("serve", server_core)
-            if not wait_for(os.path.join(tmp, "server.json"), "it served its experts", SERVER_SILENT_S):
-                # hivemind's Server start now and then never gets ready (docs/validation.md): once more
-                say(f"dmoe: the expert server did not start within {SERVER_SILENT_S:g} s; starting it once more")
-                signal_group(server.pid, signal.SIGKILL)
-                server.wait()
-                del roles[procs.index(server)], procs[procs.index(server)]  # its -9 is ours, not a failure
-                start("serve", server_core)
-                wait_for(os.path.join(tmp, "server.json"), "it served its experts")
-            if server_core != client_core:  # the shared rounds need the server's core to differ from the client's
-                _write_json(os.path.join(tmp, "second.expected"), {})
-                start("second", server_core)
-            start("client", client_core)
-            wait_for(os.path.join(tmp, "result.json"), "its measurements were written")
-            relay()
-            with open(os.path.join(tmp, "result.json")) as f:
-                raw = json.load(f)
-            return {**raw, "server_core": server_core, "client_core": client_core}
-        finally:
-            stop_processes(procs, STOP_GRACE_S)
-            if previous_sigterm is not None:
-                signal.signal(signal.SIGTERM, previous_sigterm)
+        with sigterm_as_interrupt():  # a SIGTERM stops the roles and removes the folder, as Ctrl-C does
+            try:
+                say(f"dmoe: expert server on core {server_core}, client on core {client_core} (hivemind over loopback)")
+                server = start("serve", server_core)
+                if not wait_for(os.path.join(tmp, "server.json"), "it served its experts", SERVER_SILENT_S):
+                    # hivemind's Server start now and then never gets ready (docs/validation.md): once more
+                    say(f"dmoe: the expert server did not start within {SERVER_SILENT_S:g} s; starting it once more")
+                    signal_group(server.pid, signal.SIGKILL)
+                    server.wait()
+                    del roles[procs.index(server)], procs[procs.index(server)]  # its -9 is ours, not a failure
+                    start("serve", server_core)
+                    wait_for(os.path.join(tmp, "server.json"), "it served its experts")
+                if server_core != client_core:  # the shared rounds need the server's core to differ from the client's
+                    _write_json(os.path.join(tmp, "second.expected"), {})
+                    start("second", server_core)
+                start("client", client_core)
+                wait_for(os.path.join(tmp, "result.json"), "its measurements were written")
+                relay()
+                with open(os.path.join(tmp, "result.json")) as f:
+                    raw = json.load(f)
+                return {**raw, "server_core": server_core, "client_core": client_core}
+            finally:
+                stop_processes(procs, STOP_GRACE_S)
 
 
 def calibrate_dmoe(progress: Callable[[str], None] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DMoECalibration:
