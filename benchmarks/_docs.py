@@ -288,6 +288,12 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
                   + (", measured before each round of runs" if rounds else "") + ": "
                   + ", ".join(f"{link} " + " / ".join("–" if x is None else f"{x:.3f}" for x in g)
                               for link, g in averaging.items()) + ".", ""]
+    gloo = {c.get("link"): c["fsdp_goodput"] for c in result.get("cells", [])
+            if c.get("link") and c.get("fsdp_goodput") is not None}
+    if gloo:
+        lines += ["The share of the slowest link's rate fsdp's unit collectives reached over the same links on gloo, "
+                  "each worker on one core (`ddlscope.network.collective_probe`, at the profile's unit sizes; the fsdp "
+                  "model's collectives run at it): " + ", ".join(f"{link} {g:.3f}" for link, g in gloo.items()) + ".", ""]
     fits = next((c["hivemind_fits"] for c in result.get("cells", []) if c.get("hivemind_fits")), [])
     if fits:
         lines += ["hivemind's overhead and overshoot, measured again right before each round (hivemind swarms of the "

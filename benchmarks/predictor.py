@@ -62,8 +62,9 @@ def speed(grid, cluster, other_cluster, cache_dir: Path, data_root: Path) -> dic
     profile = load_or_profile("resnet18", "cifar10", grid.batch_size, threads=grid.threads,
                               loader_workers=(grid.loader_workers,), data_root=data_root, cache_dir=cache_dir)
     t1 = time.perf_counter()
-    settings = candidate_settings(grid.strategies, grid.workers, grid.batch_size, DATASETS["cifar10"].train_size,
-                                  microbatches=grid.microbatches, matchmaking_time_s=grid.matchmaking_time_s)
+    settings = candidate_settings(grid.strategies_for("resnet18", "cifar10"), grid.workers, grid.batch_size,
+                                  DATASETS["cifar10"].train_size, microbatches=grid.microbatches,
+                                  matchmaking_time_s=grid.matchmaking_time_s)
     recommend(profile, cluster, settings)
     t2 = time.perf_counter()
     recommend(profile, other_cluster, settings)

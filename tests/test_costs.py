@@ -210,6 +210,28 @@ def test_rates_measured_on_loopback_never_beat_a_slower_link():
         pytest.approx(0.5 * 4 * MIB / 0.001e9)
 
 
+
+def test_fsdp_over_probed_links_takes_the_wire_or_the_in_step_work_whichever_is_longer():
+    from ddlscope.modeling.collectives import gloo_fsdp_step_wire_s
+
+    prof = make_profile()  # 4 layers of 4 MiB
+    fits = {"fsdp_step_gb_per_s": 0.05, "fsdp_unit_fixed_s": 0.01}
+    s = Setting("fsdp", 2, 8, epoch_samples=3200)
+    plain = make_cluster(bw=0.001, overlap=1.0).model_copy(update=fits)
+    slow = LinkSpec(bandwidth_gb_per_s=0.0008, latency_s=0.0)  # what the probe measured: 80 % of 8 Mbit/s
+    probed = predict(prof, plain.model_copy(update={"fsdp_link": slow}), s)
+    # the wire dominates: every collective at the probed link, FSDP's own work (0.01 s per unit) hidden behind it
+    assert probed.inputs["probed_link"] and probed.inputs["fsdp_overhead_s"] == 0.0
+    assert probed.breakdown_s["comm_wait_s"] == pytest.approx(gloo_fsdp_step_wire_s([4 * MIB] * 4, 2, slow))
+    assert probed.breakdown_s["forward_s"] == pytest.approx(predict(prof, plain, s).breakdown_s["forward_s"]
+                                                            - 4 * 0.01 / 3)
+    # a fast probed link: each collective is its share of the in-step time and of FSDP's own work
+    fast = predict(prof, plain.model_copy(update={"fsdp_link": LinkSpec(bandwidth_gb_per_s=100.0, latency_s=0.0)}), s)
+    assert fast.breakdown_s["comm_wait_s"] == pytest.approx(4 * (1.5 * 4 * MIB / 0.05e9 + 0.01))
+    # without in-step rates (GPU devices) the probed link is not used
+    gpu = plain.model_copy(update={"fsdp_link": slow, "device": DeviceSpec(kind="a100-40gb")})
+    assert not predict(prof, gpu, s).inputs["probed_link"]
+
 def test_fit_in_step_rates_divides_the_traffic_by_the_extra_step_time():
     notes: list[str] = []
     # fsdp: 2 units of 16 MiB (2048x2048 + bias), 0.1 s per unit beyond 4 ms fixed -> 1.5 x bytes / 0.096 s

@@ -137,6 +137,9 @@ def test_predictor_table_shows_each_model_and_target():
     rounds = docs.predictor_markdown({**repeated, "cells": [{**link, "averaging_goodput_rounds": [0.7, None, 0.75]}]},
                                      header=HEADER)
     assert "run at it), measured before each round of runs: 10 Mbit/s 0.700 / – / 0.750." in rounds
+    assert "`ddlscope.network.collective_probe`" not in rounds  # no fsdp share measured: no such line
+    gloo = docs.predictor_markdown({**repeated, "cells": [{**link, "fsdp_goodput": 0.812}]}, header=HEADER)
+    assert "at the profile's unit sizes; the fsdp model's collectives run at it): 10 Mbit/s 0.812." in gloo
     assert ("): round 1 1.84 s + 0 x step per global epoch, overshoot 0.30 steps; round 2 9 s + 0.5 x step per "
             "global epoch, overshoot 0.10 steps (kept the cluster's fit: worker 1 failed).") in body
 

@@ -293,6 +293,42 @@ def test_hivemind_rounds_over_slow_links_carry_a_share_of_the_rate_and_leave_not
     assert set(children_tmp.glob("pymp-*")) <= folders  # the peers' multiprocessing folders went with the probe's
 
 
+
+def test_the_collective_probe_refuses_bad_input_before_building_anything():
+    from ddlscope.network.collective_probe import fsdp_collective_step_seconds
+
+    with pytest.raises(ValueError, match="at least 2 workers"):
+        fsdp_collective_step_seconds([20.0], [1024])
+    with pytest.raises(ValueError, match="Mbit/s > 0"):
+        fsdp_collective_step_seconds([20.0, -1.0], [1024])
+    with pytest.raises(ValueError, match="at least one unit with bytes > 0"):
+        fsdp_collective_step_seconds([20.0, 20.0], [0])
+    with pytest.raises(ValueError, match="steps >= 1"):
+        fsdp_collective_step_seconds([20.0, 20.0], [1024], steps=0)
+    with pytest.raises(ValueError, match="one non-empty list of cores per worker"):
+        fsdp_collective_step_seconds([20.0, 20.0], [1024], cores=[[0], []])
+
+
+@needs_root
+@pytest.mark.slow
+def test_fsdp_unit_collectives_over_slow_links_carry_a_share_of_the_rate_and_leave_nothing_behind():
+    from ddlscope.modeling.cluster import LinkSpec
+    from ddlscope.modeling.collectives import gloo_fsdp_step_wire_s
+    from ddlscope.network.collective_probe import measure_fsdp_goodput
+
+    before = set(namespaces())
+    core = min(os.sched_getaffinity(0))
+    units = [4096, 1 << 20]
+    g = measure_fsdp_goodput([20.0, 20.0], units, steps=1, cores=[[core], [core]])
+    # per unit: 2 all-gathers of half the bytes each way and a reduce-scatter of all of them (gloo) at 20 Mbit/s
+    wire = gloo_fsdp_step_wire_s(units, 2, LinkSpec(bandwidth_gb_per_s=20 / 8e3, latency_s=0.0))
+    assert g.predicted_step_s == pytest.approx(wire) and wire == pytest.approx(2 * sum(units) / 2.5e6)
+    assert len(g.step_s) == 1 and g.step_s[0] > 0.8 * wire
+    assert 0.3 < g.share <= 1 and g.unit_bytes == tuple(units) and g.cores == ((core,), (core,))
+    assert set(namespaces()) == before
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "ddlscope.network.collective_probe" in
+                " ".join(p.info["cmdline"] or [])]
+
 GLOO_WORKER = """
 import os, sys, torch, torch.distributed as dist
 rank, addr, op = int(sys.argv[1]), sys.argv[2], sys.argv[3]

@@ -29,7 +29,8 @@ def _cli(*args):
 
 
 def test_grid_defaults_to_every_model_with_a_cost_model_and_refuses_unknown_ones():
-    assert load_grid("local").strategies == predicted_models()
+    # every model that trains the preset's networks (dmoe trains networks with a mixture-of-experts layer)
+    assert load_grid("local").strategies == [m for m in predicted_models() if m != "dmoe"]
     assert set(predicted_models()) >= {"single", "ddp", "fsdp", "gpipe", "1f1b", "collaborative"}
     with pytest.raises(ValueError, match=r"unknown distribution model\(s\) \['horovod'\]"):
         ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], strategies=["horovod"])
@@ -209,12 +210,12 @@ def test_profile_each_repeat_predicts_each_round_from_a_profile_taken_right_befo
     assert events[0::3] == ["profile profiles again", "profile repeat-2 again", "profile repeat-3 again"]
 
 
-def _validate_links(tmp_path, monkeypatch, strategies, rerun=False, **grid_fields):
-    """run_validation of tiny_cnn with a stand-in profile and runs: (cells, {run label: run config})."""
+def _validate_links(tmp_path, monkeypatch, strategies, rerun=False, network="tiny_cnn", **grid_fields):
+    """run_validation of ``network`` with a stand-in profile and runs: (cells, {run label: run config})."""
     import ddlscope.profiling.profile
 
     monkeypatch.setattr(ddlscope.profiling.profile, "load_or_profile", lambda *a, **k: make_profile())
-    grid = ValidationGrid(name="v", datasets=["mnist"], networks=["tiny_cnn"], strategies=strategies,
+    grid = ValidationGrid(name="v", datasets=["mnist"], networks=[network], strategies=strategies,
                           workers=2, batch_size=16, warmup_batches=1, measured_batches=2, threads_per_device=1,
                           synthetic_train_size=16, **grid_fields)
     fake, _ = fake_run_fn(step_s=0.5)
@@ -229,10 +230,10 @@ def _validate_links(tmp_path, monkeypatch, strategies, rerun=False, **grid_field
 
 def test_link_rates_add_emulated_cells_predicted_over_those_links(tmp_path, monkeypatch):
     (loopback, emulated), configs = _validate_links(tmp_path, monkeypatch, ["ddp", "collaborative", "dmoe"],
-                                                    bandwidths_mbit_per_s=[10.0])
+                                                    network="moe_cnn", bandwidths_mbit_per_s=[10.0])
     assert [o.strategy for o in loopback.outcomes] == ["ddp", "collaborative", "dmoe"]
     # every model but single runs on emulated links (dmoe's expert servers in namespaces of their own)
-    assert emulated.network == "tiny_cnn @ 10 Mbit/s" and [o.strategy for o in emulated.outcomes] == \
+    assert emulated.network == "moe_cnn @ 10 Mbit/s" and [o.strategy for o in emulated.outcomes] == \
         ["ddp", "collaborative", "dmoe"]
     # 10 Mbit/s makes the averaging round and the all-reduce dearer than loopback's link
     assert emulated.outcome("collaborative").predicted_parts_s["averaging_s"] > \
@@ -337,6 +338,11 @@ def test_uneven_links_give_each_worker_its_rate_and_loopback_can_be_left_out(tmp
     assert busy.averaging_efficiency == 1.0  # not measured: the cluster's
     with pytest.raises(ValueError, match="averaging_share = 1.5"):
         over_links(make_cluster(), 10.0, 2, averaging_share=1.5)
+    # fsdp's collectives at what gloo's unit collectives reached: a share of the slowest link's rate
+    gloo = over_links(make_cluster(), [100.0, 10.0], 2, both_ways=0.8, fsdp_share=0.7)
+    assert gloo.fsdp_link.bandwidth_gb_per_s == pytest.approx(7 / 8e3) and busy.fsdp_link is None
+    with pytest.raises(ValueError, match="fsdp_share = 0"):
+        over_links(make_cluster(), 10.0, 2, fsdp_share=0.0)
     with pytest.raises(ValueError, match="one rate per worker"):
         ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], workers=2, bandwidths_mbit_per_s=[[1.0, 2.0, 3.0]])
     with pytest.raises(ValueError, match="leaves no cell"):
@@ -470,3 +476,44 @@ def test_validate_stopped_by_sigterm_says_so_and_leaves_no_process(tmp_path):
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted: finished cells are stored; run the same command again to resume" in err
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_fsdp_collectives_share_is_measured_once_per_link_and_read_back(tmp_path, monkeypatch):
+    """fsdp's unit collectives are probed once per link entry at the profile's unit sizes, only for a grid
+    with fsdp and real runs; a re-render predicts the stored runs at the share stored with them."""
+    import ddlscope.experiments.validate as validate
+
+    calls = []
+    monkeypatch.setattr(validate, "fsdp_goodput", lambda mbit, workers, units, bucket_ms: calls.append(units) or 0.7)
+    grid = ValidationGrid(name="v", datasets=["mnist"], networks=["tiny_cnn"], strategies=["fsdp"],
+                          bandwidths_mbit_per_s=[10.0], loopback=False)
+    links = validate._Links(grid, tmp_path / "none.db", measure=True, rerun=False, progress=False)
+    assert [links.fsdp(10.0, [4, 8]) for _ in range(2)] == [0.7, 0.7] and calls == [[4, 8]]
+    assert validate._Links(grid, tmp_path / "none.db", measure=False, rerun=False, progress=False).fsdp(10.0, [4]) is None
+    (first,), _ = _validate_links(tmp_path, monkeypatch, ["fsdp"], bandwidths_mbit_per_s=[10.0], loopback=False)
+    assert first.fsdp_goodput is None and calls == [[4, 8]]  # stand-in runs: not probed
+    with ResultsStore(tmp_path / "r.db") as store:
+        (pred,) = store.predictions("v")
+        detail = json.loads(pred["detail_json"])
+        assert "fsdp_goodput" in detail
+        store.conn.execute("UPDATE predictions SET detail_json = ? WHERE prediction_id = ?",
+                           (json.dumps({**detail, "fsdp_goodput": 0.5}), pred["prediction_id"]))
+        store.conn.commit()
+    (again,), _ = _validate_links(tmp_path, monkeypatch, ["fsdp"], bandwidths_mbit_per_s=[10.0], loopback=False)
+    assert again.fsdp_goodput == 0.5 and calls == [[4, 8]]
+    (ddp,), _ = _validate_links(tmp_path / "ddp", monkeypatch, ["ddp"], bandwidths_mbit_per_s=[10.0], loopback=False)
+    assert ddp.fsdp_goodput is None  # no fsdp cell: nothing to probe
+
+
+def test_a_grid_without_strategies_leaves_out_models_that_cannot_train_its_networks():
+    from ddlscope.experiments.validate import PRESETS
+
+    local = ValidationGrid(**PRESETS["local"])  # the zoo's CNNs: dmoe trains networks with a mixture-of-experts layer
+    assert "dmoe" not in local.strategies and {"ddp", "fsdp", "collaborative"} <= set(local.strategies)
+    mixed = ValidationGrid(datasets=["mnist"], networks=["tiny_cnn", "moe_cnn"])
+    assert "dmoe" in mixed.strategies and "dmoe" in mixed.strategies_for("moe_cnn", "mnist")
+    assert "dmoe" not in mixed.strategies_for("tiny_cnn", "mnist") and "ddp" in mixed.strategies_for("tiny_cnn", "mnist")
+    with pytest.raises(ValueError, match=r"strategies: dmoe cannot train resnet18 on mnist \(model = 'resnet18': the "
+                                         r"dmoe model trains a network with a mixture-of-experts layer; allowed: moe_cnn"):
+        ValidationGrid(datasets=["mnist"], networks=["resnet18"], strategies=["ddp", "dmoe"])
+    assert ValidationGrid(**PRESETS["moe"]).strategies == ["single", "dmoe"]

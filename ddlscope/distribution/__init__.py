@@ -136,6 +136,11 @@ class DistributionModel:
         table_3_3_batch: ``{dataset: (batch size, micro-batches)}`` when the model has its own
             column in thesis 002's Table 3.3 (GPipe); empty: the common column (the benchmark
             suite's defaults, :mod:`ddlscope.suite.spec`).
+        network_problem: ``(network, dataset family) -> str | None``: why this model cannot train
+            the zoo network on a dataset of that family (None: it can; dmoe: networks with a
+            mixture-of-experts layer only); None: every network the zoo builds for the dataset.
+            ``ddlscope validate`` leaves such pairs out of a grid that names no strategies and
+            refuses a grid that names them.
         check_setting: ``(profile, setting) -> None``: checks of a prediction's
             :class:`~ddlscope.modeling.prediction.Setting` that only this model needs (pipelines:
             micro-batches that divide the batch, no more stages than layers); raises ``UserError``
@@ -176,6 +181,11 @@ class DistributionModel:
             the peers' links (collaborative): on emulated links ``validate`` and ``recommend
             --swarm`` then measure what such rounds carry (:func:`ddlscope.modeling.links.averaging_goodput`)
             and price them at it (``ClusterSpec.averaging_efficiency``).
+        gathers_units: True when the workers all-gather and reduce-scatter the parameters unit by
+            unit (fsdp): on emulated links with CPU workers ``validate`` and ``recommend --swarm``
+            then measure what those collectives carry on gloo at the profile's unit sizes
+            (:func:`ddlscope.modeling.links.fsdp_goodput`) and price them at it
+            (``ClusterSpec.fsdp_link``).
     """
 
     name: str
@@ -203,6 +213,7 @@ class DistributionModel:
     min_microbatches_per_worker: int = 0
     table_3_3_batch: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     check_setting: Callable[..., None] | None = None
+    network_problem: Callable[[str, str], str | None] | None = None
     candidate: Callable[..., Any] | None = None
     uses_cluster_devices: bool = True
     services: Callable[["RunConfig"], list[Service]] | None = None
@@ -211,6 +222,7 @@ class DistributionModel:
     compute_parts_alone: bool = True
     calibrations: tuple[str, ...] = field(default_factory=tuple)
     averages_with_hivemind: bool = False
+    gathers_units: bool = False
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:

@@ -788,6 +788,14 @@ ESTIMATE_FACTOR = 0.1719 / (0.83 / 2)
 servers on the 2-core development machine (``examples/dmoe-server-killed.toml``) against 415 ms.
 Cells with in-process experts (``placement = "local"`` / ``"dense"``, about 9 ms) are over-estimated."""
 
+def _network_problem(network: str, family: str) -> str | None:
+    """Why dmoe cannot train zoo network ``network`` on a dataset of ``family`` (None: it can, or it
+    is a user factory, which only building it can tell): :func:`ddlscope.moe.networks.network_family_ok`."""
+    from ddlscope.moe.networks import network_family_ok
+
+    return None if ":" in network else network_family_ok(network, family)
+
+
 MODEL = register(DistributionModel(
     name="dmoe",
     summary="a mixture-of-experts layer whose experts live on expert servers found through a DHT (Ryabinin 2020)",
@@ -803,6 +811,7 @@ MODEL = register(DistributionModel(
     config_class=DMoEConfig,
     check_config=check_dmoe,
     check_setting=check_setting,
+    network_problem=_network_problem,
     lockstep=False,  # trainers step on their own; they share only the experts
     calibrations=("dmoe",),
     estimate_factor=ESTIMATE_FACTOR,

@@ -8,7 +8,7 @@ import math
 from ddlscope.distribution import DistributionModel, register
 from ddlscope.modeling.cluster import ClusterSpec, CollectiveFit, LinkSpec
 from ddlscope.modeling.collectives import (busy_per_node, contention, exposed_loading_s, fsdp_unit_traffic_bytes,
-                                           ring_allgather_s, ring_allreduce_s, serial_comm)
+                                           gloo_reduce_scatter_s, ring_allgather_s, serial_comm)
 from ddlscope.modeling.memory import MemoryEstimate, activation_bytes
 from ddlscope.modeling.prediction import Prediction, Setting, make_prediction
 from ddlscope.modeling.profile import WorkloadProfile
@@ -46,7 +46,13 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
     MobileNetV2's epoch 29 % too fast). On CPU workers (gloo) a reduce-scatter's wire time is an
     all-reduce's: torch's gloo backend reduces the whole tensor and keeps its shard (counted on an
     emulated link: 2 workers each send the full tensor's bytes per reduce-scatter, half of it per
-    all-gather; :func:`_gloo_reduce_scatter_wire_s`).
+    all-gather; :func:`~ddlscope.modeling.collectives.gloo_reduce_scatter_s`).
+
+    Where the cluster has an ``fsdp_link`` (CPU workers; the collectives measured over an emulated
+    network's links by :mod:`ddlscope.network.collective_probe`), a collective costs the larger of
+    its wire time over that link and its share of the in-step time plus FSDP's own work: the fsdp
+    runs' step time beyond their compute matched the probe's steps alone within 5 % on 200, 50
+    and 200/20 Mbit/s links (MobileNetV2; the in-step time and FSDP's work hide behind the wire).
     """
     w = s.workers
     slow = contention(cluster, busy_per_node(cluster, w)) * scale
@@ -56,7 +62,14 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
     prefetch = not serial_comm(profile, cluster)
     in_step = None if prefetch else cluster.fsdp_step_gb_per_s
     per_call = 3 if s.reshard_after_forward else 2  # collectives per unit and step
-    if in_step:  # measured inside FSDP steps on these workers; a unit's collectives share its traffic. The rate was
+    probed = cluster.fsdp_link if in_step else None
+    if probed is not None:  # gloo's unit collectives measured over these links: a collective takes the wire time they
+        # reached there, or its in-step time and FSDP's own work where those are longer (the work hides behind the wire)
+        work = [fsdp_unit_traffic_bytes(b, w, s.reshard_after_forward) / (in_step * 1e9)
+                + (cluster.fsdp_unit_fixed_s if b > 0 else 0.0) for b in sizes]
+        ag = [max(t / per_call, ring_allgather_s(b, w, probed, 0.0)) for t, b in zip(work, sizes)]
+        rs = [max(t / per_call, gloo_reduce_scatter_s(b, w, probed, 0.0)) for t, b in zip(work, sizes)]
+    elif in_step:  # measured inside FSDP steps on these workers; a unit's collectives share its traffic. The rate was
         # measured on the calibrated links: where the cluster's link is slower, the wire time beyond theirs adds
         share = [fsdp_unit_traffic_bytes(b, w, s.reshard_after_forward) / (in_step * 1e9) for b in sizes]
 
@@ -70,13 +83,13 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
 
         ag = [in_step_s(t / per_call, ring_allgather_s(b, w, link, fixed), b, cluster.all_gather)
               for t, b in zip(share, sizes)]
-        rs = [in_step_s(t / per_call, _gloo_reduce_scatter_wire_s(b, w, link, fixed), b, cluster.reduce_scatter)
+        rs = [in_step_s(t / per_call, gloo_reduce_scatter_s(b, w, link, fixed), b, cluster.reduce_scatter)
               for t, b in zip(share, sizes)]
     else:
         ag = [ring_allgather_s(b, w, link, fixed, cluster.all_gather) for b in sizes]
         rs = [ring_allgather_s(b, w, link, fixed, cluster.reduce_scatter) for b in sizes]
         if not prefetch:  # CPU workers: gloo's reduce-scatter moves an all-reduce's bytes
-            rs = [max(r, _gloo_reduce_scatter_wire_s(b, w, link, fixed)) for r, b in zip(rs, sizes)]
+            rs = [max(r, gloo_reduce_scatter_s(b, w, link, fixed)) for r, b in zip(rs, sizes)]
     comm_free, compute_t, comm_total = 0.0, 0.0, 0.0
     gathered_at: dict[int, float] = {}
 
@@ -114,7 +127,7 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
     overlapped = max(0.0, comm_total - exposed - waits)
     step = profile.step_at(s.batch_size)
     units = sum(1 for b in sizes if b > 0)  # the strategy shards every layer that has parameters
-    overhead = units * cluster.fsdp_unit_fixed_s
+    overhead = 0.0 if probed is not None else units * cluster.fsdp_unit_fixed_s  # else: in the collectives
     interference = (1.0 - cluster.comm_overlap) * overlapped
     parts = {"forward_s": sum(fwd) * slow + overhead / per_call,
              "backward_s": sum(bwd) * slow + interference + overhead * (per_call - 1) / per_call,
@@ -125,7 +138,7 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
                            inputs={"units": len(sizes), "comm_s": comm_total, "contention": slow / scale,
                                    "prefetch": prefetch, "in_step_rate": bool(in_step), "fsdp_overhead_s": overhead,
                                    "comm_interference_s": interference, "compute_scale": scale,
-                                   "link_gb_per_s": link.bandwidth_gb_per_s})
+                                   "link_gb_per_s": (probed or link).bandwidth_gb_per_s, "probed_link": probed is not None})
 
 
 def memory_fsdp(profile: WorkloadProfile, s: Setting) -> list[MemoryEstimate]:
@@ -169,14 +182,8 @@ MODEL = register(DistributionModel(
     predicts="per-unit all-gather / reduce-scatter with prefetch, simulated unit by unit",
     order=20,
     min_workers=1,
+    gathers_units=True,
     cost_model=predict_fsdp,
     memory_model=memory_fsdp,
 ))
 
-
-def _gloo_reduce_scatter_wire_s(nbytes: float, workers: int, link: LinkSpec, fixed_s: float) -> float:
-    """Wire seconds of a reduce-scatter of ``nbytes`` (the full tensor) on torch's gloo backend: an
-    all-reduce's (:func:`~ddlscope.modeling.collectives.ring_allreduce_s`), as gloo reduces the whole
-    tensor and each worker keeps its shard (torch 2.13; counted on an emulated link, see
-    tests/test_emulated_network.py)."""
-    return ring_allreduce_s(nbytes, workers, link, fixed_s)

@@ -50,7 +50,7 @@ from ddlscope.experiments import check_known
 from ddlscope.distribution.collaborative import ChurnEvent
 from ddlscope.experiments.results import churn_window, measure_run
 from ddlscope.experiments.runner import Cell, RunFn, run_cells
-from ddlscope.modeling.links import averaging_goodput, links_goodput, over_links
+from ddlscope.modeling.links import averaging_goodput, fsdp_goodput, links_goodput, over_links
 from ddlscope.network.emulated import BUCKET_MS, emulated_models
 from ddlscope.store.db import ResultsStore
 
@@ -66,6 +66,15 @@ def predicted_models() -> list[str]:
     return [m.name for m in distribution.all_models() if m.cost_model is not None]
 
 
+def _network_problem(model: str, network: str, dataset: str) -> str | None:
+    """Why distribution model ``model`` cannot train ``network`` on ``dataset`` (None: it can, or the
+    dataset is not a built-in one): the registry's ``network_problem``."""
+    from ddlscope.workloads.datasets import DATASETS
+
+    check = distribution.get(model).network_problem
+    return None if check is None or dataset not in DATASETS else check(network, DATASETS[dataset].family)
+
+
 class ValidationGrid(BaseModel):
     """A validation grid: datasets x networks, each with every distribution model in ``strategies``.
 
@@ -77,7 +86,11 @@ class ValidationGrid(BaseModel):
     model). Models whose runs pay a start-up once (collaborative: the first global epoch plus
     one, hivemind's peer discovery and first matchmaking) exclude those steps too, as the other
     models exclude their allocator's warm-up. The workloads are profiled, and the cells run, on
-    ``device`` (cpu or cuda).
+    ``device`` (cpu or cuda). ``strategies`` defaults to every model with a cost model that can
+    train the grid's networks (each network only with the models that train it,
+    :meth:`strategies_for`); a grid that names a model with a network it cannot train (the
+    registry's ``network_problem``: dmoe and a network without a mixture-of-experts layer) is
+    refused.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -156,7 +169,20 @@ class ValidationGrid(BaseModel):
         if bad:
             raise ValueError(f"churn: peers {bad} are outside 0..{self.workers - 1} or have two schedules; allowed: "
                              f"one schedule per peer of the {self.workers} workers")
+        untrainable = {(m, net, ds): why for m in self.strategies for net in self.networks for ds in self.datasets
+                       if (why := _network_problem(m, net, ds))}
+        if untrainable and "strategies" in self.model_fields_set:
+            (m, net, ds), why = next(iter(untrainable.items()))
+            raise ValueError(f"strategies: {m} cannot train {net} on {ds} ({why}); allowed: leave {m} out of this "
+                             f"grid's strategies, or give it a grid of networks it trains")
+        pairs = len(self.networks) * len(self.datasets)  # no strategies named: models that train none are left out
+        self.strategies = [m for m in self.strategies if sum(k[0] == m for k in untrainable) < pairs]
         return self
+
+    def strategies_for(self, network: str, dataset: str) -> list[str]:
+        """The grid's distribution models that can train ``network`` on ``dataset`` (a grid that names
+        its strategies has only such models; one that names none leaves each model's other pairs out)."""
+        return [m for m in self.strategies if _network_problem(m, network, dataset) is None]
 
     @field_validator("strategies")
     @classmethod
@@ -422,7 +448,8 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
             outcomes.append(_repeated_outcome(grid, db_path, tries))
         out.append(ValidationCell(dataset=first.dataset, network=first.label, workers=grid.workers, outcomes=outcomes,
                                   predict_s=first.predict_s, link=first.link, link_goodput=first.link_goodput,
-                                  averaging_goodput=first.averaging_goodput, hivemind_fits=fits,
+                                  averaging_goodput=first.averaging_goodput, fsdp_goodput=first.fsdp_goodput,
+                                  hivemind_fits=fits,
                                   averaging_goodput_rounds=[plan[i].averaging_goodput for plan in plans]
                                   if len(plans) > 1 and grid.hivemind_each_repeat and first.averaging_goodput is not None
                                   else []))
@@ -488,6 +515,7 @@ class _Planned:
     profile: Any
     cluster: ClusterSpec
     averaging_goodput: float | None = None
+    fsdp_goodput: float | None = None
 
 
 @dataclass
@@ -503,16 +531,19 @@ class _Try:
 
 class _Links:
     """The both-ways share of each link entry's rate (``ddlscope.network.duplex``), measured once
-    per validation (1.0 when ``measure`` is False: no real runs, or stand-in runs), and the share
-    hivemind's averaging rounds reach, measured once per round of runs, or both as stored with the
-    grid's earlier predictions (:func:`_stored_link_goodputs`) unless ``rerun``."""
+    per validation (1.0 when ``measure`` is False: no real runs, or stand-in runs), the share
+    hivemind's averaging rounds reach, measured once per round of runs, and the share fsdp's unit
+    collectives reach, measured once per validation; each as stored with the grid's earlier
+    predictions (:func:`_stored_link_goodputs`) unless ``rerun``."""
 
     def __init__(self, grid: ValidationGrid, db_path: Path, measure: bool, rerun: bool, progress: bool):
         self.grid, self.measure, self.progress = grid, measure, progress
         self.stored = {} if rerun else _stored_link_goodputs(db_path, grid.name)
         self.stored_averaging = {} if rerun else _stored_link_goodputs(db_path, grid.name, "averaging_goodput")
+        self.stored_fsdp = {} if rerun else _stored_link_goodputs(db_path, grid.name, "fsdp_goodput")
         self.goodput: dict[str, float] = {}
         self.averaging_goodput: dict[tuple[str, int], float | None] = {}
+        self.fsdp_goodput: dict[str, float | None] = {}
 
     def averaging(self, mbit: float | list[float], param_bytes: float, round_index: int = 0) -> float | None:
         """The share hivemind's averaging rounds reach on the entry's links (``links.averaging_goodput``,
@@ -531,6 +562,24 @@ class _Links:
                       f"{self.averaging_goodput[key]:.3f} of their rate, one core per peer"
                       + (f" (round {round_index + 1})" if round_index else "") + how, file=sys.stderr, flush=True)
         return self.averaging_goodput[key]
+
+    def fsdp(self, mbit: float | list[float], unit_bytes: list[int]) -> float | None:
+        """The share of the slowest link's rate that fsdp's unit collectives of ``unit_bytes`` (the
+        profile's layers) reach over the entry's links on gloo (``links.fsdp_goodput``), measured once
+        per validation; None without real runs or where it cannot be measured (the collectives are
+        then priced at the TCP share and FSDP's in-step rate)."""
+        label = link_label(mbit)
+        if label not in self.fsdp_goodput:
+            stored = self.stored_fsdp.get((label, 0))
+            self.fsdp_goodput[label] = stored if stored is not None else (
+                fsdp_goodput(mbit, self.grid.workers, unit_bytes, bucket_ms=self.grid.bucket_ms)
+                if self.measure else None)
+            if self.progress and self.fsdp_goodput[label] is not None:
+                how = "" if stored is None else " (as measured before their stored runs; --rerun measures again)"
+                print(f"validate {self.grid.name}: fsdp's unit collectives (gloo) over links {label} carry "
+                      f"{self.fsdp_goodput[label]:.3f} of their rate, one core per worker{how}",
+                      file=sys.stderr, flush=True)
+        return self.fsdp_goodput[label]
 
     def share(self, mbit: float | list[float]) -> float:
         label = link_label(mbit)
@@ -565,7 +614,7 @@ def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Pa
                                       loader_workers=(grid.loader_workers,), data_root=root, cache_dir=profile_dir,
                                       refresh=refresh)
             settings = candidate_settings(
-                grid.strategies, grid.workers, grid.batch_size, DATASETS[ds].train_size,
+                grid.strategies_for(net, ds), grid.workers, grid.batch_size, DATASETS[ds].train_size,
                 microbatches=grid.microbatches, loader_workers=grid.loader_workers,
                 target_batch_size=grid.target_batch_size, matchmaking_time_s=grid.matchmaking_time_s,
                 use_local_updates=grid.use_local_updates)
@@ -578,12 +627,15 @@ def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Pa
                 averaging = None if mbit is None or not any(distribution.get(s.strategy).averages_with_hivemind
                                                             for s in here) \
                     else links.averaging(mbit, profile.param_bytes, repeats[0] if grid.hivemind_each_repeat else 0)
+                gloo = links.fsdp(mbit, [layer.param_bytes for layer in profile.layers]) \
+                    if mbit is not None and profile.device.type == "cpu" \
+                    and any(distribution.get(s.strategy).gathers_units for s in here) else None
                 t1 = time.perf_counter()
-                over = None if mbit is None else over_links(cluster, mbit, grid.workers, goodput, averaging)
+                over = None if mbit is None else over_links(cluster, mbit, grid.workers, goodput, averaging, gloo)
                 rec = recommend(profile, cluster if mbit is None else over, here)
                 link = None if mbit is None else link_label(mbit)
                 stored_link = None if mbit is None else {"link": link, "link_goodput": goodput,
-                                                         "averaging_goodput": averaging}
+                                                         "averaging_goodput": averaging, "fsdp_goodput": gloo}
                 with ResultsStore(db_path) as store:
                     entries = [_Entry(_key(grid, c.setting, net, ds, mbit), c,
                                       _store_prediction(store, grid.name, c, c is rec.best, net, ds,
@@ -595,7 +647,7 @@ def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Pa
                 # the profile's time counts once, with the first cell of this network
                 planned.append(_Planned(ds, net if link is None else f"{net} @ {link}", link,
                                         (t1 - t0 if first else 0.0) + time.perf_counter() - t1, entries, goodput,
-                                        profile, over or cluster, averaging))
+                                        profile, over or cluster, averaging, gloo))
                 first = False
     return planned
 
@@ -603,7 +655,7 @@ def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Pa
 def _stored_link_goodputs(db_path: Path, group: str, field: str = "link_goodput") -> dict[tuple[str, int], float]:
     """Per link entry (e.g. ``"200 Mbit/s"``) and round of runs (from 0: a prediction's key ends
     in ``-r2`` for the second), the both-ways share (``field`` ``link_goodput``; or
-    ``averaging_goodput``: hivemind's rounds) that the grid ``group``'s first predictions for them
+    ``averaging_goodput``: hivemind's rounds; ``fsdp_goodput``: fsdp's unit collectives) that the grid ``group``'s first predictions for them
     were made with (stored in their ``detail``); empty without a store.
 
     Runs reused from the store are predicted again with the share measured before they ran:

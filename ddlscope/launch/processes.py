@@ -137,6 +137,15 @@ def stop_processes(popens: Sequence[subprocess.Popen], grace_s: float, other_gro
         wait_group_gone(pgid, KILL_WAIT_S)
 
 
+
+def kill_processes(popens: Sequence[subprocess.Popen]) -> None:
+    """SIGKILL every process of ``popens`` that is still running and reap it: the cleanup of a short
+    measurement's children (the probes of :mod:`ddlscope.network`) whatever stopped it."""
+    for p in popens:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
 def describe_exit(returncode: int) -> str:
     """How a process ended, for a person: ``killed by SIGKILL`` for a negative return code (the
     signal that ended it), else ``exited with code N``."""

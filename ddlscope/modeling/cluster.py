@@ -318,6 +318,11 @@ class ClusterSpec(BaseModel):
             ``ddlscope validate`` and ``recommend --swarm`` measure it with hivemind's own rounds,
             each peer on one core (:mod:`ddlscope.network.averaging_probe`): on a 200/20 Mbit/s
             pair the rounds reached 0.72-0.73 of the rate where the TCP probe read 0.72-0.81.
+        fsdp_link: the ring link as FSDP's unit collectives on CPU workers (gloo) reach it, where
+            measured: on emulated links ``ddlscope validate`` runs them at the profile's unit sizes
+            (:mod:`ddlscope.network.collective_probe`) and fsdp's cost model prices their wire time
+            at it (MobileNetV2's reached 0.94, 0.83 and 0.73 of 200, 50 and 20 Mbit/s links, where
+            the TCP probe read 0.95, 0.915 and 0.805). None: priced over ``intra_node``.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # finite numbers only
@@ -342,6 +347,7 @@ class ClusterSpec(BaseModel):
     hivemind: HivemindFit | None = None
     dmoe: DMoEFit | None = None
     averaging_efficiency: float = Field(1.0, gt=0, le=1)
+    fsdp_link: LinkSpec | None = None
 
     @field_validator("inter_node")
     @classmethod

@@ -161,6 +161,24 @@ def ddp_step_traffic_bytes(gradient_bytes: float, workers: int) -> float:
     return 2 * (workers - 1) / workers * gradient_bytes
 
 
+def gloo_reduce_scatter_s(nbytes: float, workers: int, link: LinkSpec, fixed_s: float) -> float:
+    """Seconds of a reduce-scatter of ``nbytes`` (the full tensor) on torch's gloo backend: an
+    all-reduce's (:func:`ring_allreduce_s`), as gloo reduces the whole tensor and each worker keeps
+    its shard (torch 2.13; counted on an emulated link, see tests/test_emulated_network.py)."""
+    return ring_allreduce_s(nbytes, workers, link, fixed_s)
+
+
+def gloo_fsdp_step_wire_s(unit_bytes: list[float], workers: int, link: LinkSpec, reshard: bool = True) -> float:
+    """Seconds of wire time of one FSDP step's unit collectives on CPU workers (gloo) over ``link``:
+    per unit of ``unit_bytes[i]`` bytes, an all-gather in the forward, another in the backward with
+    ``reshard`` (``reshard_after_forward``), and a reduce-scatter (:func:`gloo_reduce_scatter_s`);
+    no fixed cost per call. What :mod:`ddlscope.network.collective_probe` divides by its measured
+    step to read the share of a link's rate such steps reach."""
+    gathers = 2 if reshard else 1
+    return sum(gathers * ring_allgather_s(b, workers, link, 0.0) + gloo_reduce_scatter_s(b, workers, link, 0.0)
+               for b in unit_bytes)
+
+
 def fsdp_unit_traffic_bytes(unit_bytes: float, workers: int, reshard: bool = True) -> float:
     """Bytes each worker sends per FSDP unit and step: ``(W-1)/W x bytes`` for each all-gather
     (two with ``reshard_after_forward``, else one) and for the reduce-scatter."""

@@ -5,7 +5,8 @@ its workers are peers on links of given rates (:mod:`ddlscope.network.emulated`)
 the rate a link carries each way with both ways busy; :func:`links_goodput` measures that share
 (:mod:`ddlscope.network.duplex`). Used by ``ddlscope validate`` (the grids' ``bandwidths_mbit_per_s``
 cells) and ``ddlscope recommend --swarm`` (a run config's emulated links). :func:`averaging_goodput`
-measures what hivemind's own averaging rounds reach on such links (:mod:`ddlscope.network.averaging_probe`).
+measures what hivemind's own averaging rounds reach on such links (:mod:`ddlscope.network.averaging_probe`),
+:func:`fsdp_goodput` what FSDP's unit collectives reach on them (:mod:`ddlscope.network.collective_probe`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from ddlscope.network.emulated import BUCKET_MS
 
 
 def over_links(cluster: ClusterSpec, rates_mbit_per_s: float | list[float], workers: int,
-               both_ways: float = 1.0, averaging_share: float | None = None) -> ClusterSpec:
+               both_ways: float = 1.0, averaging_share: float | None = None,
+               fsdp_share: float | None = None) -> ClusterSpec:
     """``cluster`` as an emulated network of ``workers`` workers puts it: each worker a peer with a
     link of its rate (a list: worker i's at the i-th; latency as calibrated) and the devices' links
     at the slowest rate (a ring is as fast as its slowest link), for predicting a cell run on
@@ -32,13 +34,16 @@ def over_links(cluster: ClusterSpec, rates_mbit_per_s: float | list[float], work
     that hivemind's averaging rounds reach on these links (:func:`averaging_goodput`); the
     collaborative model's rounds then hold the links at it (``ClusterSpec.averaging_efficiency`` =
     ``averaging_share / both_ways``, at most 1); None keeps the cluster's efficiency.
+    ``fsdp_share``: the share of the slowest link's rate that FSDP's unit collectives reach on these
+    links (:func:`fsdp_goodput`); fsdp's cost model then prices their wire time over
+    ``ClusterSpec.fsdp_link`` at it; None keeps the cluster's ``fsdp_link``.
 
     Raises:
-        ValueError: ``both_ways`` or ``averaging_share`` outside (0, 1].
+        ValueError: ``both_ways``, ``averaging_share`` or ``fsdp_share`` outside (0, 1].
     """
-    if not 0 < both_ways <= 1 or not (averaging_share is None or 0 < averaging_share <= 1):
-        raise ValueError(f"both_ways = {both_ways}, averaging_share = {averaging_share}; allowed: a share of the "
-                         "link's rate in (0, 1]")
+    if not 0 < both_ways <= 1 or not all(x is None or 0 < x <= 1 for x in (averaging_share, fsdp_share)):
+        raise ValueError(f"both_ways = {both_ways}, averaging_share = {averaging_share}, fsdp_share = {fsdp_share}; "
+                         "allowed: a share of the link's rate in (0, 1]")
     rates = rates_mbit_per_s if isinstance(rates_mbit_per_s, list) else [rates_mbit_per_s] * workers
     latency = cluster.intra_node.latency_s
     link = LinkSpec(bandwidth_gb_per_s=min(rates) * both_ways / 8e3, latency_s=latency)
@@ -48,9 +53,11 @@ def over_links(cluster: ClusterSpec, rates_mbit_per_s: float | list[float], work
     peers = [PeerSpec(compute_share=c, bandwidth_gb_per_s=r * both_ways / 8e3, latency_s=latency)
              for c, r in zip(shares, rates)]
     efficiency = cluster.averaging_efficiency if averaging_share is None else min(1.0, averaging_share / both_ways)
+    fsdp = cluster.fsdp_link if fsdp_share is None else \
+        LinkSpec(bandwidth_gb_per_s=min(rates) * fsdp_share / 8e3, latency_s=latency)
     return cluster.model_copy(update={"intra_node": link, "p2p_link": p2p, "peers": peers,
                                       "inter_node": link if cluster.inter_node is not None else None,
-                                      "averaging_efficiency": efficiency})
+                                      "averaging_efficiency": efficiency, "fsdp_link": fsdp})
 
 
 def links_goodput(rates_mbit_per_s: float | list[float], workers: int, bucket_ms: float = BUCKET_MS) -> float:
@@ -86,4 +93,25 @@ def averaging_goodput(rates_mbit_per_s: float | list[float], workers: int, param
                                          cores=one_core_each(workers)).share
     except (UserError, RuntimeError) as err:
         print(f"links of {rates}: hivemind's rounds priced at the TCP share ({err})", file=sys.stderr)
+        return None
+
+
+def fsdp_goodput(rates_mbit_per_s: float | list[float], workers: int, unit_bytes: list[int],
+                 reshard: bool = True, bucket_ms: float = BUCKET_MS) -> float | None:
+    """The share of the slowest link's rate that FSDP's unit collectives of ``unit_bytes`` (a
+    profile's layers' parameter bytes) reach over an emulated link entry on gloo, each worker on one
+    core of this process's in turn (as a run places them), or None (with a warning on stderr) where
+    emulated networks cannot be built or the probe fails
+    (:func:`ddlscope.network.collective_probe.measure_fsdp_goodput`). ``reshard``:
+    ``reshard_after_forward`` (an all-gather in the backward too); ``bucket_ms``: the links' token
+    bucket."""
+    from ddlscope.network.averaging_probe import one_core_each
+    from ddlscope.network.collective_probe import measure_fsdp_goodput
+
+    rates = (rates_mbit_per_s if isinstance(rates_mbit_per_s, list) else [rates_mbit_per_s] * workers)[:workers]
+    try:
+        return measure_fsdp_goodput(rates, unit_bytes, reshard=reshard, cores=one_core_each(workers),
+                                    bucket_ms=bucket_ms).share
+    except (UserError, RuntimeError) as err:
+        print(f"links of {rates}: fsdp's collectives priced at the TCP share ({err})", file=sys.stderr)
         return None

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddlscope.launch.processes import kill_processes
+
 ROUNDS = 5
 """Measured rounds after one warm-up round; the median is kept. Three probes of 3 rounds (8 MiB, a 200/20
 Mbit/s pair, one core per peer) read shares of 0.83, 0.73 and 0.73 in a row on this project's machine."""
@@ -108,10 +110,7 @@ def averaging_round_seconds(rates_mbit_per_s: list[float], megabytes: float, rou
                 if p.wait(timeout=600) != 0:
                     raise RuntimeError(f"averaging probe: peer {i} exited with code {p.returncode}: {_stderr(p)}")
         finally:  # whatever stopped the probe, no peer outlives it (the namespaces go with the network)
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            kill_processes(procs)
         per_peer = [json.loads((Path(folder) / f"peer{i}.json").read_text()) for i in range(n)]
     out = []
     for r in range(1, rounds + 1):

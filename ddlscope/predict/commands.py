@@ -278,12 +278,15 @@ def register(app: typer.Typer) -> None:
             profile = load_or_profile(model, dataset, batch_size, device, threads=threads,
                                       loader_workers=(loader_workers,), cache_dir=cache_dir, progress=not as_json,
                                       optimizer=optimizer)
-        if emulated_rates is not None:  # the swarm's links; hivemind's own rounds priced as measured there
-            from ddlscope.modeling.links import averaging_goodput, links_goodput, over_links
+        if emulated_rates is not None:  # the swarm's links; hivemind's rounds and fsdp's collectives as measured there
+            from ddlscope.modeling.links import averaging_goodput, fsdp_goodput, links_goodput, over_links
 
             rounds_share = averaging_goodput(emulated_rates, n, profile.param_bytes) \
                 if any(distribution.get(s.strategy).averages_with_hivemind for s in settings) else None
-            spec = over_links(spec, emulated_rates, n, links_goodput(emulated_rates, n), rounds_share)
+            gloo_share = fsdp_goodput(emulated_rates, n, [layer.param_bytes for layer in profile.layers]) \
+                if profile.device.type == "cpu" and any(distribution.get(s.strategy).gathers_units for s in settings) \
+                else None
+            spec = over_links(spec, emulated_rates, n, links_goodput(emulated_rates, n), rounds_share, gloo_share)
         scale = compute_scale(profile, batch_size, spec.device.kind)
         rec = recommend(profile, spec, settings, scale.factor, (scale.low, scale.high))
         if spec.device.kind != "local":

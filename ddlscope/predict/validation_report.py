@@ -186,6 +186,7 @@ class ValidationCell:
     link: str | None = None            # the emulated links the cell ran on, e.g. "50 Mbit/s" (None: loopback)
     link_goodput: float | None = None  # share of their rate they carried each way with both ways busy (measured)
     averaging_goodput: float | None = None  # share of their rate hivemind's averaging rounds reached (collaborative)
+    fsdp_goodput: float | None = None  # share of the slowest link's rate fsdp's unit collectives reached (gloo)
     # the hivemind fit each round was predicted with, where it was measured before each round (validate.round_hivemind_fit)
     hivemind_fits: list[dict[str, Any]] = field(default_factory=list)
     # with a round of runs per repeat: the averaging share measured before each round (averaging_goodput: the first's)
@@ -560,7 +561,8 @@ def cell_from_dict(d: dict[str, Any]) -> ValidationCell:
         outcomes = [StrategyOutcome(**{k: v for k, v in o.items() if k in out_fields}) for o in d["outcomes"]]
         return ValidationCell(dataset=d["dataset"], network=d["network"], workers=int(d["workers"]), outcomes=outcomes,
                               predict_s=d.get("predict_s"), link=d.get("link"), link_goodput=d.get("link_goodput"),
-                              averaging_goodput=d.get("averaging_goodput"), hivemind_fits=d.get("hivemind_fits") or [],
+                              averaging_goodput=d.get("averaging_goodput"), fsdp_goodput=d.get("fsdp_goodput"),
+                              hivemind_fits=d.get("hivemind_fits") or [],
                               averaging_goodput_rounds=d.get("averaging_goodput_rounds") or [])
     except (KeyError, TypeError) as e:
         raise UserError(f"validation record is missing a field or has a wrong one: {e}") from e
