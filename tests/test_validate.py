@@ -41,11 +41,13 @@ def test_grid_defaults_to_every_model_with_a_cost_model_and_refuses_unknown_ones
 
 
 def test_a_grid_calibrates_the_fits_its_models_read_and_hivemind_with_its_one_network_at_its_batch_per_peer():
-    from ddlscope.experiments.validate import calibration_options
+    from ddlscope.experiments.validate import GRID_SWARM_EPOCHS, calibration_options
 
     links = calibration_options(load_grid("links"))  # global batch 64 on 2 peers, collaborative in it
     assert links == {"hivemind": True, "dmoe": False, "matchmaking_time_s": load_grid("links").matchmaking_time_s,
-                     "swarm_reference": ("mobilenet_v2", "mnist"), "swarm_batch_sizes": [32]}
+                     "swarm_reference": ("mobilenet_v2", "mnist"), "swarm_batch_sizes": [32],
+                     "swarm_epochs": GRID_SWARM_EPOCHS}
+    assert GRID_SWARM_EPOCHS > 10  # the overshoot is a mean of whole steps: more epochs than calibrate's default
     local = calibration_options(load_grid("local"))  # three networks: one fit cannot be each one's
     assert local["hivemind"] and "swarm_reference" not in local
     moe = calibration_options(load_grid("moe-links"))

@@ -256,6 +256,14 @@ PRESETS: dict[str, dict] = {
 }
 
 
+GRID_SWARM_EPOCHS = 30
+"""Global epochs a grid's own hivemind swarm times (``calibrate``'s default: 10). A peer overshoots the
+target batch by whole steps, so the overshoot is a mean of small counts: fits of 10 epochs of the same
+network within 30 minutes read 0.05-0.40 steps (stop 41), and on a link-bound collaborative cell the
+overshoot's error passes whole into the time per sample. Three times the epochs cut that noise by
+sqrt(3), for about a minute more of calibration (MobileNetV2 at batch 32 on one-core peers)."""
+
+
 def calibration_options(grid: ValidationGrid) -> dict[str, Any]:
     """The keyword arguments of :func:`ddlscope.profiling.calibrate.calibrate` that ``grid`` needs
     beyond workers and threads: ``hivemind`` and ``dmoe`` (the fits its models' cost models read,
@@ -263,7 +271,8 @@ def calibration_options(grid: ValidationGrid) -> dict[str, Any]:
     grid of one network and dataset with a model that averages with hivemind, ``swarm_reference``
     ``(network, dataset shape)`` and ``swarm_batch_sizes`` ``[batch per peer]``: how far peers
     overshoot the target batch depends on the network (:mod:`ddlscope.profiling.swarm`), so its
-    swarms train the grid's own network (the default reference otherwise)."""
+    swarms train the grid's own network (the default reference otherwise), for
+    :data:`GRID_SWARM_EPOCHS` global epochs."""
     models = [distribution.get(name) for name in grid.strategies]
     options: dict[str, Any] = {fit: any(fit in m.calibrations for m in models) for fit in distribution.CALIBRATIONS}
     options["matchmaking_time_s"] = grid.matchmaking_time_s
@@ -272,6 +281,7 @@ def calibration_options(grid: ValidationGrid) -> dict[str, Any]:
         options["swarm_reference"] = (grid.networks[0], grid.datasets[0])
         options["swarm_batch_sizes"] = sorted({max(1, grid.batch_size // m.data_parallel_size(grid.workers))
                                                for m in swarm})
+        options["swarm_epochs"] = GRID_SWARM_EPOCHS
     return options
 
 
@@ -472,7 +482,7 @@ def round_hivemind_fit(grid: ValidationGrid, cluster: ClusterSpec, cache_dir: Pa
     from ddlscope.profiling.calibrate import CalibrationError, load_or_calibrate_hivemind
 
     options = {k: v for k, v in calibration_options(grid).items()
-               if k in ("matchmaking_time_s", "swarm_reference", "swarm_batch_sizes")}
+               if k in ("matchmaking_time_s", "swarm_reference", "swarm_batch_sizes", "swarm_epochs")}
 
     def say(line: str) -> None:
         print(f"validate {grid.name}: {line}", file=sys.stderr, flush=True)
