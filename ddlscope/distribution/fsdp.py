@@ -127,7 +127,7 @@ def predict_fsdp(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, sca
     overlapped = max(0.0, comm_total - exposed - waits)
     step = profile.step_at(s.batch_size)
     units = sum(1 for b in sizes if b > 0)  # the strategy shards every layer that has parameters
-    overhead = 0.0 if probed is not None else units * cluster.fsdp_unit_fixed_s  # else: in the collectives
+    overhead = 0.0 if probed is not None else units * cluster.fsdp_unit_fixed_s  # probed: in the collectives
     interference = (1.0 - cluster.comm_overlap) * overlapped
     parts = {"forward_s": sum(fwd) * slow + overhead / per_call,
              "backward_s": sum(bwd) * slow + interference + overhead * (per_call - 1) / per_call,
