@@ -277,6 +277,19 @@ def test_transfers_lengthen_the_pipeline():
     assert yes > no
 
 
+def test_pipeline_transfers_wait_for_the_receiver_and_take_turns_on_the_link():
+    """gloo's send/recv are rendezvous (a transfer starts once the receiver has posted its receive) and a
+    link carries one transfer at a time per direction (measured on an emulated link, stop 42)."""
+    # GPipe, 2 stages, 2 micro-batches, forward 1 s, backward 1 s, transfers 3 s: the link is the bottleneck
+    span, _ = simulate_pipeline("gpipe", [1.0, 1.0], [1.0, 1.0], [3.0], 2)
+    # activation 0 at 1..4, F(1,0) 4..5; activation 1 sent at 2, but the link is busy until 4 and stage 1
+    # posts its receive at 5 (after F(1,0)): 5..8, F(1,1) 8..9; B(1,0) 9..10, gradient 0 10..13, B(1,1)
+    # 10..11, gradient 1 waits for the link (13) and for stage 0's B(0,0) 13..14: 14..17, B(0,1) 17..18
+    assert span == pytest.approx(18.0)
+    # free transfers: (M + S - 1) slots of forward and backward
+    assert simulate_pipeline("gpipe", [1.0, 1.0], [1.0, 1.0], [0.0], 2)[0] == pytest.approx(6.0)
+
+
 def test_pipeline_prediction_and_its_eq6_reference():
     prof = make_profile()
     cl = make_cluster(bw=1e9, latency=0.0)
