@@ -264,7 +264,7 @@ def test_a_rerender_predicts_stored_runs_at_the_link_share_measured_before_them(
 
     (first,), _ = _validate_links(tmp_path, monkeypatch, ["ddp"], bandwidths_mbit_per_s=[10.0], loopback=False)
     db = tmp_path / "r.db"
-    assert first.link_goodput == 1.0 and _stored_link_goodputs(db, "v") == {("10 Mbit/s", 0): 1.0}
+    assert first.link_goodput == 1.0 and _stored_link_goodputs(db, "v") == {("10 Mbit/s", "tiny_cnn", "mnist", 0): 1.0}
     assert _stored_link_goodputs(tmp_path / "none.db", "v") == {}
     with ResultsStore(db) as store:  # as if the links had carried 0.8 of their rate when the runs were made
         (pred,) = store.predictions("v")
@@ -505,6 +505,36 @@ def test_fsdp_collectives_share_is_measured_once_per_link_and_read_back(tmp_path
     assert again.fsdp_goodput == 0.5 and calls == [[4, 8]]
     (ddp,), _ = _validate_links(tmp_path / "ddp", monkeypatch, ["ddp"], bandwidths_mbit_per_s=[10.0], loopback=False)
     assert ddp.fsdp_goodput is None  # no fsdp cell: nothing to probe
+
+
+def test_workload_shares_are_kept_per_network_and_read_back_per_network(tmp_path, monkeypatch):
+    """fsdp's and hivemind's shares depend on the workload's sizes: each network of a grid is probed
+    at its own and reads back its own; a prediction stored before shares were kept per network
+    stands for any."""
+    import ddlscope.experiments.validate as validate
+
+    readings = iter([0.6, 0.7, 0.8, 0.9])
+    monkeypatch.setattr(validate, "fsdp_goodput", lambda mbit, workers, units, bucket_ms: next(readings))
+    monkeypatch.setattr(validate, "averaging_goodput", lambda mbit, workers, param_bytes: next(readings))
+    grid = ValidationGrid(name="v", datasets=["mnist"], networks=["tiny_cnn", "mlp"], strategies=["fsdp", "collaborative"],
+                          bandwidths_mbit_per_s=[10.0], loopback=False)
+    links = validate._Links(grid, tmp_path / "none.db", measure=True, rerun=False, progress=False)
+    assert links.fsdp(10.0, [4], ("tiny_cnn", "mnist")) == 0.6 and links.fsdp(10.0, [8], ("mlp", "mnist")) == 0.7
+    assert links.averaging(10.0, 1e6, 0, ("tiny_cnn", "mnist")) == 0.8
+    assert links.averaging(10.0, 2e6, 0, ("mlp", "mnist")) == 0.9
+    assert links.fsdp(10.0, [4], ("tiny_cnn", "mnist")) == 0.6  # once per network
+    db = tmp_path / "r.db"
+    with ResultsStore(db) as store:
+        for net, share in (("tiny_cnn", 0.5), ("mlp", 0.4)):
+            store.add_prediction(f"fsdp-{net}-mnist-2w-b16-10mbit", "fsdp", 2, 16, group_name="v",
+                                 detail={"link": "10 Mbit/s", "network": net, "dataset": "mnist", "fsdp_goodput": share})
+        store.add_prediction("collaborative-tiny_cnn-mnist-2w-b16-10mbit", "collaborative", 2, 16, group_name="v",
+                             detail={"link": "10 Mbit/s", "averaging_goodput": 0.3})  # stored before per-network keys
+    monkeypatch.setattr(validate, "fsdp_goodput", lambda *a, **k: pytest.fail("probed although stored"))
+    monkeypatch.setattr(validate, "averaging_goodput", lambda *a, **k: pytest.fail("probed although stored"))
+    again = validate._Links(grid, db, measure=True, rerun=False, progress=False)
+    assert again.fsdp(10.0, [4], ("tiny_cnn", "mnist")) == 0.5 and again.fsdp(10.0, [8], ("mlp", "mnist")) == 0.4
+    assert again.averaging(10.0, 2e6, 0, ("mlp", "mnist")) == 0.3
 
 
 def test_a_grid_without_strategies_leaves_out_models_that_cannot_train_its_networks():

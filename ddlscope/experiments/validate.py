@@ -36,6 +36,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -540,68 +541,80 @@ class _Try:
 
 
 class _Links:
-    """The both-ways share of each link entry's rate (``ddlscope.network.duplex``), measured once
-    per validation (1.0 when ``measure`` is False: no real runs, or stand-in runs), the share
-    hivemind's averaging rounds reach, measured once per round of runs, and the share fsdp's unit
-    collectives reach, measured once per validation; each as stored with the grid's earlier
-    predictions (:func:`_stored_link_goodputs`) unless ``rerun``."""
+    """The shares of each link entry's rate that ddlscope prices communication at, each measured
+    once and read back from the grid's earlier predictions (:func:`_stored_link_goodputs`) unless
+    ``rerun``: the both-ways TCP share (``ddlscope.network.duplex``; once per validation, 1.0 when
+    ``measure`` is False: no real runs, or stand-in runs), the share hivemind's averaging rounds reach
+    (once per network and round of runs) and the share fsdp's unit collectives reach (once per
+    network). The last two depend on the workload's sizes (parameter bytes, unit bytes), so they are
+    kept per (link, network, dataset): a grid with two networks prices each at its own."""
 
     def __init__(self, grid: ValidationGrid, db_path: Path, measure: bool, rerun: bool, progress: bool):
-        self.grid, self.measure, self.progress = grid, measure, progress
-        self.stored = {} if rerun else _stored_link_goodputs(db_path, grid.name)
-        self.stored_averaging = {} if rerun else _stored_link_goodputs(db_path, grid.name, "averaging_goodput")
-        self.stored_fsdp = {} if rerun else _stored_link_goodputs(db_path, grid.name, "fsdp_goodput")
-        self.goodput: dict[str, float] = {}
-        self.averaging_goodput: dict[tuple[str, int], float | None] = {}
-        self.fsdp_goodput: dict[str, float | None] = {}
-
-    def averaging(self, mbit: float | list[float], param_bytes: float, round_index: int = 0) -> float | None:
-        """The share hivemind's averaging rounds reach on the entry's links (``links.averaging_goodput``,
-        rounds of ``param_bytes``), measured once per round of runs (``round_index``, from 0: each
-        peer's one core is as busy as the machine is then; two passes' probes of the same 50 Mbit/s
-        links read 0.709 and 0.773 and moved the link-bound collaborative cell by 7 %); None
-        without real runs or where it cannot be measured (the rounds are then priced at the TCP share)."""
-        key = (link_label(mbit), round_index)
-        if key not in self.averaging_goodput:
-            stored = self.stored_averaging.get(key)
-            self.averaging_goodput[key] = stored if stored is not None else (
-                averaging_goodput(mbit, self.grid.workers, param_bytes) if self.measure else None)
-            if self.progress and self.averaging_goodput[key] is not None:
-                how = "" if stored is None else " (as measured before their stored runs; --rerun measures again)"
-                print(f"validate {self.grid.name}: hivemind's averaging rounds over links {key[0]} carry "
-                      f"{self.averaging_goodput[key]:.3f} of their rate, one core per peer"
-                      + (f" (round {round_index + 1})" if round_index else "") + how, file=sys.stderr, flush=True)
-        return self.averaging_goodput[key]
-
-    def fsdp(self, mbit: float | list[float], unit_bytes: list[int]) -> float | None:
-        """The share of the slowest link's rate that fsdp's unit collectives of ``unit_bytes`` (the
-        profile's layers) reach over the entry's links on gloo (``links.fsdp_goodput``), measured once
-        per validation; None without real runs or where it cannot be measured (the collectives are
-        then priced at the TCP share and FSDP's in-step rate)."""
-        label = link_label(mbit)
-        if label not in self.fsdp_goodput:
-            stored = self.stored_fsdp.get((label, 0))
-            self.fsdp_goodput[label] = stored if stored is not None else (
-                fsdp_goodput(mbit, self.grid.workers, unit_bytes, bucket_ms=self.grid.bucket_ms)
-                if self.measure else None)
-            if self.progress and self.fsdp_goodput[label] is not None:
-                how = "" if stored is None else " (as measured before their stored runs; --rerun measures again)"
-                print(f"validate {self.grid.name}: fsdp's unit collectives (gloo) over links {label} carry "
-                      f"{self.fsdp_goodput[label]:.3f} of their rate, one core per worker{how}",
-                      file=sys.stderr, flush=True)
-        return self.fsdp_goodput[label]
+        self.grid, self.db_path, self.measure, self.rerun, self.progress = grid, db_path, measure, rerun, progress
+        self.stored: dict[str, dict[tuple[str, str | None, str | None, int], float]] = {}
+        self.measured: dict[tuple[str, str, tuple[str, str] | None, int], float | None] = {}
 
     def share(self, mbit: float | list[float]) -> float:
+        """The both-ways TCP share of the entry's links (``links.links_goodput``); 1.0 without real runs."""
+        return self._probe("link_goodput", mbit, None, 0,
+                           lambda: links_goodput(mbit, self.grid.workers, self.grid.bucket_ms),
+                           lambda label, v: f"links {label} carry {v:.3f} of their rate each way with both ways busy",
+                           unmeasured=1.0)
+
+    def averaging(self, mbit: float | list[float], param_bytes: float, round_index: int = 0,
+                  workload: tuple[str, str] | None = None) -> float | None:
+        """The share hivemind's averaging rounds reach on the entry's links (``links.averaging_goodput``,
+        rounds of ``param_bytes``), measured once per ``workload`` (network, dataset) and round of
+        runs (``round_index``, from 0: each peer's one core is as busy as the machine is then; two
+        passes' probes of the same 50 Mbit/s links read 0.709 and 0.773 and moved the link-bound
+        collaborative cell by 7 %); None without real runs or where it cannot be measured (the rounds
+        are then priced at the TCP share)."""
+        return self._probe("averaging_goodput", mbit, workload, round_index,
+                           lambda: averaging_goodput(mbit, self.grid.workers, param_bytes),
+                           lambda label, v: f"hivemind's averaging rounds over links {label} carry {v:.3f} of their "
+                                            f"rate, one core per peer" + (f" (round {round_index + 1})" if round_index else ""))
+
+    def fsdp(self, mbit: float | list[float], unit_bytes: list[int], workload: tuple[str, str] | None = None) -> float | None:
+        """The share of the slowest link's rate that fsdp's unit collectives of ``unit_bytes`` (the
+        profile's layers) reach over the entry's links on gloo (``links.fsdp_goodput``), measured once
+        per ``workload`` (network, dataset); None without real runs or where it cannot be measured
+        (the collectives are then priced at the TCP share and FSDP's in-step rate)."""
+        return self._probe("fsdp_goodput", mbit, workload, 0,
+                           lambda: fsdp_goodput(mbit, self.grid.workers, unit_bytes, bucket_ms=self.grid.bucket_ms),
+                           lambda label, v: f"fsdp's unit collectives (gloo) over links {label} carry {v:.3f} of "
+                                            f"their rate, one core per worker")
+
+    def _probe(self, field: str, mbit: float | list[float], workload: tuple[str, str] | None, round_index: int,
+               measure: Callable[[], float | None], says: Callable[[str, float], str],
+               unmeasured: float | None = None) -> float | None:
+        """One share (``field``, as stored in a prediction's detail): the one this validation already
+        has, else the one stored with the grid's earlier predictions, else ``measure()`` (when real
+        runs measure; ``unmeasured`` otherwise); a progress line says which."""
         label = link_label(mbit)
-        if label not in self.goodput:
-            stored = self.stored.get((label, 0))
-            self.goodput[label] = stored if stored is not None else (
-                links_goodput(mbit, self.grid.workers, self.grid.bucket_ms) if self.measure else 1.0)
-            if self.progress:
+        key = (field, label, workload, round_index)
+        if key not in self.measured:
+            stored = self._stored(field, label, workload, round_index)
+            self.measured[key] = stored if stored is not None else (measure() if self.measure else unmeasured)
+            if self.progress and self.measured[key] is not None:
                 how = "" if stored is None else " (as measured before their stored runs; --rerun measures again)"
-                print(f"validate {self.grid.name}: links {label} carry {self.goodput[label]:.3f} of their rate each "
-                      f"way with both ways busy{how}", file=sys.stderr, flush=True)
-        return self.goodput[label]
+                print(f"validate {self.grid.name}: {says(label, self.measured[key])}{how}", file=sys.stderr, flush=True)
+        return self.measured[key]
+
+    def _stored(self, field: str, label: str, workload: tuple[str, str] | None, round_index: int) -> float | None:
+        """The share stored for ``field`` with the grid's earlier predictions on link entry ``label``
+        in round ``round_index``: of ``workload`` (network, dataset) where given (else of any), or of a
+        prediction stored before shares were kept per workload; None without one (or with ``rerun``)."""
+        if self.rerun:
+            return None
+        if field not in self.stored:
+            self.stored[field] = _stored_link_goodputs(self.db_path, self.grid.name, field)
+        rows = [(key[1:3], share) for key, share in self.stored[field].items()
+                if key[0] == label and key[3] == round_index]
+        for wanted in ([workload, (None, None)] if workload is not None else [None]):
+            for stored_workload, share in rows:
+                if wanted is None or stored_workload == wanted:
+                    return share
+        return None
 
 
 def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Path, profile_dir: Path,
@@ -636,15 +649,17 @@ def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Pa
                 goodput = None if mbit is None else links.share(mbit)  # measured once per link entry, not timed
                 averaging = None if mbit is None or not any(distribution.get(s.strategy).averages_with_hivemind
                                                             for s in here) \
-                    else links.averaging(mbit, profile.param_bytes, repeats[0] if grid.hivemind_each_repeat else 0)
-                gloo = links.fsdp(mbit, [layer.param_bytes for layer in profile.layers]) \
+                    else links.averaging(mbit, profile.param_bytes, repeats[0] if grid.hivemind_each_repeat else 0,
+                                         (net, ds))
+                gloo = links.fsdp(mbit, [layer.param_bytes for layer in profile.layers], (net, ds)) \
                     if mbit is not None and profile.device.type == "cpu" \
                     and any(distribution.get(s.strategy).gathers_units for s in here) else None
                 t1 = time.perf_counter()
                 over = None if mbit is None else over_links(cluster, mbit, grid.workers, goodput, averaging, gloo)
                 rec = recommend(profile, cluster if mbit is None else over, here)
                 link = None if mbit is None else link_label(mbit)
-                stored_link = None if mbit is None else {"link": link, "link_goodput": goodput,
+                stored_link = None if mbit is None else {"link": link, "network": net, "dataset": ds,
+                                                         "link_goodput": goodput,
                                                          "averaging_goodput": averaging, "fsdp_goodput": gloo}
                 with ResultsStore(db_path) as store:
                     entries = [_Entry(_key(grid, c.setting, net, ds, mbit), c,
@@ -662,18 +677,20 @@ def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Pa
     return planned
 
 
-def _stored_link_goodputs(db_path: Path, group: str, field: str = "link_goodput") -> dict[tuple[str, int], float]:
-    """Per link entry (e.g. ``"200 Mbit/s"``) and round of runs (from 0: a prediction's key ends
-    in ``-r2`` for the second), the both-ways share (``field`` ``link_goodput``; or
-    ``averaging_goodput``: hivemind's rounds; ``fsdp_goodput``: fsdp's unit collectives) that the grid ``group``'s first predictions for them
-    were made with (stored in their ``detail``); empty without a store.
+def _stored_link_goodputs(db_path: Path, group: str, field: str = "link_goodput"
+                          ) -> dict[tuple[str, str | None, str | None, int], float]:
+    """Per link entry (e.g. ``"200 Mbit/s"``), network, dataset and round of runs (from 0: a
+    prediction's key ends in ``-r2`` for the second), the share (``field`` ``link_goodput``: both-ways
+    TCP; ``averaging_goodput``: hivemind's rounds; ``fsdp_goodput``: fsdp's unit collectives) that the
+    grid ``group``'s first predictions for them were made with (stored in their ``detail``; network
+    and dataset None for a prediction stored before they were kept); empty without a store.
 
     Runs reused from the store are predicted again with the share measured before they ran:
     measured anew, the share of the same links moved by up to 6 % between measurements on this
     project's machine (200/20 Mbit/s: 0.81, 0.78, 0.83), which moved the predictions of their
     cells as much.
     """
-    shares: dict[tuple[str, int], float] = {}
+    shares: dict[tuple[str, str | None, str | None, int], float] = {}
     if not Path(db_path).exists():
         return shares
     with ResultsStore(db_path) as store:
@@ -681,7 +698,8 @@ def _stored_link_goodputs(db_path: Path, group: str, field: str = "link_goodput"
             detail = json.loads(pred["detail_json"] or "{}")
             if detail.get("link") is not None and detail.get(field) is not None:
                 repeat = re.search(r"-r(\d+)$", pred["cell_key"])
-                shares.setdefault((detail["link"], int(repeat.group(1)) - 1 if repeat else 0), float(detail[field]))
+                shares.setdefault((detail["link"], detail.get("network"), detail.get("dataset"),
+                                   int(repeat.group(1)) - 1 if repeat else 0), float(detail[field]))
     return shares
 
 
