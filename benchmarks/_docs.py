@@ -279,7 +279,13 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
                   "way with both ways busy (`ddlscope.network.duplex`): "
                   + ", ".join(f"{link} {'–' if g is None else f'{g:.3f}'}" for link, g in goodput.items()) + ".", ""]
     # one share per link, or one per round of runs where each round measured its own
-    averaging = {c.get("link"): c.get("averaging_goodput_rounds") or [c.get("averaging_goodput")]
+    # fsdp's and hivemind's shares depend on the workload's sizes: named per workload where a grid has several
+    workloads = {(c.get("dataset"), str(c.get("network")).split(" @ ")[0]) for c in result.get("cells", []) if c.get("link")}
+
+    def where(c: dict) -> str:
+        return f"{c.get('network')} on {c.get('dataset')}" if len(workloads) > 1 else c.get("link")
+
+    averaging = {where(c): c.get("averaging_goodput_rounds") or [c.get("averaging_goodput")]
                  for c in result.get("cells", []) if c.get("link") and c.get("averaging_goodput") is not None}
     if averaging:
         rounds = max(len(g) for g in averaging.values()) > 1
@@ -288,7 +294,7 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
                   + (", measured before each round of runs" if rounds else "") + ": "
                   + ", ".join(f"{link} " + " / ".join("–" if x is None else f"{x:.3f}" for x in g)
                               for link, g in averaging.items()) + ".", ""]
-    gloo = {c.get("link"): c["fsdp_goodput"] for c in result.get("cells", [])
+    gloo = {where(c): c["fsdp_goodput"] for c in result.get("cells", [])
             if c.get("link") and c.get("fsdp_goodput") is not None}
     if gloo:
         lines += ["The share of the slowest link's rate fsdp's unit collectives reached over the same links on gloo, "

@@ -9,7 +9,7 @@ import pytest
 from ddlscope.errors import UserError
 from ddlscope.distribution.collaborative import lone_peer_samples
 from ddlscope.distribution.ddp import ddp_buckets, eq_5_1_epoch_s
-from ddlscope.distribution.pipeline import pipeline_ops, simulate_pipeline
+from ddlscope.distribution.pipeline import pipeline_ops, simulate_pipeline, stage_program
 from ddlscope.modeling.cluster import ClusterSpec, CollectiveFit, DeviceSpec, HivemindFit, LinkSpec, PeerSpec
 from ddlscope.modeling.collectives import butterfly_allreduce_s, ring_allgather_s, ring_allreduce_s, tree_broadcast_s
 from ddlscope.modeling.prediction import Setting, predict
@@ -288,6 +288,38 @@ def test_pipeline_transfers_wait_for_the_receiver_and_take_turns_on_the_link():
     assert span == pytest.approx(18.0)
     # free transfers: (M + S - 1) slots of forward and backward
     assert simulate_pipeline("gpipe", [1.0, 1.0], [1.0, 1.0], [0.0], 2)[0] == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,micro", [(2, 4), (4, 4), (4, 8), (3, 1), (2, 2)])
+def test_stage_programs_run_the_schedule_and_pair_every_send_with_a_receive(schedule, stages, micro):
+    programs = [stage_program(schedule, s, stages, micro) for s in range(stages)]
+    for s, prog in enumerate(programs):
+        assert [op for op in prog if op[0] in ("F", "B")] == pipeline_ops(schedule, s, stages, micro)
+        posted = set()
+        for op, arg in prog:  # a stage waits only for what it has posted
+            if op in ("send", "recv"):
+                posted.add(arg)
+            elif op == "wait":
+                assert set(arg) <= posted
+        assert posted == {t for op, arg in prog if op == "wait" for t in arg}  # and waits for all it posts
+    sends = sorted(arg for prog in programs for op, arg in prog if op == "send")
+    recvs = sorted(arg for prog in programs for op, arg in prog if op == "recv")
+    assert sends == recvs and len(sends) == 2 * micro * (stages - 1)
+
+
+def test_1f1b_waits_for_each_send_like_torchs_schedule():
+    """torch's Schedule1F1B posts a forward's send with the next backward's receive and waits for both: with
+    rendezvous transfers a stage cannot compute ahead of its neighbour's receive."""
+    # 2 stages, 2 micro-batches, forward 1 s, backward 1 s, transfers 3 s. Stage 0: F0 0..1, activation 0
+    # 1..4 (stage 1 posted its receive at 0); F1 1..2, then waits for send 0 (4); posts send F1 and receive
+    # B0 at 4. Stage 1: F0 4..5, B0 5..6, posts send B0 and receive F1 at 6: both transfers 6..9. Stage 0
+    # B0 9..10, posts receive B1 at 10; stage 1 F1 9..10, B1 10..11, gradient 1 11..14; stage 0 B1 14..15.
+    span, busy = simulate_pipeline("1f1b", [1.0, 1.0], [1.0, 1.0], [3.0], 2)
+    assert span == pytest.approx(15.0) and busy == [4.0, 4.0]
+    # a sender's own time per send lengthens the op that produces it
+    assert simulate_pipeline("1f1b", [1.0, 1.0], [1.0, 1.0], [0.0], 2, [0.5])[0] > \
+        simulate_pipeline("1f1b", [1.0, 1.0], [1.0, 1.0], [0.0], 2)[0]
 
 
 def test_pipeline_prediction_and_its_eq6_reference():

@@ -140,6 +140,10 @@ def test_predictor_table_shows_each_model_and_target():
     assert "`ddlscope.network.collective_probe`" not in rounds  # no fsdp share measured: no such line
     gloo = docs.predictor_markdown({**repeated, "cells": [{**link, "fsdp_goodput": 0.812}]}, header=HEADER)
     assert "at the profile's unit sizes; the fsdp model's collectives run at it): 10 Mbit/s 0.812." in gloo
+    two = docs.predictor_markdown({**repeated, "cells": [
+        {**link, "network": "tiny_cnn @ 10 Mbit/s", "dataset": "mnist", "fsdp_goodput": 0.812},
+        {**link, "network": "mlp @ 10 Mbit/s", "dataset": "mnist", "fsdp_goodput": 0.9}]}, header=HEADER)
+    assert "run at it): tiny_cnn @ 10 Mbit/s on mnist 0.812, mlp @ 10 Mbit/s on mnist 0.900." in two  # per workload
     assert ("): round 1 1.84 s + 0 x step per global epoch, overshoot 0.30 steps; round 2 9 s + 0.5 x step per "
             "global epoch, overshoot 0.10 steps (kept the cluster's fit: worker 1 failed).") in body
 

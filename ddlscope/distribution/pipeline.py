@@ -169,6 +169,95 @@ def pipeline_ops(schedule: str, stage: int, stages: int, microbatches: int) -> l
     return ops
 
 
+def stage_program(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, Any]]:
+    """What one stage does in one step under torch's ``ScheduleGPipe`` / ``Schedule1F1B``, in order:
+    its :func:`pipeline_ops` with the point-to-point operations torch posts and waits for around them.
+
+    Instructions: ``("F", m)`` / ``("B", m)`` compute; ``("send", t)`` / ``("recv", t)`` post a
+    transfer without waiting; ``("wait", [t, ...])`` wait until those transfers have arrived. A
+    transfer ``t`` is ``(kind, boundary, m)``: ``("F", b, m)`` moves micro-batch ``m``'s activation
+    from stage ``b`` to ``b + 1``, ``("B", b, m)`` its gradient from ``b + 1`` to ``b``.
+
+    gpipe: each receive is posted and waited for just before the op that needs it; sends are waited
+    for only at the end of the forward phase and of the step. 1f1b (torch's ``Schedule1F1B``, from
+    its source): warm-up forwards each wait for the previous forward's send; in the steady phase
+    a stage posts its forward's send together with the next backward's receive and waits for both,
+    and its backward's send together with the next forward's receive, waiting for both; in the
+    cool-down each backward waits for the previous backward's send. A send has arrived only once the
+    receiver has posted its receive (gloo's send/recv is a rendezvous), so under 1F1B a stage cannot
+    run ahead of its neighbour.
+    """
+    first, last = stage == 0, stage == stages - 1
+
+    def fwd_send(m: int) -> list[tuple[str, int, int]]:
+        return [] if last else [("F", stage, m)]
+
+    def fwd_recv(m: int) -> list[tuple[str, int, int]]:
+        return [] if first else [("F", stage - 1, m)]
+
+    def bwd_send(m: int) -> list[tuple[str, int, int]]:
+        return [] if first else [("B", stage - 1, m)]
+
+    def bwd_recv(m: int) -> list[tuple[str, int, int]]:
+        return [] if last else [("B", stage, m)]
+
+    prog: list[tuple[str, Any]] = []
+
+    def exchange(sends: list[tuple[str, int, int]], recvs: list[tuple[str, int, int]], wait: bool = True) -> None:
+        prog.extend([("send", t) for t in sends] + [("recv", t) for t in recvs])
+        if wait and sends + recvs:
+            prog.append(("wait", sends + recvs))
+
+    m_total = microbatches
+    if schedule == "gpipe":
+        for kind, recv, send in (("F", fwd_recv, fwd_send), ("B", bwd_recv, bwd_send)):
+            pending = []
+            for m in range(m_total):
+                exchange([], recv(m))
+                prog.append((kind, m))
+                exchange(send(m), [], wait=False)
+                pending += send(m)
+            if pending:
+                prog.append(("wait", pending))
+        return prog
+    warm = min(m_total, stages - stage)
+    in_flight: list[tuple[str, int, int]] = []
+    deferred: list[tuple[str, int, int]] = []
+    for m in range(warm):
+        exchange([], fwd_recv(m))
+        prog.append(("F", m))
+        if in_flight:
+            prog.append(("wait", in_flight))
+            in_flight = []
+        if m < warm - 1:
+            exchange(fwd_send(m), [], wait=False)
+            in_flight = fwd_send(m)
+        else:
+            deferred = fwd_send(m)  # posted with the first backward's receive
+    f, b = warm, 0
+    while True:
+        exchange(deferred, bwd_recv(b))
+        prog.append(("B", b))
+        deferred, b = bwd_send(b), b + 1
+        if f == m_total:
+            break
+        exchange(deferred, fwd_recv(f))
+        prog.append(("F", f))
+        deferred, f = fwd_send(f), f + 1
+    exchange(deferred, [], wait=False)
+    in_flight = deferred
+    while b < m_total:
+        exchange([], bwd_recv(b))
+        prog.append(("B", b))
+        if in_flight:
+            prog.append(("wait", in_flight))
+        exchange(bwd_send(b), [], wait=False)
+        in_flight, b = bwd_send(b), b + 1
+    if in_flight:
+        prog.append(("wait", in_flight))
+    return prog
+
+
 def simulate_pipeline(schedule: str, fwd_s: list[float], bwd_s: list[float], transfer_s: list[float],
                       microbatches: int, send_block_s: list[float] | None = None) -> tuple[float, list[float]]:
     """Event simulation of one pipeline step.
@@ -177,51 +266,63 @@ def simulate_pipeline(schedule: str, fwd_s: list[float], bwd_s: list[float], tra
         fwd_s / bwd_s: forward / backward seconds of one micro-batch on each stage (length S).
         transfer_s: seconds to move one micro-batch's activation (forward) or its gradient
             (backward) across the boundary after stage s (length S - 1).
-        send_block_s: seconds the *sending* stage is blocked per transfer (default 0).
+        send_block_s: seconds of the *sending* stage's own time per send (default 0), added to the
+            op that produces it.
 
     Returns:
         ``(step_s, busy_s per stage)``: the time the last stage finishes, and each stage's compute.
 
-    A stage runs its :func:`pipeline_ops` in order; F(s, m) needs F(s-1, m)'s activation, B(s, m)
-    needs B(s+1, m)'s gradient and F(s, m). Transfers are rendezvous: one starts once the sender
-    has finished the op that produces it *and* the receiver has reached the op that needs it (has
-    posted its receive), and a boundary carries one transfer at a time in each direction. Measured
-    with torch's gloo send/recv over an emulated 50 Mbit/s link (docs/validation.md, stop 42): four
-    400 KB sends posted at once to a receiver that computed 50 ms before each receive arrived one
-    transfer time (57 ms) after each receive was posted, not while it computed.
+    Each stage runs its :func:`stage_program`. Transfers are rendezvous: one starts once the
+    sender has posted it *and* the receiver has posted its receive, and a boundary carries one
+    transfer at a time in each direction. Measured with torch's gloo send/recv over an emulated
+    50 Mbit/s link (docs/validation.md, stop 42): four 400 KB sends posted at once to a receiver
+    that computed 50 ms before each receive arrived one transfer time (57 ms) after each receive
+    was posted, not while it computed.
+
+    Raises:
+        RuntimeError: the programs deadlock (cannot happen for torch's schedules).
     """
     n = len(fwd_s)
     send_block_s = send_block_s or [0.0] * max(0, n - 1)
-    orders = [pipeline_ops(schedule, s, n, microbatches) for s in range(n)]
-    pos, free = [0] * n, [0.0] * n
-    end: dict[tuple[str, int, int], float] = {}
-    link_free: dict[tuple[str, int], float] = {}  # (direction, boundary) -> when its last transfer ends
-    remaining = sum(len(o) for o in orders)
-    while remaining:
+    programs = [stage_program(schedule, s, n, microbatches) for s in range(n)]
+    pc, clock = [0] * n, [0.0] * n
+    posted: dict[tuple[str, tuple[str, int, int]], float] = {}  # ("send"|"recv", transfer) -> when
+    arrived: dict[tuple[str, int, int], float] = {}
+
+    def arrival(t: tuple[str, int, int]) -> float | None:
+        """When transfer ``t`` arrives (None: not known yet): both ends posted, the link free after
+        its previous transfer in the same direction."""
+        if t in arrived:
+            return arrived[t]
+        kind, boundary, m = t
+        before = arrival((kind, boundary, m - 1)) if m > 0 else 0.0
+        if before is None or ("send", t) not in posted or ("recv", t) not in posted:
+            return None
+        arrived[t] = max(posted[("send", t)], posted[("recv", t)], before) + transfer_s[boundary]
+        return arrived[t]
+
+    while any(pc[s] < len(programs[s]) for s in range(n)):
         progressed = False
         for s in range(n):
-            while pos[s] < len(orders[s]):
-                kind, m = orders[s][pos[s]]
-                if kind == "F":
-                    src, boundary = (None, None) if s == 0 else (("F", s - 1, m), s - 1)
-                    dur = fwd_s[s] + (send_block_s[s] if s < n - 1 else 0.0)
+            while pc[s] < len(programs[s]):
+                op, arg = programs[s][pc[s]]
+                if op in ("send", "recv"):
+                    posted[(op, arg)] = clock[s]
+                elif op == "wait":
+                    times = [arrival(t) for t in arg]
+                    if any(x is None for x in times):
+                        break
+                    clock[s] = max([clock[s], *times])
+                elif op == "F":
+                    clock[s] += fwd_s[s] + (send_block_s[s] if s < n - 1 else 0.0)
                 else:
-                    src, boundary = (None, None) if s == n - 1 else (("B", s + 1, m), s)
-                    dur = bwd_s[s] + (send_block_s[s - 1] if s > 0 else 0.0)
-                if (src is not None and src not in end) or (kind == "B" and ("F", s, m) not in end):
-                    break
-                start = free[s]
-                if src is not None:  # both ends posted, the boundary's direction free: the transfer runs
-                    sent = max(end[src], free[s], link_free.get((kind, boundary), 0.0))
-                    link_free[(kind, boundary)] = start = sent + transfer_s[boundary]
-                free[s] = end[(kind, s, m)] = start + dur
-                pos[s] += 1
-                remaining -= 1
+                    clock[s] += bwd_s[s] + (send_block_s[s - 1] if s > 0 else 0.0)
+                pc[s] += 1
                 progressed = True
-        if not progressed:  # cannot happen for valid schedules; guards against an endless loop
+        if not progressed:  # cannot happen for torch's schedules; guards against an endless loop
             raise RuntimeError(f"pipeline simulation deadlocked ({schedule}, {n} stages, {microbatches} micro-batches)")
     busy = [microbatches * (fwd_s[s] + bwd_s[s]) for s in range(n)]
-    return max(free), busy
+    return max(clock), busy
 
 
 def predict_pipeline(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scale: float = 1.0) -> Prediction:
@@ -232,13 +333,13 @@ def predict_pipeline(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting,
     ``stage_bounds``); a stage's micro-batch forward/backward time is the sum of its layers'
     profiled times at the micro-batch size (times contention). Each boundary moves ``microbatch *
     output_bytes_per_sample`` bytes per micro-batch each way at ``p2p_fixed_s + latency + bytes /
-    bandwidth``, rendezvous and one at a time (:func:`simulate_pipeline`). The sender is blocked
-    for the fixed part; under 1F1B also for ``(1 - comm_overlap)`` of the rest, an approximation of
-    torch's 1F1B schedule, which waits for each send before its next transfer (GPipe's waits for
-    its sends only at the end of each phase). Over emulated links this predicted gpipe within
-    -1.3 to +6.7 % and 1f1b within -4.4 to +9.4 % of every run of a links pass whose pipelines the
-    previous model (no rendezvous, both schedules' senders blocked) had missed by up to 15 %
-    (docs/validation.md, stop 42).
+    bandwidth``, rendezvous and one at a time, each stage running torch's schedule with its waits
+    (:func:`stage_program`, :func:`simulate_pipeline`); the sender spends ``p2p_fixed_s`` of its
+    own time per send. Over emulated links the rendezvous alone (1F1B's per-send waits then
+    approximated by blocking the sender for ``(1 - comm_overlap)`` of each wire time) predicted
+    gpipe within 1.1-2.1 % and 1f1b within 2.7-3.4 % (median per link) of the runs of a links pass
+    whose pipelines the previous model had missed by up to 15 % (docs/validation.md, stop 42);
+    torch's own waits replaced that approximation in stop 43.
     The step ends when the slowest stage has run its :func:`pipeline_ops`, then every stage steps
     its optimizer on its share of the parameters. ``forward_s`` and ``backward_s`` are the busiest
     stage's own micro-batch forwards and backwards (its profiled split), ``bubble_s`` the step
@@ -257,7 +358,7 @@ def predict_pipeline(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting,
         link = boundary_link(cluster, k)
         wire = link.transfer_s(nbytes) - link.latency_s
         transfer.append(cluster.p2p_fixed_s + link.latency_s + wire)
-        block.append(cluster.p2p_fixed_s + ((1.0 - cluster.comm_overlap) * wire if s.strategy == "1f1b" else 0.0))
+        block.append(cluster.p2p_fixed_s)
     span, busy = simulate_pipeline(s.strategy, f_stage, b_stage, transfer, m, block)
     step = profile.step_at(s.batch_size)
     stage_params = [sum(layer.param_bytes for layer in profile.layers[a:b]) for a, b in zip(bounds, bounds[1:])]
