@@ -279,7 +279,7 @@ def test_transfers_lengthen_the_pipeline():
 
 def test_pipeline_transfers_wait_for_the_receiver_and_take_turns_on_the_link():
     """gloo's send/recv are rendezvous (a transfer starts once the receiver has posted its receive) and a
-    link carries one transfer at a time per direction (measured on an emulated link, stop 42)."""
+    link carries one transfer at a time (measured on an emulated link, stop 42)."""
     # GPipe, 2 stages, 2 micro-batches, forward 1 s, backward 1 s, transfers 3 s: the link is the bottleneck
     span, _ = simulate_pipeline("gpipe", [1.0, 1.0], [1.0, 1.0], [3.0], 2)
     # activation 0 at 1..4, F(1,0) 4..5; activation 1 sent at 2, but the link is busy until 4 and stage 1
@@ -310,13 +310,15 @@ def test_stage_programs_run_the_schedule_and_pair_every_send_with_a_receive(sche
 
 def test_1f1b_waits_for_each_send_like_torchs_schedule():
     """torch's Schedule1F1B posts a forward's send with the next backward's receive and waits for both: with
-    rendezvous transfers a stage cannot compute ahead of its neighbour's receive."""
+    rendezvous transfers a stage cannot compute ahead of its neighbour's receive, and the boundary carries
+    one transfer at a time in either direction (1F1B's runs over emulated links, stop 43)."""
     # 2 stages, 2 micro-batches, forward 1 s, backward 1 s, transfers 3 s. Stage 0: F0 0..1, activation 0
     # 1..4 (stage 1 posted its receive at 0); F1 1..2, then waits for send 0 (4); posts send F1 and receive
-    # B0 at 4. Stage 1: F0 4..5, B0 5..6, posts send B0 and receive F1 at 6: both transfers 6..9. Stage 0
-    # B0 9..10, posts receive B1 at 10; stage 1 F1 9..10, B1 10..11, gradient 1 11..14; stage 0 B1 14..15.
+    # B0 at 4. Stage 1: F0 4..5, B0 5..6, posts send B0, then receive F1, at 6: gradient 0 6..9, then
+    # activation 1 9..12 (one transfer at a time). Stage 0 B0 12..13, posts receive B1 at 13; stage 1 F1
+    # 12..13, B1 13..14, gradient 1 14..17; stage 0 B1 17..18.
     span, busy = simulate_pipeline("1f1b", [1.0, 1.0], [1.0, 1.0], [3.0], 2)
-    assert span == pytest.approx(15.0) and busy == [4.0, 4.0]
+    assert span == pytest.approx(18.0) and busy == [4.0, 4.0]
     # a sender's own time per send lengthens the op that produces it
     assert simulate_pipeline("1f1b", [1.0, 1.0], [1.0, 1.0], [0.0], 2, [0.5])[0] > \
         simulate_pipeline("1f1b", [1.0, 1.0], [1.0, 1.0], [0.0], 2)[0]

@@ -8,6 +8,7 @@ the global batch is the batch size. GPipe runs every micro-batch's forward befor
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -274,10 +275,12 @@ def simulate_pipeline(schedule: str, fwd_s: list[float], bwd_s: list[float], tra
 
     Each stage runs its :func:`stage_program`. Transfers are rendezvous: one starts once the
     sender has posted it *and* the receiver has posted its receive, and a boundary carries one
-    transfer at a time in each direction. Measured with torch's gloo send/recv over an emulated
-    50 Mbit/s link (docs/validation.md, stop 42): four 400 KB sends posted at once to a receiver
-    that computed 50 ms before each receive arrived one transfer time (57 ms) after each receive
-    was posted, not while it computed.
+    transfer at a time, in either direction, in the order they became ready. Measured with torch's
+    gloo send/recv over an emulated 50 Mbit/s link (docs/validation.md, stop 42): four 400 KB sends
+    posted at once to a receiver that computed 50 ms before each receive arrived one transfer time
+    (57 ms) after each receive was posted, not while it computed. Opposite directions do not
+    overlap either: 1F1B's runs over a 200/20 Mbit/s pair took 1.90-1.95 s per step, its compute
+    plus every transfer one after another, where a link per direction predicted 1.49 s (stop 43).
 
     Raises:
         RuntimeError: the programs deadlock (cannot happen for torch's schedules).
@@ -286,41 +289,51 @@ def simulate_pipeline(schedule: str, fwd_s: list[float], bwd_s: list[float], tra
     send_block_s = send_block_s or [0.0] * max(0, n - 1)
     programs = [stage_program(schedule, s, n, microbatches) for s in range(n)]
     pc, clock = [0] * n, [0.0] * n
-    posted: dict[tuple[str, tuple[str, int, int]], float] = {}  # ("send"|"recv", transfer) -> when
+    posted: dict[tuple[str, int, int], float] = {}  # transfer -> when its first end posted it
     arrived: dict[tuple[str, int, int], float] = {}
-
-    def arrival(t: tuple[str, int, int]) -> float | None:
-        """When transfer ``t`` arrives (None: not known yet): both ends posted, the link free after
-        its previous transfer in the same direction."""
-        if t in arrived:
-            return arrived[t]
-        kind, boundary, m = t
-        before = arrival((kind, boundary, m - 1)) if m > 0 else 0.0
-        if before is None or ("send", t) not in posted or ("recv", t) not in posted:
-            return None
-        arrived[t] = max(posted[("send", t)], posted[("recv", t)], before) + transfer_s[boundary]
-        return arrived[t]
-
-    while any(pc[s] < len(programs[s]) for s in range(n)):
-        progressed = False
-        for s in range(n):
-            while pc[s] < len(programs[s]):
-                op, arg = programs[s][pc[s]]
-                if op in ("send", "recv"):
-                    posted[(op, arg)] = clock[s]
-                elif op == "wait":
-                    times = [arrival(t) for t in arg]
-                    if any(x is None for x in times):
-                        break
-                    clock[s] = max([clock[s], *times])
-                elif op == "F":
-                    clock[s] += fwd_s[s] + (send_block_s[s] if s < n - 1 else 0.0)
+    link_free = [0.0] * max(0, n - 1)
+    blocked: dict[int, list[tuple[str, int, int]]] = {}  # stage -> the transfers its wait needs
+    # a discrete-event simulation: stages resume in time order, so a boundary serves its transfers in the
+    # order they became ready (both ends posted), one at a time in either direction
+    events = [(0.0, s, s) for s in range(n)]
+    heapq.heapify(events)
+    seq = n
+    while events:
+        t, _, s = heapq.heappop(events)
+        clock[s] = max(clock[s], t)
+        while pc[s] < len(programs[s]):
+            op, arg = programs[s][pc[s]]
+            if op in ("send", "recv"):
+                if arg in posted:  # the other end posted first: the transfer is ready now
+                    start = max(clock[s], link_free[arg[1]])
+                    link_free[arg[1]] = arrived[arg] = start + transfer_s[arg[1]]
+                    for other, needs in list(blocked.items()):
+                        if all(x in arrived for x in needs):
+                            del blocked[other]
+                            heapq.heappush(events, (max([clock[other], *(arrived[x] for x in needs)]), seq, other))
+                            seq += 1
                 else:
-                    clock[s] += bwd_s[s] + (send_block_s[s - 1] if s > 0 else 0.0)
+                    posted[arg] = clock[s]
+            elif op == "wait":
+                if not all(x in arrived for x in arg):
+                    blocked[s] = list(arg)
+                    break
+                done = max([clock[s], *(arrived[x] for x in arg)])
+                if done > clock[s]:  # resume when the last of them has arrived, after what happens before
+                    pc[s] += 1
+                    heapq.heappush(events, (done, seq, s))
+                    seq += 1
+                    break
+            else:
+                step = (fwd_s[s] + (send_block_s[s] if s < n - 1 else 0.0)) if op == "F" \
+                    else (bwd_s[s] + (send_block_s[s - 1] if s > 0 else 0.0))
                 pc[s] += 1
-                progressed = True
-        if not progressed:  # cannot happen for torch's schedules; guards against an endless loop
-            raise RuntimeError(f"pipeline simulation deadlocked ({schedule}, {n} stages, {microbatches} micro-batches)")
+                heapq.heappush(events, (clock[s] + step, seq, s))  # the op runs; others act meanwhile
+                seq += 1
+                break
+            pc[s] += 1
+    if blocked or any(pc[s] < len(programs[s]) for s in range(n)):
+        raise RuntimeError(f"pipeline simulation deadlocked ({schedule}, {n} stages, {microbatches} micro-batches)")
     busy = [microbatches * (fwd_s[s] + bwd_s[s]) for s in range(n)]
     return max(clock), busy
 
