@@ -348,11 +348,11 @@ def predict_pipeline(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting,
     output_bytes_per_sample`` bytes per micro-batch each way at ``p2p_fixed_s + latency + bytes /
     bandwidth``, rendezvous and one at a time, each stage running torch's schedule with its waits
     (:func:`stage_program`, :func:`simulate_pipeline`); the sender spends ``p2p_fixed_s`` of its
-    own time per send. Over emulated links the rendezvous alone (1F1B's per-send waits then
-    approximated by blocking the sender for ``(1 - comm_overlap)`` of each wire time) predicted
-    gpipe within 1.1-2.1 % and 1f1b within 2.7-3.4 % (median per link) of the runs of a links pass
-    whose pipelines the previous model had missed by up to 15 % (docs/validation.md, stop 42);
-    torch's own waits replaced that approximation in stop 43.
+    own time per send. Over emulated links of 200, 50 and 200/20 Mbit/s (2 one-core stages, 4
+    micro-batches of MobileNetV2) this predicted gpipe within 1.9-5.8 % and 1f1b within 0.6-3.9 %
+    (median per link; every run within -2.4 to +8.3 %) in a pass run after the model was set
+    (docs/validation.md, stop 43); the previous model, a link per direction, had 1f1b 25 % fast on
+    the uneven pair.
     The step ends when the slowest stage has run its :func:`pipeline_ops`, then every stage steps
     its optimizer on its share of the parameters. ``forward_s`` and ``backward_s`` are the busiest
     stage's own micro-batch forwards and backwards (its profiled split), ``bubble_s`` the step
