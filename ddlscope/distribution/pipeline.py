@@ -150,24 +150,13 @@ def pipeline_ops(schedule: str, stage: int, stages: int, microbatches: int) -> l
 
     gpipe: every forward, then every backward (Huang et al. 2019). 1f1b: ``min(M, S - s - 1)``
     warm-up forwards, then one forward and one backward alternately, then the remaining
-    backwards (Narayanan et al. 2019, PipeDream-Flush), as torch's ``Schedule1F1B`` runs them.
+    backwards (Narayanan et al. 2019, PipeDream-Flush), as torch's ``Schedule1F1B`` runs them: the
+    compute of :func:`stage_program`.
 
     Returns:
         ``[(kind, microbatch), ...]`` of length ``2 * microbatches``.
     """
-    m = microbatches
-    if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warm = min(m, stages - stage - 1)
-    ops = [("F", i) for i in range(warm)]
-    f, b = warm, 0
-    while f < m:
-        ops.append(("F", f))
-        f += 1
-        ops.append(("B", b))
-        b += 1
-    ops += [("B", i) for i in range(b, m)]
-    return ops
+    return [(op, m) for op, m in stage_program(schedule, stage, stages, microbatches) if op in ("F", "B")]
 
 
 def stage_program(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, Any]]:
@@ -209,11 +198,10 @@ def stage_program(schedule: str, stage: int, stages: int, microbatches: int) -> 
         if wait and sends + recvs:
             prog.append(("wait", sends + recvs))
 
-    m_total = microbatches
     if schedule == "gpipe":
         for kind, recv, send in (("F", fwd_recv, fwd_send), ("B", bwd_recv, bwd_send)):
             pending = []
-            for m in range(m_total):
+            for m in range(microbatches):
                 exchange([], recv(m))
                 prog.append((kind, m))
                 exchange(send(m), [], wait=False)
@@ -221,7 +209,7 @@ def stage_program(schedule: str, stage: int, stages: int, microbatches: int) -> 
             if pending:
                 prog.append(("wait", pending))
         return prog
-    warm = min(m_total, stages - stage)
+    warm = min(microbatches, stages - stage)
     in_flight: list[tuple[str, int, int]] = []
     deferred: list[tuple[str, int, int]] = []
     for m in range(warm):
@@ -240,14 +228,14 @@ def stage_program(schedule: str, stage: int, stages: int, microbatches: int) -> 
         exchange(deferred, bwd_recv(b))
         prog.append(("B", b))
         deferred, b = bwd_send(b), b + 1
-        if f == m_total:
+        if f == microbatches:
             break
         exchange(deferred, fwd_recv(f))
         prog.append(("F", f))
         deferred, f = fwd_send(f), f + 1
     exchange(deferred, [], wait=False)
     in_flight = deferred
-    while b < m_total:
+    while b < microbatches:
         exchange([], bwd_recv(b))
         prog.append(("B", b))
         if in_flight:

@@ -608,13 +608,10 @@ class _Links:
             return None
         if field not in self.stored:
             self.stored[field] = _stored_link_goodputs(self.db_path, self.grid.name, field)
-        rows = [(key[1:3], share) for key, share in self.stored[field].items()
-                if key[0] == label and key[3] == round_index]
-        for wanted in ([workload, (None, None)] if workload is not None else [None]):
-            for stored_workload, share in rows:
-                if wanted is None or stored_workload == wanted:
-                    return share
-        return None
+        shares = self.stored[field]
+        if workload is None:
+            return next((v for (link, _, _, r), v in shares.items() if link == label and r == round_index), None)
+        return shares.get((label, *workload, round_index), shares.get((label, None, None, round_index)))
 
 
 def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Path, profile_dir: Path,
