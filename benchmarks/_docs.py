@@ -309,6 +309,16 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
                               f"per global epoch, overshoot {f['overshoot_steps']:.2f} steps"
                               + ("" if f.get("measured") in ("now", "cached") else f" ({f['measured']})")
                               for f in fits) + ".", ""]
+    past = [(where(c) if c.get("link") else f"{c.get('network')} on {c.get('dataset')}", o)
+            for c in result.get("cells", []) for o in c.get("outcomes", []) if o.get("overshoot_steps_per_run")]
+    if past:
+        lines += ["How far collaborative peers ran past the target batch, in steps per peer per global epoch "
+                  "(`ddlscope.analyze.swarm.global_epochs`), each run against the prediction (the hivemind fit's "
+                  "overshoot): "
+                  + "; ".join(f"{label} " + " / ".join(f"{x:.2f}" for x in o["overshoot_steps_per_run"])
+                              + ("" if o.get("predicted_overshoot_steps") is None
+                                 else f" (predicted {o['predicted_overshoot_steps']:.2f})") for label, o in past)
+                  + ".", ""]
     columns = ["distribution model (@ emulated link)", "cells", "median abs error", "max abs error",
                "median error (signed)", "run-to-run spread (median)", "median abs error at the runs' compute",
                "thesis reference: median abs error", "target", "met"]

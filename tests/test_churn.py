@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ddlscope.analyze.swarm import (analyze_swarm, counter_total, peer_segments, plot_swarm, samples_lost,
-                                    swarm_markdown, swarm_size_timeline)
+from ddlscope.analyze.swarm import (SwarmAnalysis, analyze_swarm, counter_total, global_epochs, peer_segments,
+                                    plot_swarm, samples_lost, swarm_markdown, swarm_size_timeline)
 from ddlscope.config import validate_config
 from ddlscope.distribution.collaborative import ChurnEvent, RandomChurn
 from ddlscope.errors import UserError
@@ -94,6 +94,28 @@ def test_samples_lost_are_those_after_the_last_averaging_round_before_the_kill()
     assert samples_lost(_steps([0, 1, 2]), killed_at=10) == 3 * 16  # no round at all: everything
     assert counter_total([None, 10, 50, 80, 5, 30, None]) == 80 + 30
     assert counter_total([None, None]) is None
+
+
+def test_global_epochs_count_each_step_in_the_epoch_it_began_in_and_time_epochs_from_the_first_peer_to_enter():
+    def peer(p, rows):  # (start s, seconds, global epoch after the step, averaging round)
+        return [dict(worker_index=p, step=i, wall_time=t, step_s=d, samples=32, global_epoch=e, averaging_round=r)
+                for i, (t, d, e, r) in enumerate(rows)]
+    steps = peer(0, [(0, 1, 0, 0), (1, 2, 1, 1), (3, 1, 1, 0), (4, 1, 1, 0), (5, 2, 2, 1), (7, 1, 2, 0), (8, 2, 3, 1),
+                     (10, 1, 3, 0)]) \
+        + peer(1, [(0.1, 1, 0, 0), (1.1, 2, 1, 1), (3.1, 1, 1, 0), (4.1, 2.9, 2, 1), (7.05, 1, 2, 0),
+                   (8.05, 2, 3, 1)])
+    epochs = global_epochs(steps, target_batch_size=128, batch_size=32)
+    # epoch 0 holds the start-up and epoch 3 is cut by the run's end: epochs 1 and 2 are whole
+    assert epochs.samples == [160, 128] and epochs.trainers == [2, 2]
+    assert epochs.seconds == [pytest.approx(4.0), pytest.approx(3.0)]  # entered at 3.0, 7.0 (peer 1's end) and 10.0
+    assert epochs.overshoot_steps == pytest.approx(0.25)  # 1 step of 2 peers in epoch 1, none in epoch 2
+    assert global_epochs(steps[:3], 128, 32) is None  # one epoch entered, none left
+    # a peer that fell behind and loaded the swarm's state: that step counts toward no epoch
+    behind = steps + peer(2, [(4.5, 1, 1, 0), (5.5, 1, 2, 0)])
+    assert global_epochs(behind, 128, 32).samples == [192, 128]
+    analysis = SwarmAnalysis(run_id="r", origin=0.0, peers=[], segments={}, timeline=([], []), churn=[], evals={},
+                             epochs=epochs)
+    assert "2 whole" in swarm_markdown(analysis) and "0.25 steps past the target" in swarm_markdown(analysis)
 
 
 @pytest.mark.slow

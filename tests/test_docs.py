@@ -146,6 +146,13 @@ def test_predictor_table_shows_each_model_and_target():
     assert "run at it): tiny_cnn @ 10 Mbit/s on mnist 0.812, mlp @ 10 Mbit/s on mnist 0.900." in two  # per workload
     assert ("): round 1 1.84 s + 0 x step per global epoch, overshoot 0.30 steps; round 2 9 s + 0.5 x step per "
             "global epoch, overshoot 0.10 steps (kept the cluster's fit: worker 1 failed).") in body
+    # how far collaborative peers ran past the target batch: each run, and the prediction's
+    assert "ran past the target batch" not in body
+    swarm = {**link, "outcomes": [{"strategy": "collaborative", "overshoot_steps_per_run": [0.35, 0.4],
+                                   "predicted_overshoot_steps": 0.3}, {"strategy": "ddp"}]}
+    past = docs.predictor_markdown({**repeated, "cells": [swarm]}, header=HEADER)
+    assert "each run against the prediction (the hivemind fit's overshoot): 10 Mbit/s 0.35 / 0.40 (predicted 0.30)." \
+        in past
 
 
 def test_default_header_names_script_date_machine_and_commit():

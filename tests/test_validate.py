@@ -549,3 +549,22 @@ def test_a_grid_without_strategies_leaves_out_models_that_cannot_train_its_netwo
                                          r"dmoe model trains a network with a mixture-of-experts layer; allowed: moe_cnn"):
         ValidationGrid(datasets=["mnist"], networks=["resnet18"], strategies=["ddp", "dmoe"])
     assert ValidationGrid(**PRESETS["moe"]).strategies == ["single", "dmoe"]
+
+
+def test_a_swarm_runs_overshoot_is_read_from_its_global_epochs(tmp_path):
+    from ddlscope.experiments.validate import _overshoot_steps
+
+    db = tmp_path / "r.db"
+    with ResultsStore(db) as store:
+        swarm = store.create_run("swarm", "collaborative", {"strategy": "collaborative", "batch_size": 32,
+                                                            "collaborative": {"target_batch_size": 64}})
+        plain = store.create_run("plain", "collaborative", {"strategy": "collaborative", "batch_size": 32})
+        for peer in (0, 1):  # a step a second, a round every second step: 2 steps of 32 per peer per epoch
+            for t in range(10):
+                store.add_step(swarm, peer, dict(step=t, wall_time=1e6 + t, samples=32, step_s=1.0, warmup=0,
+                                                 optimizer_stepped=1, averaging_round=int(t % 2 == 1),
+                                                 global_epoch=(t + 1) // 2))
+                store.add_step(plain, peer, dict(step=t, wall_time=1e6 + t, samples=32, step_s=1.0, warmup=0,
+                                                 optimizer_stepped=1, averaging_round=0, global_epoch=0))
+    assert _overshoot_steps(db, swarm) == pytest.approx((128 - 64) / (2 * 32))  # one step per peer past 64
+    assert _overshoot_steps(db, plain) is None  # no target batch size, no whole global epoch

@@ -247,6 +247,10 @@ def test_the_error_at_the_runs_compute_takes_forward_backward_and_optimizer_from
     slow.failed_rounds_per_run = [0, 2, 0]  # the second of three runs stalled twice in a failed round
     [row] = cells_table([cell([slow], network="vgg11")])
     assert row["status"] == "completed (1 of 3 runs had a failed averaging round)"
+    slow.overshoot_steps_per_run, slow.predicted_overshoot_steps = [0.35, 0.4, 0.42], 0.3
+    [row] = cells_table([cell([slow], network="vgg11")])
+    assert row["status"].endswith("(peers ran 0.35 / 0.40 / 0.42 steps past the target batch per global epoch; "
+                                  "predicted 0.30)")
     # fsdp's measured forward holds the all-gathers it waited for (on CPU): not taken at the run's compute
     sharded = out("fsdp", 40.0, 50.0)
     sharded.predicted_parts_s, sharded.measured_parts_s = dict(o.predicted_parts_s), dict(o.measured_parts_s)

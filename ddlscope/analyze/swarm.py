@@ -17,6 +17,12 @@ gives:
   measured from the steps themselves — a peer trains from its first step to its last within one
   *segment*; segments end where the peer left or was killed (``peer_leave``/``peer_kill``
   events, :mod:`ddlscope.launch.churn`) or where it stored no step for :func:`gap_s` seconds;
+- **the swarm's global epochs** (:func:`global_epochs`): each whole epoch's samples and seconds,
+  and how far the peers ran past the target batch size. A peer learns of the swarm's progress from
+  hivemind's ``ProgressTracker`` only between its steps, and a step in flight when the target is
+  reached still counts, so an epoch holds more samples than the target (issue 14 measured 0.15-0.58
+  steps per peer beyond it, 2 one-core peers, 2 steps each per epoch): the batch the optimizer
+  steps with is larger than the one asked for;
 - a figure (:func:`plot_swarm`) of the swarm's size with each peer's held-out accuracy on the same
   time axis (seconds since the swarm's first step, the clock of ``collaborative.churn``), and the
   churn events marked.
@@ -62,6 +68,32 @@ class PeerFigures:
 
 
 @dataclass
+class GlobalEpochs:
+    """The swarm's whole global epochs: those whose start and end a stored step shows (the first,
+    which holds the swarm's start-up, and the last, cut by the run's end, are left out).
+
+    Attributes:
+        target_batch_size: samples the swarm accumulates per epoch before its averaging round.
+        batch_size: samples per step of each peer.
+        samples: per whole epoch, the samples of every peer's steps that began in it.
+        seconds: per whole epoch, from the first peer's step that entered it to the first that left it.
+        trainers: per whole epoch, the peers that stepped in it.
+    """
+
+    target_batch_size: int
+    batch_size: int
+    samples: list[int]
+    seconds: list[float]
+    trainers: list[int]
+
+    @property
+    def overshoot_steps(self) -> float:
+        """Mean steps per peer per epoch beyond the target batch size (negative: short of it)."""
+        return statistics.fmean((n - self.target_batch_size) / (self.batch_size * k)
+                                for n, k in zip(self.samples, self.trainers))
+
+
+@dataclass
 class SwarmAnalysis:
     """The per-peer figures, training segments and swarm size of one run.
 
@@ -71,6 +103,7 @@ class SwarmAnalysis:
         timeline: ``(times_s, sizes)``: the swarm's size from each time on (a step function).
         churn: ``(peer, kind, at_s)`` of every churn event, in time order.
         evals: per peer, ``(at_s, accuracy)`` of its held-out evaluations.
+        epochs: the whole global epochs (:func:`global_epochs`); None where the run shows fewer than one.
     """
 
     run_id: str
@@ -80,6 +113,7 @@ class SwarmAnalysis:
     timeline: tuple[list[float], list[int]]
     churn: list[tuple[int, str, float]]
     evals: dict[int, list[tuple[float, float]]]
+    epochs: GlobalEpochs | None = None
 
     @property
     def has_churn(self) -> bool:
@@ -158,6 +192,60 @@ def samples_lost(steps: list[dict], killed_at: float) -> int:
     return sum(int(s["samples"]) for s in before[last_round + 1:])
 
 
+def global_epochs(steps: list[dict], target_batch_size: int, batch_size: int) -> GlobalEpochs | None:
+    """The whole global epochs of a swarm run from its step rows (all peers).
+
+    A step belongs to the global epoch its peer was in when the step began: the ``global_epoch``
+    its previous step ended in (a step that ran an averaging round ends in the next epoch). An
+    epoch starts where the first peer's step moved into it (``wall_time + step_s``) and ends where
+    the first peer moved on, so only epochs entered and left during the run are whole. A step whose
+    epoch moved on without a round (its peer loaded the swarm's state, having fallen behind or
+    rejoined) counts toward no epoch: hivemind drops such a step's gradients.
+
+    Args:
+        steps: step rows with ``worker_index``, ``step``, ``wall_time`` (step start, s),
+            ``step_s``, ``samples``, ``global_epoch`` and ``averaging_round``.
+        target_batch_size, batch_size: the run's ``collaborative.target_batch_size`` and samples per step.
+
+    Returns:
+        the figures, or None where no epoch is whole (or the steps carry no epoch).
+    """
+    by_peer: dict[int, list[dict]] = {}
+    for s in steps:
+        if s.get("global_epoch") is not None:
+            by_peer.setdefault(int(s["worker_index"]), []).append(s)
+    entered: dict[int, float] = {}
+    samples: dict[int, int] = {}
+    peers: dict[int, set[int]] = {}
+    for p, rows in by_peer.items():
+        rows.sort(key=lambda r: r["step"])
+        for i, r in enumerate(rows):
+            after = int(r["global_epoch"])
+            before = int(rows[i - 1]["global_epoch"]) if i else after - int(bool(r.get("averaging_round")))
+            if after > before and not r.get("averaging_round"):
+                continue  # its peer caught up by loading the swarm's state: hivemind dropped the step's gradients
+            samples[before] = samples.get(before, 0) + int(r["samples"])
+            peers.setdefault(before, set()).add(p)
+            if after > before:
+                end = float(r["wall_time"]) + float(r.get("step_s") or 0.0)
+                entered[after] = min(entered.get(after, end), end)
+    whole = sorted(e for e in entered if e + 1 in entered)
+    if not whole:
+        return None
+    return GlobalEpochs(target_batch_size=target_batch_size, batch_size=batch_size,
+                        samples=[samples.get(e, 0) for e in whole],
+                        seconds=[entered[e + 1] - entered[e] for e in whole],
+                        trainers=[len(peers.get(e, ())) or 1 for e in whole])
+
+
+def stored_global_epochs(run: dict, steps: list[dict]) -> GlobalEpochs | None:
+    """:func:`global_epochs` of a stored run (its ``runs`` row and step rows), at the target batch size
+    and batch size of its config; None where the config has no target batch size."""
+    config = json.loads(run["config_json"] or "{}")
+    target = (config.get("collaborative") or {}).get("target_batch_size")
+    return global_epochs(steps, int(target), int(config["batch_size"])) if target and config.get("batch_size") else None
+
+
 def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
     """Per-peer figures, segments and the swarm's size for run ``run_id`` of ``store``
     (:class:`~ddlscope.store.db.ResultsStore`).
@@ -216,7 +304,8 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
     return SwarmAnalysis(
         run_id=run_id, origin=origin, peers=figures,
         segments={p: [(a - origin, b - origin) for a, b in seg] for p, seg in segments.items()},
-        timeline=([t - origin for t in times], sizes), churn=[(p, k, t - origin) for p, k, t in churn], evals=evals)
+        timeline=([t - origin for t in times], sizes), churn=[(p, k, t - origin) for p, k, t in churn], evals=evals,
+        epochs=stored_global_epochs(run, steps))
 
 
 def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
@@ -232,6 +321,15 @@ def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
             f"{'unknown' if p.traffic_share is None else f'{p.traffic_share:.0%}'} | {p.joins} / {p.leaves} / {p.kills} | "
             f"{p.samples_lost:,} | {len(p.state_load_s)} ({p.futile_state_loads}) | "
             f"{f'{statistics.median(p.state_load_s):.2f}' if p.state_load_s else '-'} |")
+    if a.epochs is not None:
+        e = a.epochs
+        lines += ["", f"Global epochs: {len(e.samples)} whole (the first, with the swarm's start-up, and the last "
+                  f"left out), {statistics.fmean(e.seconds):.2f} s each on average ({min(e.seconds):.2f}-"
+                  f"{max(e.seconds):.2f} s), {statistics.fmean(e.samples):.1f} samples each against a target batch "
+                  f"size of {e.target_batch_size:,} ({min(e.samples):,}-{max(e.samples):,}): every peer ran "
+                  f"{e.overshoot_steps:.2f} steps past the target per epoch on average. A peer sees the swarm's "
+                  "progress only between its steps, and a step in flight when the target is reached still counts: "
+                  "the optimizer steps with that larger batch."]
     futile = [p for p in a.peers if p.futile_state_loads]
     if futile:
         lines += ["", "Futile state loads: " + ", ".join(f"peer {p.peer} {p.futile_state_loads} of "

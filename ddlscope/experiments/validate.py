@@ -745,6 +745,7 @@ def _repeated_outcome(grid: ValidationGrid, db_path: Path, tries: list[_Try]) ->
     if len(tried) > 1:
         outcome.measured_repeats_epoch_s = [o.measured_epoch_s for o, _ in tried if o.measured]
         outcome.failed_rounds_per_run = [n for o, _ in tried if o.measured for n in o.failed_rounds_per_run]
+        outcome.overshoot_steps_per_run = [x for o, _ in tried if o.measured for x in o.overshoot_steps_per_run]
         if own or _churns(grid, tries[0].candidate.setting.strategy):
             outcome.predicted_repeats_epoch_s = [o.predicted_epoch_s for o, _ in tried if o.measured]
         failed = [o for o, _ in tried if not o.measured]
@@ -763,6 +764,7 @@ def _outcome(db_path: Path, cand: Candidate, run: tuple[str | None, str, str | N
         predicted_memory_bytes=cand.memory_bytes, fits=cand.fits if p else None, measured_epoch_s=None,
         status="not-run", reason=cand.invalid_reason, reference_epoch_s=dict(p.reference_epoch_s) if p else {},
         dominant_cost=p.dominant_cost if p else None, predicted_parts_s=dict(p.breakdown_s) if p else {},
+        predicted_overshoot_steps=p.inputs.get("overshoot_steps") if p else None,
         **dict(zip(("predicted_allocator_bytes", "predicted_runtime_bytes"), cand.memory_split_bytes or (None, None))))
     if run is None:
         return outcome
@@ -779,10 +781,23 @@ def _outcome(db_path: Path, cand: Candidate, run: tuple[str | None, str, str | N
         outcome.measured_allocator_bytes, outcome.measured_runtime_bytes = measured.allocator_peak_bytes, \
             measured.runtime_bytes
         outcome.failed_rounds_per_run = [measured.averaging_rounds_failed]
+        if distribution.get(cand.setting.strategy).averages_with_hivemind:
+            overshoot = _overshoot_steps(db_path, run_id)
+            outcome.overshoot_steps_per_run = [] if overshoot is None else [overshoot]
     else:  # failed, interrupted, or completed without a measured step
         outcome.status = "failed"
         outcome.reason = row["reason"] or f"run {run_id} ended {row['status']} without measured steps"
     return outcome
+
+
+def _overshoot_steps(db_path: Path, run_id: str) -> float | None:
+    """Steps per peer per global epoch past the target batch size in a stored swarm run
+    (:func:`ddlscope.analyze.swarm.stored_global_epochs`); None without a whole global epoch or a target batch size."""
+    from ddlscope.analyze.swarm import stored_global_epochs
+
+    with ResultsStore(db_path) as store:
+        epochs = stored_global_epochs(store.run(run_id), store.rows("steps", run_id))
+    return None if epochs is None else epochs.overshoot_steps
 
 
 def churn_outcome(outcome: StrategyOutcome, db_path: Path, run_id: str, profile, cluster: ClusterSpec,

@@ -105,6 +105,11 @@ class StrategyOutcome:
     # averaging rounds that failed in each completed run (the median run's alone without repeats), in the order of
     # measured_repeats_epoch_s: a failed round stalls a swarm for its averaging timeout (predicted only for churn)
     failed_rounds_per_run: list[int] = field(default_factory=list)
+    # collaborative: steps per peer per global epoch past the target batch size, as predicted (the hivemind fit's
+    # overshoot, None for other models) and in each completed run (ddlscope.analyze.swarm.global_epochs), in the
+    # order of measured_repeats_epoch_s; a run without a whole global epoch is left out
+    predicted_overshoot_steps: float | None = None
+    overshoot_steps_per_run: list[float] = field(default_factory=list)
 
     @property
     def measured(self) -> bool:
@@ -709,6 +714,11 @@ def cells_table(cells: list[ValidationCell]) -> list[dict]:
             stalled = sum(1 for n in o.failed_rounds_per_run if n)
             if stalled:
                 status += f" ({stalled} of {len(o.failed_rounds_per_run)} runs had a failed averaging round)"
+            if o.overshoot_steps_per_run:
+                status += (" (peers ran " + " / ".join(f"{x:.2f}" for x in o.overshoot_steps_per_run)
+                           + " steps past the target batch per global epoch"
+                           + ("" if o.predicted_overshoot_steps is None else f"; predicted {o.predicted_overshoot_steps:.2f}")
+                           + ")")
             rows.append({
                 "dataset": c.dataset, "network": c.network, "workers": c.workers, "model": o.strategy,
                 "predicted s/epoch": o.predicted_epoch_s, "measured s/epoch": o.measured_epoch_s,
