@@ -259,3 +259,19 @@ def test_step_timing_warms_up_and_times_for_its_windows_with_a_cap():
     assert _counted_steps(STEP_TIMING["cpu"], 0.01) == (1 + 5, 5)  # CPU: one warm-up, five timed
     cuda = STEP_TIMING["cuda"]  # GPU milliseconds: windows of seconds, not a handful of steps
     assert cuda.warmup_s >= 0.5 and cuda.window_s >= 1.0 and cuda.max_timed_steps >= 100
+
+
+def test_the_memory_probe_runs_on_the_cores_the_profile_leaves():
+    assert prof.spare_cores({0, 1}, 1) == [1]
+    assert prof.spare_cores({3, 1, 2, 0}, 2) == [2, 3]
+    assert prof.spare_cores({5}, 1) == [5]  # none left: it shares the profile's
+
+
+def test_a_failing_memory_probe_says_why_and_a_cancelled_one_ends():
+    sgd = prof.optimizer_setting("sgd")
+    with pytest.raises(RuntimeError, match=r"the memory probe process failed \(exit 1\): .*no_such_network"):
+        prof.CpuMemoryProbe("no_such_network", "mnist", [1], 1, sgd).result()
+    probe = prof.CpuMemoryProbe("tiny_cnn", "mnist", [1, 2], 1, sgd)
+    probe.cancel()  # at once: it is still importing torch
+    assert probe._process.returncode is not None
+    probe.cancel()  # twice: nothing more

@@ -114,8 +114,12 @@ def test_fit_line_is_least_squares():
 
 
 def test_a_limit_below_batch_1_is_one_line(fake):
+    import psutil
+
     with pytest.raises(UserError) as err:
         prof.profile_workload("tiny_cnn", "mnist", 8, loader_workers=(), memory_limit_bytes=1000)
+    probes = [c for c in psutil.Process().children() if "_probe_steps" in " ".join(c.cmdline())]
+    assert probes == []  # the memory probe started beside the analysis was ended
     text = str(err.value)
     assert "\n" not in text and "not even batch 1 fits" in text and "the memory limit is" in text
     assert "--memory-limit-gib" in text
