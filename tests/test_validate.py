@@ -566,5 +566,5 @@ def test_a_swarm_runs_overshoot_is_read_from_its_global_epochs(tmp_path):
                                                  global_epoch=(t + 1) // 2))
                 store.add_step(plain, peer, dict(step=t, wall_time=1e6 + t, samples=32, step_s=1.0, warmup=0,
                                                  optimizer_stepped=1, averaging_round=0, global_epoch=0))
-    assert _overshoot_steps(db, swarm) == pytest.approx((128 - 64) / (2 * 32))  # one step per peer past 64
-    assert _overshoot_steps(db, plain) is None  # no target batch size, no whole global epoch
+        assert _overshoot_steps(store, store.run(swarm)) == pytest.approx((128 - 64) / (2 * 32))  # a step per peer past 64
+        assert _overshoot_steps(store, store.run(plain)) is None  # no target batch size, no whole global epoch

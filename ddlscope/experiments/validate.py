@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 import sys
 import time
 from collections.abc import Callable
@@ -775,14 +776,15 @@ def _outcome(db_path: Path, cand: Candidate, run: tuple[str | None, str, str | N
     with ResultsStore(db_path) as store:
         row = store.run(run_id)
         measured = measure_run(store, run_id)
+        swarm = measured is not None and measured.epoch_s and distribution.get(cand.setting.strategy).averages_with_hivemind
+        overshoot = _overshoot_steps(store, row) if swarm else None
     if measured is not None and measured.epoch_s:
         outcome.status, outcome.measured_epoch_s = "completed", measured.epoch_s
         outcome.measured_memory_bytes, outcome.measured_parts_s = measured.peak_memory_bytes, measured.parts_s
         outcome.measured_allocator_bytes, outcome.measured_runtime_bytes = measured.allocator_peak_bytes, \
             measured.runtime_bytes
         outcome.failed_rounds_per_run = [measured.averaging_rounds_failed]
-        if distribution.get(cand.setting.strategy).averages_with_hivemind:
-            overshoot = _overshoot_steps(db_path, run_id)
+        if swarm:
             outcome.overshoot_steps_per_run = [] if overshoot is None else [overshoot]
     else:  # failed, interrupted, or completed without a measured step
         outcome.status = "failed"
@@ -790,13 +792,13 @@ def _outcome(db_path: Path, cand: Candidate, run: tuple[str | None, str, str | N
     return outcome
 
 
-def _overshoot_steps(db_path: Path, run_id: str) -> float | None:
-    """Steps per peer per global epoch past the target batch size in a stored swarm run
-    (:func:`ddlscope.analyze.swarm.stored_global_epochs`); None without a whole global epoch or a target batch size."""
+def _overshoot_steps(store: ResultsStore, run_row: sqlite3.Row) -> float | None:
+    """Steps per peer per global epoch past the target batch size in the stored swarm run ``run_row``
+    of ``store`` (:func:`ddlscope.analyze.swarm.stored_global_epochs`); None without a whole global
+    epoch or a target batch size."""
     from ddlscope.analyze.swarm import stored_global_epochs
 
-    with ResultsStore(db_path) as store:
-        epochs = stored_global_epochs(store.run(run_id), store.rows("steps", run_id))
+    epochs = stored_global_epochs(run_row, store.rows("steps", run_row["run_id"]))
     return None if epochs is None else epochs.overshoot_steps
 
 
