@@ -118,6 +118,23 @@ def test_global_epochs_count_each_step_in_the_epoch_it_began_in_and_time_epochs_
     assert "2 whole" in swarm_markdown(analysis) and "0.25 steps past the target" in swarm_markdown(analysis)
 
 
+def test_hivemind_cpu_is_split_between_training_steps_and_round_steps(tmp_path):
+    with ResultsStore(tmp_path / "r.db") as store:
+        run_id = store.create_run("swarm", "collaborative", {"strategy": "collaborative", "batch_size": 32})
+        # peer 0: rounds at steps 1 and 3; peer 1 misses the figure at one step (a host that could not count it)
+        for t, (cpu0, cpu1, rnd) in enumerate([(0.2, 0.1, 0), (1.5, 1.0, 1), (0.9, None, 0), (2.5, 1.2, 1)]):
+            for peer, cpu in ((0, cpu0), (1, cpu1)):
+                store.add_step(run_id, peer, dict(step=t, wall_time=1e6 + t, samples=32, step_s=1.0, warmup=0,
+                                                  optimizer_stepped=1, averaging_round=rnd, background_cpu_s=cpu))
+        analysis = analyze_swarm(store, run_id)
+    peer0, peer1 = analysis.peers
+    assert (peer0.background_cpu_training_s, peer0.background_cpu_rounds_s) == pytest.approx((1.1, 4.0))
+    assert peer0.background_cpu_per_round_s() == pytest.approx((0.55, 2.0))  # 2 rounds
+    assert peer1.background_cpu_training_s is None and peer1.background_cpu_per_round_s() is None  # not 0: unknown
+    text = swarm_markdown(analysis)
+    assert "peer 0 0.55 / 2.00 CPU-s" in text and "peer 1 " not in text
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not can_emulate, reason="needs root and iproute2 for the emulated links")
 def test_four_peers_with_a_slow_link_an_auxiliary_peer_and_churn_complete(env_data, db_path, tmp_path):
@@ -158,6 +175,8 @@ def test_four_peers_with_a_slow_link_an_auxiliary_peer_and_churn_complete(env_da
     assert max(sizes) <= 3 and 1 in sizes[:-1]  # peer 0 trained alone for a while
     text = swarm_markdown(analysis, "swarm.png")
     assert "peer 1 kill at" in text and "| 3 | 1 | 0 |" in text  # peer 3: 1 core, no samples
+    training_s, rounds_s = by_peer[0].background_cpu_per_round_s()  # hivemind's work, measured on a trainer
+    assert training_s >= 0 and rounds_s > 0 and "peer 0 " in text.split("hivemind's own CPU per averaging round")[1]
     assert plot_swarm(analysis, tmp_path / "swarm.png").stat().st_size > 10_000
 
 

@@ -23,6 +23,13 @@ gives:
   reached still counts, so an epoch holds more samples than the target (issue 14 measured 0.15-0.58
   steps per peer beyond it, 2 one-core peers, 2 steps each per epoch): the batch the optimizer
   steps with is larger than the one asked for;
+- **where hivemind's own work lands** (:attr:`PeerFigures.background_cpu_training_s` and
+  ``background_cpu_rounds_s``): the CPU seconds of hivemind's processes and threads in the steps
+  that only trained and in the steps that ended a global epoch (their averaging round's wait). On a
+  peer whose cores training keeps busy, the first slows forward and backward by about as much;
+  the second is spent while the peer waits anyway. Issue 14's emulated links (2 one-core peers,
+  MobileNetV2): a post-round step holding 0.7-1.0 CPU-s of it took 1.5-1.8 s where one holding
+  0.15 took 0.8 s, and the slower the link, the more of it moved into the rounds' wait;
 - a figure (:func:`plot_swarm`) of the swarm's size with each peer's held-out accuracy on the same
   time axis (seconds since the swarm's first step, the clock of ``collaborative.churn``), and the
   churn events marked.
@@ -65,6 +72,15 @@ class PeerFigures:
     samples_lost: int = 0
     state_load_s: list[float] = field(default_factory=list)
     futile_state_loads: int = 0
+    background_cpu_training_s: float | None = None  # hivemind's CPU-s in its steps without a round; None: unmeasured
+    background_cpu_rounds_s: float | None = None  # ... in its steps that ended a global epoch (the round's wait)
+
+    def background_cpu_per_round_s(self) -> tuple[float, float] | None:
+        """hivemind's CPU seconds per averaging round of this peer: ``(in steps that only trained,
+        in the steps that ended an epoch)``; None where unmeasured or the peer took part in no round."""
+        if self.background_cpu_training_s is None or self.background_cpu_rounds_s is None or not self.averaging_rounds:
+            return None
+        return self.background_cpu_training_s / self.averaging_rounds, self.background_cpu_rounds_s / self.averaging_rounds
 
 
 @dataclass
@@ -246,6 +262,12 @@ def stored_global_epochs(run: dict, steps: list[dict]) -> GlobalEpochs | None:
     return global_epochs(steps, int(target), int(config["batch_size"])) if target and config.get("batch_size") else None
 
 
+def _known_sum(values) -> float | None:
+    """The sum of ``values`` (seconds); None when any is None (a step that did not measure it) or there are none."""
+    values = list(values)
+    return None if not values or any(v is None for v in values) else float(sum(values))
+
+
 def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
     """Per-peer figures, segments and the swarm's size for run ``run_id`` of ``store``
     (:class:`~ddlscope.store.db.ResultsStore`).
@@ -296,7 +318,9 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
             samples_lost=sum(samples_lost(rows, t) for k, t in mine if k == "peer_kill"),
             state_load_s=[d["seconds"] for d in loads if d.get("seconds") is not None],
             futile_state_loads=sum(1 for d in loads if d.get("epoch_after") is not None
-                                   and d.get("epoch_before") is not None and d["epoch_after"] <= d["epoch_before"])))
+                                   and d.get("epoch_before") is not None and d["epoch_after"] <= d["epoch_before"]),
+            background_cpu_training_s=_known_sum(s.get("background_cpu_s") for s in rows if not s.get("averaging_round")),
+            background_cpu_rounds_s=_known_sum(s.get("background_cpu_s") for s in rows if s.get("averaging_round"))))
     times, sizes = swarm_size_timeline(segments)
     evals: dict[int, list[tuple[float, float]]] = {}
     for e in store.rows("evals", run_id):
@@ -330,6 +354,13 @@ def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
                   f"{e.overshoot_steps:.2f} steps past the target per epoch on average. A peer sees the swarm's "
                   "progress only between its steps, and a step in flight when the target is reached still counts: "
                   "the optimizer steps with that larger batch."]
+    split = [(p.peer, cpu) for p in a.peers if (cpu := p.background_cpu_per_round_s()) is not None]
+    if split:
+        lines += ["", "hivemind's own CPU per averaging round (its processes and threads: DHT, p2pd, averagers, "
+                  "progress tracker), in the steps that only trained / in the step that ended the epoch: "
+                  + ", ".join(f"peer {peer} {t:.2f} / {r:.2f} CPU-s" for peer, (t, r) in split)
+                  + ". On a peer whose cores training keeps busy, the first slows forward and backward by about as "
+                  "much; the second runs while the peer waits for its round."]
     futile = [p for p in a.peers if p.futile_state_loads]
     if futile:
         lines += ["", "Futile state loads: " + ", ".join(f"peer {p.peer} {p.futile_state_loads} of "
