@@ -563,6 +563,34 @@ def test_collaborative_epoch_lasts_at_least_both_rounds_on_the_link():
     assert every2.inputs["link_busy_s"] < slow.inputs["link_busy_s"]  # a parameter round every second epoch
 
 
+def test_collaborative_hivemind_work_stays_in_the_steps_as_far_as_the_parameter_round_overlaps_the_accumulation():
+    prof = make_profile()
+    s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=0.5)
+
+    def swarm(bw, in_steps=0.6, listed=True):
+        fit = HivemindFit(epoch_overhead_s=1.0, compute_overhead_s=in_steps, overshoot_steps=0.0,
+                          reference_param_bytes=prof.param_bytes, matchmaking_time_s=0.5)
+        peers = [PeerSpec(compute_share=1.0, bandwidth_gb_per_s=bw) for _ in range(2)]
+        cluster = make_cluster(bw=bw, peers=peers if listed else ())
+        return predict(prof, cluster.model_copy(update={"hivemind": fit}), s)
+
+    fast, slow = swarm(10.0), swarm(0.001)
+    assert fast.inputs["state_round_overlap"] == 1.0 and fast.inputs["hivemind_in_steps_s"] == pytest.approx(0.6)
+    # over the slow link the parameter round (0.5 s of matchmaking, then its transfer) outlasts the accumulation
+    accumulation, transfer = slow.inputs["accumulate_s"] + 0.6, slow.inputs["state_round_s"]
+    assert transfer > 10 * accumulation
+    overlap = min(1.0, accumulation / (0.5 + transfer)) / min(1.0, accumulation / 0.5)
+    assert slow.inputs["state_round_overlap"] == pytest.approx(overlap) and 0 < overlap < 0.1
+    assert slow.inputs["hivemind_in_steps_s"] == pytest.approx(0.6 * overlap)
+    # the link bounds the epoch: forward and backward hold less of hivemind's work, the link's wait more, the sum stays
+    fb = lambda p: p.breakdown_s["forward_s"] + p.breakdown_s["backward_s"]  # noqa: E731
+    none = swarm(0.001, in_steps=0.0)
+    assert fb(slow) == pytest.approx(fb(none) + 0.6 * overlap)
+    assert slow.step_s == pytest.approx(slow.inputs["link_busy_s"]) == pytest.approx(none.step_s)
+    # links not listed are the fit's own (loopback): its figure stands
+    assert swarm(0.001, listed=False).inputs["state_round_overlap"] == 1.0
+
+
 def test_collaborative_rounds_run_at_the_averaging_efficiency_of_the_peers_links():
     prof = make_profile()
     s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=0.01)

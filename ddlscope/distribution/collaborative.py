@@ -384,7 +384,20 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     overhead_steps x`` the slowest peer's step, replaces the two rounds on these devices. Of that
     overhead, the fit's ``compute_overhead_s`` (what hivemind's work on the peer's cores added to
     its steps' compute in the reference swarm) goes to forward and backward, where a run measures
-    it (``inputs["hivemind_in_steps_s"]``), and the rest to averaging, plus
+    it (``inputs["hivemind_in_steps_s"]``), and the rest to averaging. That work is mostly the
+    parameter round's, which runs while the next epoch accumulates: the fit measures it on
+    loopback, where that round's transfer takes no time. Over listed links (``cluster.peers``) whose
+    parameter round, its matchmaking and then its transfer at the link's averaging share, outlasts
+    the accumulation, only the share the accumulation covers goes to the steps and the rest to the
+    rounds' wait: ``inputs["state_round_overlap"] = c(round) / c(0)``, ``c(x) = min(1, (T_acc +
+    compute_overhead_s) / (matchmaking_time_s + x))`` (relative to the fit's loopback, so a fit's
+    own conditions read 1). On emulated links (issue 14, 2 one-core peers, MobileNetV2, 2026-11-29) hivemind's CPU in
+    the steps that only trained was 1.10, 0.66 and 0.62 CPU-s per round at 200, 50 and 200/20
+    Mbit/s, and the runs' forward and backward exceeded the profile's by 0.65 s per epoch at
+    200/20 (the fit: 1.40 s); a post-round step holding 0.7-1.0 CPU-s of it took 1.5-1.8 s
+    where one holding 0.15 took 0.8 s. Where the link is the bottleneck the epoch's length
+    does not change (the link's wait absorbs it); the parts do. The fit's overhead beyond that goes
+    to averaging, plus
     the rounds' extra time for parameters beyond the reference's and, for listed peers, the
     gradient round's wire time over their links beyond the round's own CPU work, which the
     overhead holds and the bytes overlap: taken as half of the fit's ``epoch_cpu_s`` (each epoch
@@ -505,8 +518,16 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     link_round = 0.0 if alone else round_s(float(profile.param_bytes), cluster.averaging_efficiency)
     one_round = link_round if hm is None or alone else round_s(float(profile.param_bytes))
     overhead = hm.epoch_overhead_s + hm.overhead_steps * max(peer_steps) if hm and not alone else 0.0
-    # of it, what hivemind's background work adds to the steps' compute (measured): forward and backward hold it
-    in_steps = min(hm.compute_overhead_s, overhead) if hm else 0.0
+    # of it, what hivemind's background work adds to the steps' compute (measured on loopback, where the parameter
+    # round ends within the next accumulation): forward and backward hold it, as far as the parameter round (after
+    # its own matchmaking) overlaps the accumulation; the rest of that work lands in the rounds' wait
+    in_steps_fit = min(hm.compute_overhead_s, overhead) if hm else 0.0
+
+    def covered(transfer_s: float) -> float:  # the share of the parameter round's span the accumulation covers
+        return min(1.0, (t_acc + in_steps_fit) / (s.matchmaking_time_s + transfer_s))
+
+    state_overlap = covered(link_round) / covered(0.0) if cluster.peers and not alone and t_acc > 0 else 1.0
+    in_steps = in_steps_fit * state_overlap
     # matchmaking starts once the epoch's end (steps slowed by that work) is matchmaking_time_s away
     wait = 0.0 if alone else max(0.0, s.matchmaking_time_s - max(0.0, t_acc + in_steps - max(peer_steps)))
     grad_round = 0.0 if s.use_local_updates or alone else wait + one_round
@@ -554,6 +575,7 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
                            inputs={"peers": len(present), "trainers": len(trainers), "averaging_group_size": group,
                                    "peer_roles": roles_all, "load_balanced": int(balanced), "compute_shares": shares,
                                    "peer_step_s": peer_steps, "hivemind_in_steps_s": in_steps,
+                                   "state_round_overlap": state_overlap,
                                    "swarm_samples_per_s": throughput, "accumulate_s": t_acc,
                                    "samples_per_global_epoch": throughput * t_acc, "matchmaking_wait_s": wait,
                                    "grad_round_s": grad_round, "state_round_s": state_round,
