@@ -179,7 +179,14 @@ def test_a_dmoe_run_reaches_its_servers_through_their_namespaces_and_survives_a_
         # generation of server 1 in the same namespace; the first may be killed before it listens on any (a
         # slow start under load: CI, 2026-11-28), the restarted one listens
         addresses = {k: {m.split("/")[2] for m in json.loads(s["maddrs"] or "[]")} for k, s in services.items()}
-        assert addresses[(0, 0)] == {"10.201.0.3"} and addresses[(1, 1)] == {"10.201.0.4"}, addresses
+        # server 0 is started again only where a start hung (hivemind's server hang, docs/validation.md "Noticed":
+        # CI, 2026-11-29, its first start); every generation that listened did so in its namespace, the last one did
+        server0 = sorted(g for i, g in services if i == 0)
+        for g in server0[:-1]:
+            assert services[(0, g)]["status"] == "failed" and "did not start listening" in services[(0, g)]["reason"], \
+                dict(services[(0, g)])
+        assert all(addresses[(0, g)] <= {"10.201.0.3"} for g in server0), addresses
+        assert addresses[(0, server0[-1])] == {"10.201.0.3"} and addresses[(1, 1)] == {"10.201.0.4"}, addresses
         assert addresses[(1, 0)] <= {"10.201.0.4"}, addresses
         status = {k: (s["status"], s["reason"]) for k, s in services.items()}
         assert services[(1, 0)]["status"] == "killed" and services[(1, 1)]["status"] == "stopped", status
