@@ -270,8 +270,8 @@ def test_the_memory_probe_runs_on_the_cores_the_profile_leaves():
 def test_a_failing_memory_probe_says_why_and_a_cancelled_one_ends():
     sgd = prof.optimizer_setting("sgd")
     with pytest.raises(RuntimeError, match=r"the memory probe process failed \(exit 1\): .*no_such_network"):
-        prof.CpuMemoryProbe("no_such_network", "mnist", [1], 1, sgd).result()
-    probe = prof.CpuMemoryProbe("tiny_cnn", "mnist", [1, 2], 1, sgd)
+        prof.CpuMemoryProbe("no_such_network", "mnist", 1, sgd).result([1])
+    probe = prof.CpuMemoryProbe("tiny_cnn", "mnist", 1, sgd)
     probe.cancel()  # at once: it is still importing torch
     assert probe._process.returncode is not None
     probe.cancel()  # twice: nothing more

@@ -407,7 +407,8 @@ optimizer = OptimizerSetting(**args["optimizer"])
 _warm_up_runtime(args["family"], optimizer)
 gc.collect()
 runtime = status("VmRSS")
-peaks = _probe_steps(args["network"], args["family"], args["batch_sizes"], optimizer, status)
+batch_sizes = json.loads(sys.stdin.readline())  # sent once the profile knows which batch sizes fit
+peaks = _probe_steps(args["network"], args["family"], batch_sizes, optimizer, status)
 print(json.dumps({"runtime_bytes": runtime, "peaks": peaks}))
 """
 
@@ -574,26 +575,26 @@ class CpuMemoryProbe:
 
     It starts at construction and runs in the background, with ``threads`` torch threads, pinned
     to ``cores`` (default: this process's cores beyond its first ``threads``, :func:`spare_cores`).
-    It times nothing and its counters are its own, so the profile runs it beside its fake-tensor
-    analysis and waits for it before timing anything: ResNet-18/CIFAR-10 at batch 64 took 14.8 s in
-    the probe and 7.4 s in the analysis on this 2-core machine (2026-11-29), one after the other
-    before. :meth:`result` waits for it; :meth:`cancel` ends it (also on a failed profile).
+    It times nothing and its counters are its own, so the profile starts it before its fake-tensor
+    analysis: the imports and the warm-up run beside the analysis, and the steps wait for
+    :meth:`result`, which sends the batch sizes that fit (a step at one that does not could take
+    more memory than the host has) and waits for it, before anything is timed. ResNet-18/CIFAR-10
+    at batch 64 took 14.8 s in the probe and 7.4 s in the analysis on this 2-core machine
+    (2026-11-29), one after the other before. :meth:`cancel` ends it (also on a failed profile).
     """
 
-    def __init__(self, network: str, family: str, batch_sizes: list[int], threads: int,
-                 optimizer: OptimizerSetting, cores: list[int] | None = None) -> None:
+    def __init__(self, network: str, family: str, threads: int, optimizer: OptimizerSetting,
+                 cores: list[int] | None = None) -> None:
         import json
         import subprocess
         import sys
 
-        self.batch_sizes = list(batch_sizes)
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD_BYTES), OMP_NUM_THREADS=str(threads))
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        args = json.dumps(dict(network=network, family=family, batch_sizes=self.batch_sizes, threads=threads,
-                               optimizer=optimizer.model_dump()))
+        args = json.dumps(dict(network=network, family=family, threads=threads, optimizer=optimizer.model_dump()))
         try:
-            self._process = subprocess.Popen([sys.executable, "-c", _PROBE_SCRIPT, args], env=env,
+            self._process = subprocess.Popen([sys.executable, "-c", _PROBE_SCRIPT, args], env=env, stdin=subprocess.PIPE,
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         except OSError as exc:
             raise RuntimeError(f"the memory probe process failed to start: {exc}") from exc
@@ -602,9 +603,9 @@ class CpuMemoryProbe:
         except OSError:  # it already ended (its result says why) or the cores are not ours: it runs where it is
             pass
 
-    def result(self, timeout_s: float = 600.0) -> tuple[int, dict[int, int] | None]:
-        """Wait for the probe: ``(runtime_bytes, step bytes per batch size)``; step bytes None where
-        /proc cannot reset the high-water mark.
+    def result(self, batch_sizes: list[int], timeout_s: float = 600.0) -> tuple[int, dict[int, int] | None]:
+        """Let the probe train at ``batch_sizes`` and wait for it: ``(runtime_bytes, step bytes per
+        batch size)``; step bytes None where /proc cannot reset the high-water mark.
 
         Raises:
             RuntimeError: the probe failed or ran longer than ``timeout_s`` (then it is ended).
@@ -613,7 +614,7 @@ class CpuMemoryProbe:
         import subprocess
 
         try:
-            out, err = self._process.communicate(timeout=timeout_s)
+            out, err = self._process.communicate(json.dumps(list(batch_sizes)) + "\n", timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.cancel()
             raise RuntimeError(f"the memory probe process ran longer than {timeout_s:g} s") from None
@@ -962,10 +963,10 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
     if dev.type == "cpu":  # like a worker: pinned to its cores, so the scheduler cannot move it mid-measurement
         os.sched_setaffinity(0, sorted(old_cores)[:threads])
     fitting = batch_size
-    # on CPU the memory probe (a process of its own, timing nothing) runs beside the fake-tensor analysis,
-    # at every batch size asked for; where not all of them fit it is started again at the measured ones
-    probe = CpuMemoryProbe(network, family, profile_batch_sizes(batch_size), threads, optimizer,
-                           spare_cores(old_cores, threads)) if dev.type == "cpu" else None
+    # on CPU the memory probe (a process of its own, timing nothing) starts up beside the fake-tensor analysis;
+    # its steps wait for the batch sizes that fit
+    probe = CpuMemoryProbe(network, family, threads, optimizer, spare_cores(old_cores, threads)) \
+        if dev.type == "cpu" else None
     try:
         say("fake-tensor analysis (bytes, FLOPs)" + (", memory probe beside it" if probe else ""))
         fake = _fake_analysis(network, family, profile_batch_sizes(batch_size), optimizer)
@@ -978,13 +979,8 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
             say(f"batch {batch_size} does not fit; measuring batches {sizes[0]}..{fitting}, extrapolating "
                 f"{', '.join(map(str, beyond))}")
         say("memory of a worker process and of real training steps")
-        if probe is None:
-            runtime_bytes, real_steps = _measure_cuda_memory(network, family, sizes, dev, optimizer)
-        else:
-            if probe.batch_sizes != sizes:
-                probe.cancel()
-                probe = CpuMemoryProbe(network, family, sizes, threads, optimizer, spare_cores(old_cores, threads))
-            runtime_bytes, real_steps = probe.result()
+        runtime_bytes, real_steps = probe.result(sizes) if probe else \
+            _measure_cuda_memory(network, family, sizes, dev, optimizer)
         torch.manual_seed(0)
         model = build_model(network, family).to(dev)
         model.train()
