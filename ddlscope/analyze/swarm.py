@@ -47,6 +47,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddlscope.analyze.epoch_rule import EpochRuleCheck, check_epoch_rule
+
 GAP_FLOOR_S = 5.0
 """Shortest pause, seconds, that splits a peer's steps into two training segments."""
 GAP_STEPS = 10
@@ -120,6 +122,9 @@ class SwarmAnalysis:
         churn: ``(peer, kind, at_s)`` of every churn event, in time order.
         evals: per peer, ``(at_s, accuracy)`` of its held-out evaluations.
         epochs: the whole global epochs (:func:`global_epochs`); None where the run shows fewer than one.
+        epoch_rule: hivemind's epoch-ending rule replayed and simulated on the run's steps
+            (:func:`ddlscope.analyze.epoch_rule.check_epoch_rule`); None with churn (its peers
+            change) or where the run lacks what the check needs.
     """
 
     run_id: str
@@ -130,6 +135,7 @@ class SwarmAnalysis:
     churn: list[tuple[int, str, float]]
     evals: dict[int, list[tuple[float, float]]]
     epochs: GlobalEpochs | None = None
+    epoch_rule: EpochRuleCheck | None = None
 
     @property
     def has_churn(self) -> bool:
@@ -322,6 +328,8 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
             background_cpu_training_s=_known_sum(s.get("background_cpu_s") for s in rows if not s.get("averaging_round")),
             background_cpu_rounds_s=_known_sum(s.get("background_cpu_s") for s in rows if s.get("averaging_round"))))
     times, sizes = swarm_size_timeline(segments)
+    epochs = stored_global_epochs(run, steps)
+    rule = check_epoch_rule(steps, epochs.target_batch_size, epochs.batch_size) if epochs and not churn else None
     evals: dict[int, list[tuple[float, float]]] = {}
     for e in store.rows("evals", run_id):
         evals.setdefault(int(e["worker_index"]), []).append((float(e["wall_time"]) - origin, float(e["accuracy"])))
@@ -329,7 +337,7 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
         run_id=run_id, origin=origin, peers=figures,
         segments={p: [(a - origin, b - origin) for a, b in seg] for p, seg in segments.items()},
         timeline=([t - origin for t in times], sizes), churn=[(p, k, t - origin) for p, k, t in churn], evals=evals,
-        epochs=stored_global_epochs(run, steps))
+        epochs=epochs, epoch_rule=rule)
 
 
 def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
@@ -354,6 +362,16 @@ def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
                   f"{e.overshoot_steps:.2f} steps past the target per epoch on average. A peer sees the swarm's "
                   "progress only between its steps, and a step in flight when the target is reached still counts: "
                   "the optimizer steps with that larger batch."]
+    if a.epoch_rule is not None:
+        r = a.epoch_rule
+        by_position = ", ".join(f"{name} {t:.2f} s" for name, t in zip(("first after the round", "second", "later"),
+                                                                      r.step_s_by_position) if t is not None)
+        lines += ["", f"Why: hivemind's epoch-ending rule (`ddlscope.modeling.progress`), replayed on these steps, "
+                  f"gives what the peer did at {r.agreed} of {r.decisions} step ends. On this run's step times "
+                  f"by position in the epoch ({by_position}, from the round's end or the previous step to the "
+                  f"report) the rule runs {r.simulated_overshoot_steps:.2f} steps past the target per peer. A peer "
+                  "that ends its share before the tracker's estimated end starts another step: the shorter the "
+                  "last step of a share against the peer's average, the larger the overshoot."]
     split = [(p.peer, cpu) for p in a.peers if (cpu := p.background_cpu_per_round_s()) is not None]
     if split:
         lines += ["", "hivemind's own CPU per averaging round (its processes and threads: DHT, p2pd, averagers, "
