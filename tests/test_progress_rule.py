@@ -77,10 +77,10 @@ def test_a_replay_follows_the_run_and_gives_the_rules_answer_at_each_step():
 def test_equal_steps_meet_the_target_and_a_short_last_step_runs_past_it():
     settings = TrackerSettings(128, latency_s=0.05)
     # identical, constant steps: the ETA is exact and no epoch holds an extra step
-    assert simulate_overshoot(lambda q, pos, rng: 1.0, 2, 32, settings, epochs=50) == 0.0
+    assert simulate_overshoot(lambda q, epoch, pos, rng: 1.0, 2, 32, settings, epochs=50) == 0.0
 
     def pattern(first_s, last_s):  # a step after the round, then the rest of the share, with some spread
-        return lambda q, pos, rng: max(0.05, rng.gauss(first_s if pos == 0 else last_s, 0.15))
+        return lambda q, epoch, pos, rng: max(0.05, rng.gauss(first_s if pos == 0 else last_s, 0.15))
 
     # a peer whose share ends with a step shorter than its average reaches the end before the ETA and
     # starts another step; one whose last step is longer moves on at the ETA
@@ -89,7 +89,7 @@ def test_equal_steps_meet_the_target_and_a_short_last_step_runs_past_it():
     assert short_last > long_last + 0.2
     assert 0.0 <= long_last < 0.5 < short_last <= 1.0
     with pytest.raises(ValueError, match="step time"):
-        simulate_overshoot(lambda q, pos, rng: 0.0, 2, 32, settings, epochs=1)
+        simulate_overshoot(lambda q, epoch, pos, rng: 0.0, 2, 32, settings, epochs=1)
 
 
 def _swarm_rows(step_s, epochs=30, batch=32, target=128, round_s=0.5, seed=1):
@@ -100,7 +100,7 @@ def _swarm_rows(step_s, epochs=30, batch=32, target=128, round_s=0.5, seed=1):
     model = ProgressModel(TrackerSettings(target, latency_s=0.05), 2, start_s=0.0)
     rows, counters, start = [], [0, 0], 0.0
     for epoch in range(epochs):
-        ends = {q: (start, start + step_s(q, 0, rng)) for q in (0, 1)}
+        ends = {q: (start, start + step_s(q, epoch, 0, rng)) for q in (0, 1)}
         position, joined, done = [0, 0], {}, []
         while ends:
             q = min(ends, key=lambda k: ends[k][1])
@@ -114,7 +114,7 @@ def _swarm_rows(step_s, epochs=30, batch=32, target=128, round_s=0.5, seed=1):
                                  data_load_s=0.0, forward_s=(at - began) * 0.4, backward_s=(at - began) * 0.6,
                                  samples=batch, global_epoch=epoch, warmup=0, averaging_round=0))
                 counters[q] += 1
-                ends[q] = (at, at + step_s(q, position[q], rng))
+                ends[q] = (at, at + step_s(q, epoch, position[q], rng))
         start = max(joined.values()) + round_s
         for q, began, at in done:  # the step that ended the epoch holds the round's wait
             rows.append(dict(worker_index=q, step=counters[q], wall_time=began, step_s=start - began,
@@ -130,7 +130,7 @@ def test_a_run_that_follows_the_rule_replays_exactly_and_its_overshoot_is_simula
     from ddlscope.analyze.epoch_rule import check_epoch_rule
     from ddlscope.analyze.swarm import global_epochs
 
-    def step_s(q, pos, rng):  # the first step after a round slower than the last, with spread
+    def step_s(q, epoch, pos, rng):  # the first step after a round slower than the last, with spread
         return max(0.05, rng.gauss(1.3 if pos == 0 else 1.0, 0.15))
 
     rows = _swarm_rows(step_s, epochs=60)

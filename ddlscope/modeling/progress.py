@@ -270,9 +270,10 @@ def replay_transitions(steps: dict[int, list[TracedStep]], settings: TrackerSett
     return out
 
 
-StepTime = Callable[[int, int, random.Random], float]
-"""``(peer, position in the epoch (0: first after the round), rng) -> seconds`` from the step's
-start to its report."""
+StepTime = Callable[[int, int, int, random.Random], float]
+"""``(peer, epoch, position in the epoch (0: first after the round), rng) -> seconds`` from the
+step's start to its report. Epochs count from 0, warm-up epochs included; every peer's first
+step of an epoch is asked for before any later step of it."""
 
 
 def simulate_overshoot(step_s: StepTime, peers: int, batch_size: int, settings: TrackerSettings,
@@ -303,7 +304,7 @@ def simulate_overshoot(step_s: StepTime, peers: int, batch_size: int, settings: 
     extra = []
     for epoch in range(warmup_epochs + epochs):
         # each training peer's step in flight ends at ends[q]; the earliest is the next event
-        ends = {q: start + _checked(step_s(q, 0, rng)) for q in range(peers)}
+        ends = {q: start + _checked(step_s(q, epoch, 0, rng)) for q in range(peers)}
         position = [0] * peers
         joined: list[float | None] = [None] * peers
         samples = 0
@@ -315,7 +316,7 @@ def simulate_overshoot(step_s: StepTime, peers: int, batch_size: int, settings: 
             if model.step_end(q, at, batch_size).ready:
                 joined[q] = at
             else:
-                ends[q] = at + _checked(step_s(q, position[q], rng))
+                ends[q] = at + _checked(step_s(q, epoch, position[q], rng))
         start = max(j for j in joined if j is not None) + round_s
         for q in range(peers):
             model.round_end(q, start)
