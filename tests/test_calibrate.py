@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+import statistics
+
 import pytest
 
 from ddlscope.errors import UserError
@@ -246,6 +248,10 @@ def test_fit_swarm_reads_whole_epochs_after_the_first_and_fits_overhead_against_
     assert fit.overshoot_steps == pytest.approx(3 - STEPS_PER_EPOCH)
     assert fit.matchmaking_time_s == pytest.approx(0.7) and "32/8" in fit.reference
     assert fit.reference_network == "resnet18" and fit.overshoot_points == [(0.25, 1.0), (1.0, 1.0)]
+    # where the work landed, by position after the round: the first step 20 % slower (0.2 s and 0.05 s), then none
+    first = [0.2] * 20 + [0.05] * 20
+    assert fit.step_pattern_s[0] == pytest.approx((statistics.fmean(first), statistics.stdev(first)))
+    assert fit.step_pattern_s[1:] == [pytest.approx((0.0, 0.0))] * 2
     # each swarm keeps its own overshoot: 2 extra steps at the short step, 1 at the long one
     def longer(batch, alone):  # 4 steps per epoch after the first
         sw = swarm(batch, alone, 0.5)

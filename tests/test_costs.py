@@ -520,6 +520,34 @@ def test_collaborative_overshoot_is_read_at_the_peers_compute_step_and_names_ano
     assert "calibrated on resnet18, not toy" in note and "--swarm-network toy --swarm-batch-sizes 8" in note
 
 
+def test_collaborative_overshoot_follows_hiveminds_rule_on_the_fits_step_pattern():
+    prof = make_profile(per_sample_s=0.01)  # about 1 s steps at batch 8, longer than the trackers' refresh
+    compute = prof.step_at(8).forward_s + prof.step_at(8).backward_s
+    fit = HivemindFit(epoch_overhead_s=1.0, overshoot_points=[(compute, 2.0)], reference_param_bytes=prof.param_bytes,
+                      matchmaking_time_s=0.01, reference_network="toy")
+    cluster = make_cluster(bw=1e3)
+
+    def overshoot(pattern, steps_per_peer):
+        s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=2 * 8 * steps_per_peer,
+                    matchmaking_time_s=0.01)
+        p = predict(prof, cluster.model_copy(update={"hivemind": fit.model_copy(update={"step_pattern_s": pattern})}), s)
+        return p.inputs["overshoot_steps"], p.inputs["overshoot_from"]
+
+    # a share of 2 steps that ends with the slower step ends at the rule's estimate of the epoch's end; one that
+    # ends with the faster step is often followed by another
+    spread = 0.1 * compute
+    slow_second = [(0.0, spread), (0.5 * compute, spread), (0.0, spread)]
+    slow_first = [(0.5 * compute, spread), (0.0, spread), (0.0, spread)]
+    assert overshoot(slow_second, 2) == (pytest.approx(0.0, abs=0.1), "rule") and overshoot(slow_first, 2)[0] > 0.5
+    # hivemind's work in the first two steps after the round (as measured, issue 14): longer shares end with
+    # steps shorter than the average, and run further past the target
+    measured_like = [(0.4 * compute, spread), (0.6 * compute, spread), (0.0, spread)]
+    two, six = overshoot(measured_like, 2)[0], overshoot(measured_like, 6)[0]
+    assert 0.0 < two < six - 0.2 and six <= 1.0
+    # a fit without the pattern keeps its overshoot read at the compute step
+    assert overshoot([], 2) == (pytest.approx(2.0), "fit")
+
+
 def test_collaborative_round_wire_time_overlaps_the_rounds_cpu_work_in_the_fit():
     prof = make_profile()
     s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=0.01)

@@ -37,15 +37,11 @@ import random
 import statistics
 from dataclasses import dataclass
 
-from ddlscope.modeling.progress import TracedStep, TrackerSettings, replay_transitions, simulate_overshoot
+from ddlscope.modeling.progress import (DHT_LATENCY_S, TracedStep, TrackerSettings, replay_transitions,
+                                        simulate_overshoot)
 
 POSITIONS = 3
 """Positions in an epoch the step times are grouped by: first after the round, second, third or later."""
-LATENCY_S = 0.05
-"""Seconds from a progress record's write to other peers' reads of it (hivemind's DHT on one machine).
-Over the six runs above the replays gave 95.1 % of the decisions at 0 s and 95.2 % at 0.05 and 0.2 s.
-On the runs with a 20 Mbit/s link they gave 91 % up to 0.2 s and 93-95 % at 1 s: there a record
-seems to wait behind the rounds' bytes (not modelled)."""
 SIMULATED_EPOCHS = 1000
 """Epochs the simulation counts (its mean moved by at most 0.015 steps between seeds on issue 14's runs)."""
 
@@ -83,7 +79,7 @@ def check_epoch_rule(steps: list[dict], target_batch_size: int, batch_size: int,
 
     Returns:
         the check, or None where it cannot be made: fewer than 2 trainers, a step without its
-        times or epoch, or no step after the first epoch at the first two positions.
+        times or epoch, or a peer without steps after the first epoch at the first two positions.
     """
     by_peer: dict[int, list[dict]] = {}
     for s in steps:
@@ -110,7 +106,7 @@ def check_epoch_rule(steps: list[dict], target_batch_size: int, batch_size: int,
             previous_epoch = int(r["global_epoch"])
     if any(not mine[0] or not mine[1] for mine in pools.values()):
         return None
-    settings = TrackerSettings(target_batch_size, latency_s=LATENCY_S)
+    settings = TrackerSettings(target_batch_size, latency_s=DHT_LATENCY_S)
     last = min(ts[-1].report_s for ts in traced.values())
     replayed = [(d, took) for d, took in replay_transitions(traced, settings, start_s=start) if d.at_s <= last]
     rounds = [t.end_s - t.report_s for ts in traced.values() for t in ts if t.ended_epoch]

@@ -6,6 +6,7 @@ Its config table is ``[collaborative]`` (:class:`CollaborativeConfig`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import replace
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ddlscope.distribution import DistributionModel, register
 from ddlscope.errors import UserError
-from ddlscope.modeling.cluster import ClusterSpec
+from ddlscope.modeling.cluster import ClusterSpec, HivemindFit
 from ddlscope.modeling.collectives import butterfly_allreduce_s, contention, serial_comm
 from ddlscope.modeling.memory import MemoryEstimate, replicas
 from ddlscope.modeling.prediction import Prediction, Setting, make_prediction, split_compute
@@ -378,9 +379,11 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     on the peers' cores: 1.0-1.6 CPU-seconds per global epoch on one-core CPU peers whatever the
     model (the steps' ``background_cpu_s``), and peers overshoot the target batch because they
     see the swarm's progress late. With a ``hivemind`` fit (``calibrate --hivemind``: a reference
-    network trained in a local swarm) a global epoch lasts the fit's overshoot
-    (:meth:`HivemindFit.overshoot_at` the slowest peer's compute step) more steps of the slowest
-    peer and holds their samples, and the measured overhead, ``epoch_overhead_s +
+    network trained in a local swarm) a global epoch lasts the overshoot more steps of the slowest
+    peer and holds their samples: hivemind's epoch-ending rule run on the peers' steps as the
+    fit's ``step_pattern_s`` makes them (:func:`rule_overshoot`; ``inputs["overshoot_from"]`` is
+    ``"rule"``), or for a fit without the pattern its overshoot at the slowest peer's compute step
+    (:meth:`HivemindFit.overshoot_at`, ``"fit"``), and the measured overhead, ``epoch_overhead_s +
     overhead_steps x`` the slowest peer's step, replaces the two rounds on these devices. Of that
     overhead, the fit's ``compute_overhead_s`` (what hivemind's work on the peer's cores added to
     its steps' compute in the reference swarm) goes to forward and backward, where a run measures
@@ -481,6 +484,50 @@ def _peer_links(cluster: ClusterSpec, s: Setting) -> tuple[list[float], list[flo
     return [1.0] * s.workers, [link.bandwidth_gb_per_s] * s.workers, [link.latency_s] * s.workers
 
 
+RULE_EPOCHS = (30, 300)
+"""Fewest and most global epochs the overshoot's simulation counts (most where each has few steps)."""
+RULE_STEPS = 20_000
+"""Steps of all peers the overshoot's simulation aims at: its epochs are this over the steps per epoch,
+within :data:`RULE_EPOCHS`."""
+
+
+def rule_overshoot(hm: HivemindFit, peer_steps: list[float], s: Setting) -> float | None:
+    """Steps per peer per global epoch beyond the target batch, from hivemind's epoch-ending rule
+    (:func:`ddlscope.modeling.progress.simulate_overshoot`) on steps made as the fit's
+    ``step_pattern_s`` says: trainer ``q``'s step at position ``i`` after the round takes
+    ``peer_steps[q]`` plus the pattern's mean at ``i`` (its last entry for later positions), with
+    its standard deviation (normal draws, at least a tenth of the step), at the setting's target
+    batch size, batch size and trainers, rounds of ``matchmaking_time_s``. None without a pattern.
+
+    The fit measures the pattern at 2 steps per peer; the rule carries it to other steps per peer,
+    where one fixed overshoot does not (issue 14, 2026-11-29: 2 one-core peers of MobileNetV2 on
+    loopback overshot 0.38 steps at 2 steps each and 0.70 at 6; the rule on the first run's step
+    times gave 0.60 at 6). The pattern is the reference swarms' on loopback; where a link moves
+    hivemind's work between positions the rule does not follow (``docs/validation.md``, stop 46).
+    """
+    if not hm.step_pattern_s or not peer_steps:
+        return None
+    return _simulated_overshoot(tuple(map(tuple, hm.step_pattern_s)), tuple(round(x, 4) for x in peer_steps),
+                                s.batch_size, s.target_batch_size, s.matchmaking_time_s)
+
+
+@functools.lru_cache(maxsize=256)
+def _simulated_overshoot(pattern: tuple[tuple[float, float], ...], peer_steps: tuple[float, ...], batch_size: int,
+                         target_batch_size: int, round_s: float) -> float:
+    from ddlscope.modeling.progress import DHT_LATENCY_S, TrackerSettings, simulate_overshoot
+
+    per_epoch = max(1.0, target_batch_size / batch_size)
+    epochs = int(min(RULE_EPOCHS[1], max(RULE_EPOCHS[0], RULE_STEPS / per_epoch)))
+
+    def step(q: int, epoch: int, position: int, rng) -> float:
+        extra, sd = pattern[min(position, len(pattern) - 1)]
+        return max(0.1 * peer_steps[q], rng.gauss(peer_steps[q] + extra, sd))
+
+    return max(0.0, simulate_overshoot(step, len(peer_steps), batch_size,
+                                       TrackerSettings(target_batch_size, latency_s=DHT_LATENCY_S),
+                                       round_s=round_s, epochs=epochs, seed=0))
+
+
 def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scale: float,
                    present: list[int]) -> Prediction:
     """A global epoch of the swarm made of the peers ``present`` (indices), see :func:`predict_collaborative`."""
@@ -497,8 +544,12 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     peer_steps = [(compute + local_opt) * slow / share + load for share in shares]
     throughput = sum(s.batch_size / t for t in peer_steps)
     hm = cluster.hivemind
-    # peers overshoot the target batch by the calibrated steps at their compute step (the swarms' was compute alone)
-    overshoot = hm.overshoot_at(compute * slow / min(shares)) if hm and shares else 0.0
+    # peers overshoot the target batch: hivemind's epoch-ending rule on steps made as the fit's pattern says, or
+    # (a fit from before the pattern was kept) the calibrated steps at their compute step (the swarms' compute alone)
+    overshoot = rule_overshoot(hm, peer_steps, s) if hm and shares else None
+    overshoot_from = "rule" if overshoot is not None else "fit" if hm and shares else "none"
+    if overshoot is None:
+        overshoot = hm.overshoot_at(compute * slow / min(shares)) if hm and shares else 0.0
     t_acc = s.target_batch_size / throughput + overshoot * max(peer_steps)
     alone = len(shares) < 2
     on_cpu = serial_comm(profile, cluster)
@@ -581,7 +632,8 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
                                    "grad_round_s": grad_round, "state_round_s": state_round,
                                    "link_busy_s": link_busy, "link_wait_s": link_wait,
                                    "state_round_on_cores": on_cpu, "hivemind_epoch_overhead_s": overhead,
-                                   "overshoot_steps": overshoot, "round_wire_beyond_cpu_s": wire,
+                                   "overshoot_steps": overshoot, "overshoot_from": overshoot_from,
+                                   "round_wire_beyond_cpu_s": wire,
                                    "hivemind_fit_matchmaking_time_s": (hm.matchmaking_time_s or 0.0) if hm else 0.0,
                                    "contention": slow / scale, "compute_scale": scale}, notes=notes)
 

@@ -113,6 +113,12 @@ class HivemindFit(BaseModel):
             over the reference swarms.
         overshoot_points: ``(compute step s, overshoot steps)`` of each reference swarm, by step;
             :meth:`overshoot_at` reads them. Empty: a file from before they were kept.
+        step_pattern_s: ``(mean, standard deviation)`` seconds by position in the epoch (the first
+            step after the round, the second, later ones) of what hivemind's work added to a
+            step's compute in the reference swarms: the cost model runs hivemind's epoch-ending
+            rule on steps made so (:mod:`ddlscope.modeling.progress`), which gives the overshoot
+            at any steps per peer. Empty: a file from before it was kept (the overshoot is then
+            :meth:`overshoot_at`).
         epoch_cpu_s: CPU seconds hivemind's processes and threads used per epoch (for the record).
         reference: what was trained; reference_param_bytes: its parameter bytes;
             reference_network: the zoo network trained (``None``: a file from before it was kept).
@@ -132,6 +138,7 @@ class HivemindFit(BaseModel):
     compute_overhead_s: float = Field(0.0, ge=0)
     overshoot_steps: float = Field(0.0, ge=0)
     overshoot_points: list[tuple[float, float]] = Field(default_factory=list)
+    step_pattern_s: list[tuple[float, float]] = Field(default_factory=list)
     epoch_cpu_s: float = Field(0.0, ge=0)
     reference: str = ""
     reference_param_bytes: int = Field(0, ge=0)

@@ -838,6 +838,7 @@ def _fit_hivemind(raw: list[dict[str, Any]], plan: dict[str, Any]) -> tuple[Hive
                                                                        "compute_overhead_s", "overshoot_steps",
                                                                        "epoch_cpu_s")},
                                  "overshoot_points": [(_sig(x), _sig(o)) for x, o in fit.overshoot_points],
+                                 "step_pattern_s": [(_sig(m), _sig(d)) for m, d in fit.step_pattern_s],
                                  "peer_startup_s": _sig(startup) if startup is not None else None})
     return fit, epochs, None
 
@@ -1139,6 +1140,9 @@ def print_calibration(result: CalibrationResult, console=None) -> None:
                                  + (", ".join(f"{o:.2f} steps at {x:.2f} s steps" for x, o in hm.overshoot_points)
                                     or f"{hm.overshoot_steps:.2f} steps") + f" per peer, at matchmaking "
                                  f"{hm.matchmaking_time_s:g} s"
+                                 + ("; in the steps by position after the round: "
+                                    + ", ".join(f"{m:+.2f} s (sd {d:.2f})" for m, d in hm.step_pattern_s)
+                                    if hm.step_pattern_s else "")
                                  + (f"; a joining peer starts in {hm.peer_startup_s:.1f} s"
                                     if hm.peer_startup_s is not None else "")))
     if c.dmoe is not None:

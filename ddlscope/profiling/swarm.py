@@ -30,8 +30,13 @@ draws a line through them:
 
 - ``epoch_overhead_s`` + ``overhead_steps`` x the step: the epoch's wall time beyond its steps'
   compute at the speed measured just before, a trimmed mean over peers and epochs of each swarm;
+- ``step_pattern_s``: where hivemind's work lands in an epoch's steps (the compute beyond the
+  compute alone of the first step after the round, the second, later ones): the prediction runs
+  hivemind's epoch-ending rule on it (:mod:`ddlscope.modeling.progress`), which gives the
+  overshoot at any steps per peer;
 - ``overshoot_steps``: mean steps per peer per epoch beyond the target batch, over both swarms,
-  and ``overshoot_points``, each swarm's own (the prediction reads them at its peers' step). The
+  and ``overshoot_points``, each swarm's own (a prediction from a fit without the pattern reads
+  them at its peers' step). The
   overshoot depends on the network and its step in ways no trend in the step captures (on this
   machine, 2026-11-28: resnet18 overshot 0.5 steps at batch 32, 0.86 s steps, and 0.6 at batch 8,
   0.22 s; mobilenet_v2 0.3 at batch 32, 0.64 s, and 1.5 at batch 8, 0.35 s; training runs of
@@ -77,6 +82,8 @@ STEPS_PER_EPOCH = 2
 MATCHMAKING_S = 1.0
 #: global epochs timed after the first, per swarm (overshoot is a whole number of steps per epoch: its mean needs many)
 EPOCHS = 10
+#: positions in an epoch the steps' pattern is kept by: the first step after the round, the second, later ones
+PATTERN_POSITIONS = 3
 #: a round not finished after this long is given up (hivemind's averaging_timeout)
 ROUND_TIMEOUT_S = 15.0
 
@@ -204,7 +211,9 @@ def swarm_epochs(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
         epoch (all workers) ``overhead_s`` (wall time beyond the steps' compute alone),
         ``compute_overhead_s`` (the epoch's compute beyond its steps' compute alone: what
         hivemind's background work added to the steps), ``extra_steps`` (steps beyond the target)
-        and ``cpu_s`` (hivemind's CPU seconds).
+        and ``cpu_s`` (hivemind's CPU seconds); and ``step_extra_s``: per position in the epoch
+        (:data:`PATTERN_POSITIONS`: the first step after the round, the second, later ones), every
+        such step's compute beyond the compute alone, seconds.
 
     Raises:
         ValueError: a worker timed fewer than 2 whole global epochs after the first in a swarm.
@@ -212,6 +221,7 @@ def swarm_epochs(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i in range(len(raw[0]["swarms"])):
         alone, overheads, in_steps, extra, cpu = [], [], [], [], []
+        by_position: list[list[float]] = [[] for _ in range(PATTERN_POSITIONS)]
         for rank, w in enumerate(raw):
             swarm = w["swarms"][i]
             steps = swarm["steps"]
@@ -226,8 +236,11 @@ def swarm_epochs(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 in_steps.append(sum(s[0] for s in epoch) - len(epoch) * swarm["compute_alone_s"])
                 cpu.append(sum(s[3] for s in epoch))
                 extra.append(len(epoch) - STEPS_PER_EPOCH)
+                for position, step in enumerate(epoch):
+                    by_position[min(position, PATTERN_POSITIONS - 1)].append(step[0] - swarm["compute_alone_s"])
         out.append({"batch_size": raw[0]["swarms"][i]["batch_size"], "compute_alone_s": statistics.median(alone),
-                    "overhead_s": overheads, "compute_overhead_s": in_steps, "extra_steps": extra, "cpu_s": cpu})
+                    "overhead_s": overheads, "compute_overhead_s": in_steps, "extra_steps": extra, "cpu_s": cpu,
+                    "step_extra_s": by_position})
     return out
 
 
@@ -261,6 +274,10 @@ def fit_swarm(swarms: list[dict[str, Any]], param_bytes: int, matchmaking_time_s
     swarm: slope 0. Of that overhead, ``compute_overhead_s`` is what landed in the steps' compute
     (hivemind's background work on the peer's cores while it trains): the epochs' compute beyond
     their steps' compute alone, a 10 % trimmed mean over every epoch of every swarm, at least 0.
+    ``step_pattern_s``: where in the epoch that work lands, per position (:data:`PATTERN_POSITIONS`),
+    the mean and standard deviation over every swarm's steps there of the compute beyond the
+    compute alone (positions with fewer than 2 steps end the list); the cost model runs hivemind's
+    epoch-ending rule on it (:mod:`ddlscope.modeling.progress`).
     """
     import numpy as np
 
@@ -275,10 +292,16 @@ def fit_swarm(swarms: list[dict[str, Any]], param_bytes: int, matchmaking_time_s
             slope, intercept = float((step * overhead).sum() / (step * step).sum()), 0.0
     batches = "/".join(str(sw["batch_size"]) for sw in swarms)
     points = sorted((float(sw["compute_alone_s"]), max(0.0, statistics.fmean(sw["extra_steps"]))) for sw in swarms)
+    pattern = []
+    for position in range(PATTERN_POSITIONS):
+        values = [x for sw in swarms for x in (sw.get("step_extra_s") or [[]] * PATTERN_POSITIONS)[position]]
+        if len(values) < 2:
+            break
+        pattern.append((statistics.fmean(values), statistics.stdev(values)))
     return HivemindFit(epoch_overhead_s=max(0.0, intercept), overhead_steps=slope,
                        compute_overhead_s=max(0.0, trimmed_mean([x for sw in swarms for x in sw["compute_overhead_s"]])),
                        overshoot_steps=max(0.0, statistics.fmean(x for sw in swarms for x in sw["extra_steps"])),
-                       overshoot_points=points,
+                       overshoot_points=points, step_pattern_s=pattern,
                        epoch_cpu_s=statistics.median(x for sw in swarms for x in sw["cpu_s"]),
                        reference=f"{reference[0]} on {reference[1]} shapes, {STEPS_PER_EPOCH} steps of {batches} "
                        f"per peer per epoch", reference_param_bytes=int(param_bytes), reference_network=reference[0],
