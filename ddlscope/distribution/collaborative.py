@@ -21,6 +21,7 @@ from ddlscope.modeling.collectives import butterfly_allreduce_s, contention, ser
 from ddlscope.modeling.memory import MemoryEstimate, replicas
 from ddlscope.modeling.prediction import Prediction, Setting, make_prediction, split_compute
 from ddlscope.modeling.profile import WorkloadProfile
+from ddlscope.modeling.progress import DHT_LATENCY_S, TrackerSettings, simulate_overshoot
 
 if TYPE_CHECKING:
     from ddlscope.network.emulated import NetworkConfig
@@ -514,8 +515,6 @@ def rule_overshoot(hm: HivemindFit, peer_steps: list[float], s: Setting) -> floa
 @functools.lru_cache(maxsize=256)
 def _simulated_overshoot(pattern: tuple[tuple[float, float], ...], peer_steps: tuple[float, ...], batch_size: int,
                          target_batch_size: int, round_s: float) -> float:
-    from ddlscope.modeling.progress import DHT_LATENCY_S, TrackerSettings, simulate_overshoot
-
     per_epoch = max(1.0, target_batch_size / batch_size)
     epochs = int(min(RULE_EPOCHS[1], max(RULE_EPOCHS[0], RULE_STEPS / per_epoch)))
 
@@ -546,10 +545,11 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     hm = cluster.hivemind
     # peers overshoot the target batch: hivemind's epoch-ending rule on steps made as the fit's pattern says, or
     # (a fit from before the pattern was kept) the calibrated steps at their compute step (the swarms' compute alone)
-    overshoot = rule_overshoot(hm, peer_steps, s) if hm and shares else None
-    overshoot_from = "rule" if overshoot is not None else "fit" if hm and shares else "none"
-    if overshoot is None:
-        overshoot = hm.overshoot_at(compute * slow / min(shares)) if hm and shares else 0.0
+    overshoot, overshoot_from = 0.0, "none"
+    if hm and shares:
+        overshoot, overshoot_from = rule_overshoot(hm, peer_steps, s), "rule"
+        if overshoot is None:
+            overshoot, overshoot_from = hm.overshoot_at(compute * slow / min(shares)), "fit"
     t_acc = s.target_batch_size / throughput + overshoot * max(peer_steps)
     alone = len(shares) < 2
     on_cpu = serial_comm(profile, cluster)
