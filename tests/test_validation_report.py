@@ -251,6 +251,10 @@ def test_the_error_at_the_runs_compute_takes_forward_backward_and_optimizer_from
     [row] = cells_table([cell([slow], network="vgg11")])
     assert row["status"].endswith("(peers ran 0.35 / 0.40 / 0.42 steps past the target batch per global epoch; "
                                   "predicted 0.30)")
+    slow.partial_rounds_per_run = [3, None, 0]  # the second run's peers did not count them: not 0
+    [row] = cells_table([cell([slow], network="vgg11")])
+    assert "(1 of 3 runs had a failed averaging round) (partial averaging rounds per run: 3 / - / 0) (peers ran" \
+        in row["status"]
     # fsdp's measured forward holds the all-gathers it waited for (on CPU): not taken at the run's compute
     sharded = out("fsdp", 40.0, 50.0)
     sharded.predicted_parts_s, sharded.measured_parts_s = dict(o.predicted_parts_s), dict(o.measured_parts_s)

@@ -30,6 +30,12 @@ gives:
   the second is spent while the peer waits anyway. Issue 14's emulated links (2 one-core peers,
   MobileNetV2): a post-round step holding 0.7-1.0 CPU-s of it took 1.5-1.8 s where one holding
   0.15 took 0.8 s, and the slower the link, the more of it moved into the rounds' wait;
+- **partial rounds** (:func:`partial_rounds`): rounds in which hivemind dropped a peer from a part
+  of the tensors because its next chunk did not arrive within ``next_chunk_timeout`` and averaged
+  that part without it, or a peer got back only part of the averaged tensors. hivemind logs such a
+  round as averaged with every peer, and says otherwise only in its averagers' warnings
+  (:class:`ddlscope.strategies.collaborative.PartialRoundLog`, stored as ``partial_average``
+  events). hivemind's default ``next_chunk_timeout`` is the matchmaking time;
 - a figure (:func:`plot_swarm`) of the swarm's size with each peer's held-out accuracy on the same
   time axis (seconds since the swarm's first step, the clock of ``collaborative.churn``), and the
   churn events marked.
@@ -76,6 +82,9 @@ class PeerFigures:
     futile_state_loads: int = 0
     background_cpu_training_s: float | None = None  # hivemind's CPU-s in its steps without a round; None: unmeasured
     background_cpu_rounds_s: float | None = None  # ... in its steps that ended a global epoch (the round's wait)
+    #: rounds in which the peer averaged only part of the tensors (:func:`partial_rounds`), per round kind
+    #: ("gradients" / "parameters"); None where they were not counted (a run from before they were)
+    partial_rounds: dict[str, int] | None = None
 
     def background_cpu_per_round_s(self) -> tuple[float, float] | None:
         """hivemind's CPU seconds per averaging round of this peer: ``(in steps that only trained,
@@ -125,6 +134,9 @@ class SwarmAnalysis:
         epoch_rule: hivemind's epoch-ending rule replayed and simulated on the run's steps
             (:func:`ddlscope.analyze.epoch_rule.check_epoch_rule`); None with churn (its peers
             change) or where the run lacks what the check needs.
+        next_chunk_timeout_s: the run's hivemind ``next_chunk_timeout`` (its
+            ``collaborative.next_chunk_timeout_s``, else the matchmaking time); None where the
+            config does not say.
     """
 
     run_id: str
@@ -136,6 +148,7 @@ class SwarmAnalysis:
     evals: dict[int, list[tuple[float, float]]]
     epochs: GlobalEpochs | None = None
     epoch_rule: EpochRuleCheck | None = None
+    next_chunk_timeout_s: float | None = None
 
     @property
     def has_churn(self) -> bool:
@@ -268,6 +281,26 @@ def stored_global_epochs(run: dict, steps: list[dict]) -> GlobalEpochs | None:
     return global_epochs(steps, int(target), int(config["batch_size"])) if target and config.get("batch_size") else None
 
 
+def partial_rounds(events: list[dict], peer: int) -> dict[str, int] | None:
+    """Partial averaging rounds of ``peer`` from a run's event rows, per round kind.
+
+    A round is one ``(round, epoch)`` of the peer's ``partial_average`` events (a round can warn
+    twice: its reducer got part of the inputs, and the peer got back part of the results). None
+    where the peer's ``strategy_details`` event does not say they were counted
+    (``partial_rounds_counted``).
+    """
+    details = [json.loads(e["detail_json"] or "{}") for e in events
+               if e["kind"] == "strategy_details" and e["worker_index"] == peer]
+    if not any(d.get("partial_rounds_counted") for d in details):
+        return None
+    seen: dict[str, set] = {}
+    for e in events:
+        if e["kind"] == "partial_average" and e["worker_index"] == peer:
+            d = json.loads(e["detail_json"] or "{}")
+            seen.setdefault(d.get("round", "unknown"), set()).add(d.get("epoch"))
+    return {kind: len(epochs) for kind, epochs in sorted(seen.items())}
+
+
 def _known_sum(values) -> float | None:
     """The sum of ``values`` (seconds); None when any is None (a step that did not measure it) or there are none."""
     values = list(values)
@@ -326,15 +359,18 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
             futile_state_loads=sum(1 for d in loads if d.get("epoch_after") is not None
                                    and d.get("epoch_before") is not None and d["epoch_after"] <= d["epoch_before"]),
             background_cpu_training_s=_known_sum(s.get("background_cpu_s") for s in rows if not s.get("averaging_round")),
-            background_cpu_rounds_s=_known_sum(s.get("background_cpu_s") for s in rows if s.get("averaging_round"))))
+            background_cpu_rounds_s=_known_sum(s.get("background_cpu_s") for s in rows if s.get("averaging_round")),
+            partial_rounds=partial_rounds(events, p)))
     times, sizes = swarm_size_timeline(segments)
     epochs = stored_global_epochs(run, steps)
     rule = check_epoch_rule(steps, epochs.target_batch_size, epochs.batch_size) if epochs and not churn else None
     evals: dict[int, list[tuple[float, float]]] = {}
     for e in store.rows("evals", run_id):
         evals.setdefault(int(e["worker_index"]), []).append((float(e["wall_time"]) - origin, float(e["accuracy"])))
+    swarm = json.loads(run["config_json"] or "{}").get("collaborative") or {}
+    chunk_s = swarm.get("next_chunk_timeout_s") or swarm.get("matchmaking_time_s")
     return SwarmAnalysis(
-        run_id=run_id, origin=origin, peers=figures,
+        run_id=run_id, origin=origin, peers=figures, next_chunk_timeout_s=float(chunk_s) if chunk_s else None,
         segments={p: [(a - origin, b - origin) for a, b in seg] for p, seg in segments.items()},
         timeline=([t - origin for t in times], sizes), churn=[(p, k, t - origin) for p, k, t in churn], evals=evals,
         epochs=epochs, epoch_rule=rule)
@@ -343,12 +379,14 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
 def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
     """A Markdown section: the per-peer table, the churn events and the figure (``figure``: its file name)."""
     lines = [f"### Run `{a.run_id}`", "",
-             "| peer | cores | samples | share | averaging rounds | in rounds s | sent MB | traffic share | "
-             "joins / leaves / kills | samples lost | state loads (futile) | state load s, median |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peer | cores | samples | share | averaging rounds | partial rounds | in rounds s | sent MB | "
+             "traffic share | joins / leaves / kills | samples lost | state loads (futile) | state load s, median |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in a.peers:
+        partial = "-" if p.partial_rounds is None else str(sum(p.partial_rounds.values()))
         lines.append(
-            f"| {p.peer} | {p.cores if p.cores is not None else '-'} | {p.samples:,} | {p.samples_share:.0%} | {p.averaging_rounds} | {p.averaging_s:.1f} | "
+            f"| {p.peer} | {p.cores if p.cores is not None else '-'} | {p.samples:,} | {p.samples_share:.0%} | "
+            f"{p.averaging_rounds} | {partial} | {p.averaging_s:.1f} | "
             f"{'unknown' if p.sent_bytes is None else f'{p.sent_bytes / 1e6:.1f}'} | "
             f"{'unknown' if p.traffic_share is None else f'{p.traffic_share:.0%}'} | {p.joins} / {p.leaves} / {p.kills} | "
             f"{p.samples_lost:,} | {len(p.state_load_s)} ({p.futile_state_loads}) | "
@@ -379,6 +417,19 @@ def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
                   + ", ".join(f"peer {peer} {t:.2f} / {r:.2f} CPU-s" for peer, (t, r) in split)
                   + ". On a peer whose cores training keeps busy, the first slows forward and backward by about as "
                   "much; the second runs while the peer waits for its round."]
+    partial = [p for p in a.peers if p.partial_rounds]
+    if partial:
+        timeout = f"{a.next_chunk_timeout_s:g} s" if a.next_chunk_timeout_s else "its value"
+        lines += ["", "Partial rounds: " + "; ".join(
+            f"peer {p.peer} " + ", ".join(f"{n} {kind}" for kind, n in p.partial_rounds.items()) for p in partial)
+            + f". In each, hivemind dropped a peer from part of the tensors when its next chunk did not arrive "
+            f"within next_chunk_timeout ({timeout}) and averaged that part without it, or the peer got back "
+            "only part of the averaged tensors (the rest kept its own values); hivemind logs such a round as "
+            "averaged with every peer. Over a slow link a chunk can wait behind the other round's bytes for "
+            "longer than a short matchmaking time (collaborative.next_chunk_timeout_s sets it)."]
+    elif any(p.partial_rounds is None for p in a.peers):
+        lines += ["", "Partial rounds: not counted for every peer (\"-\": a run from before they were, or "
+                  "averagers that were not forked)."]
     futile = [p for p in a.peers if p.futile_state_loads]
     if futile:
         lines += ["", "Futile state loads: " + ", ".join(f"peer {p.peer} {p.futile_state_loads} of "

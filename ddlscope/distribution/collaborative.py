@@ -143,6 +143,11 @@ class CollaborativeConfig(BaseModel):
     matchmaking_time_s: float = Field(DEFAULT_MATCHMAKING_TIME_S, gt=0,
                                       description="seconds peers wait to form an averaging group")
     averaging_timeout_s: float = Field(DEFAULT_AVERAGING_TIMEOUT_S, gt=0, description="give up an averaging round after this many seconds")
+    next_chunk_timeout_s: float | None = Field(
+        None, gt=0, le=3600, description="hivemind's next_chunk_timeout: in a round, a peer whose next chunk of a part "
+        "does not arrive within this many seconds is dropped from that part, which is then averaged without it "
+        "(a partial round, stored as a partial_average event); default: hivemind's, matchmaking_time_s. On a slow "
+        "link a chunk can wait behind the other round's bytes for longer than a short matchmaking time")
     gradient_compression: Literal["none", "float16", "scaled-float16", "uniform8bit"] = "none"
     average_state_every: int = Field(1, ge=1, description="average parameters and optimizer state every N global epochs")
     listen_host: str = Field("127.0.0.1", description="address peers listen on; loopback unless you ask")

@@ -52,6 +52,10 @@ class Measurement:
         averaging_rounds_failed: averaging rounds that failed among the measured steps (a round
             given up after ``averaging_timeout_s``: the swarm stalled that long), the most any worker
             recorded; 0 for models without averaging rounds.
+        averaging_rounds_partial: hivemind's partial averaging rounds of the run (rounds that
+            averaged part of the tensors without a peer whose chunks came too late:
+            :func:`ddlscope.analyze.swarm.partial_rounds`), the most any worker recorded; None for
+            models without hivemind's rounds and where a worker did not count them.
     """
 
     step_s: float
@@ -64,6 +68,7 @@ class Measurement:
     allocator_peak_bytes: int | None = None
     runtime_bytes: int | None = None
     averaging_rounds_failed: int = 0
+    averaging_rounds_partial: int | None = None
 
 
 def memory_split(store: ResultsStore, run_id: str) -> tuple[int | None, int | None]:
@@ -237,7 +242,17 @@ def measure_run(store: ResultsStore, run_id: str) -> Measurement | None:
         peak_memory_bytes=max(peaks) if peaks else None, **dict(zip(("allocator_peak_bytes", "runtime_bytes"),
                                                                   memory_split(store, run_id))),
         averaging_rounds_failed=max(sum(1 for s in steps if s["worker_index"] == w and s["averaging_succeeded"] == 0)
-                                    for w in {s["worker_index"] for s in steps}))
+                                    for w in {s["worker_index"] for s in steps}),
+        averaging_rounds_partial=_partial_rounds(store, run_id, steps) if model.averages_with_hivemind else None)
+
+
+def _partial_rounds(store: ResultsStore, run_id: str, steps: list[dict]) -> int | None:
+    """The most partial averaging rounds any worker of the run recorded; None where one did not count them."""
+    from ddlscope.analyze.swarm import partial_rounds
+
+    events = store.rows("events", run_id)
+    counts = [partial_rounds(events, w) for w in sorted({s["worker_index"] for s in steps})]
+    return None if any(c is None for c in counts) else max(sum(c.values()) for c in counts)
 
 
 def speedup(baseline_s: float | None, run_s: float | None) -> float | None:

@@ -105,6 +105,8 @@ class StrategyOutcome:
     # averaging rounds that failed in each completed run (the median run's alone without repeats), in the order of
     # measured_repeats_epoch_s: a failed round stalls a swarm for its averaging timeout (predicted only for churn)
     failed_rounds_per_run: list[int] = field(default_factory=list)
+    # hivemind's partial averaging rounds in each completed run, in the same order (None: not counted in that run)
+    partial_rounds_per_run: list[int | None] = field(default_factory=list)
     # collaborative: steps per peer per global epoch past the target batch size, as predicted (the hivemind fit's
     # overshoot, None for other models) and in each completed run (ddlscope.analyze.swarm.global_epochs), in the
     # order of measured_repeats_epoch_s; a run without a whole global epoch is left out
@@ -714,6 +716,9 @@ def cells_table(cells: list[ValidationCell]) -> list[dict]:
             stalled = sum(1 for n in o.failed_rounds_per_run if n)
             if stalled:
                 status += f" ({stalled} of {len(o.failed_rounds_per_run)} runs had a failed averaging round)"
+            if any(o.partial_rounds_per_run):
+                status += (" (partial averaging rounds per run: "
+                           + " / ".join("-" if n is None else str(n) for n in o.partial_rounds_per_run) + ")")
             if o.overshoot_steps_per_run:
                 status += (" (peers ran " + " / ".join(f"{x:.2f}" for x in o.overshoot_steps_per_run)
                            + " steps past the target batch per global epoch"

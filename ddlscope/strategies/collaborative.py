@@ -42,7 +42,9 @@ hang until ``averaging_timeout_s`` for peers that have left.
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 import re
 import signal
 import threading
@@ -59,6 +61,7 @@ _STATE_OK = re.compile(r"Averaged parameters with (\d+) peers")
 _ALONE = ("Skipped averaging: there are no other peers", "Skipping pre-scheduled averaging round: there are no other peers")
 _FAILED = ("Averaging gradients failed", "Averaging failed with")
 _EPOCH = re.compile(r"Transitioning to epoch (\d+)")
+_PARTIAL = re.compile(r"^(Reducer|Averaging): received ([0-9.]+)% (?:of input tensors|results)")
 SHUTDOWN_S = 5.0
 AUX_POLL_S = 0.2
 """Seconds between two optimizer steps of an auxiliary peer (each checks whether a round is due)."""
@@ -131,6 +134,69 @@ def skip_non_finite_state(state_averager, on_skip: Callable[[], None]) -> None:
             on_skip()
 
     state_averager._apply_averaging_results_ = apply_if_finite
+
+
+class PartialRoundLog(logging.Handler):
+    """hivemind's warnings of a *partial* averaging round, caught in the averagers' own processes.
+
+    hivemind 1.1.12 runs each averager (gradients, parameters) in a process forked from the peer's,
+    and says that a round was partial only in that process's log (``hivemind.averaging.partition``,
+    WARNING), while the peer's optimizer still logs "Averaged ... with N peers":
+
+    - "Reducer: received X% of input tensors": this peer averaged its part of the tensors without
+      some other peer's chunks (that sender was dropped when its next chunk did not arrive within
+      ``next_chunk_timeout``, hivemind's default: the matchmaking time);
+    - "Averaging: received X% results": this peer got back only X % of the averaged tensors; the
+      rest keep the peer's own values.
+
+    Added to that logger before the averagers start, the handler is inherited by their processes
+    and appends one JSON line per such warning to ``path``: ``at`` (wall time, s), ``pid`` (the
+    averager's process), ``side`` (``"inputs"`` or ``"results"``) and ``received_percent``.
+    :meth:`take` reads the lines written since its last call. Nothing is caught where the averagers
+    are not forked (:attr:`counts`: False).
+    """
+
+    LOGGER = "hivemind.averaging.partition"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(level=logging.WARNING)
+        self.path = path
+        self._offset = 0
+
+    @property
+    def counts(self) -> bool:
+        """Whether the averagers' processes inherit this handler (they are forked)."""
+        import multiprocessing
+
+        return multiprocessing.get_start_method(allow_none=False) == "fork"
+
+    def emit(self, record: logging.LogRecord) -> None:
+        m = _PARTIAL.search(record.getMessage())
+        if m is None:
+            return
+        line = json.dumps({"at": record.created, "pid": os.getpid(),
+                           "side": "inputs" if m.group(1) == "Reducer" else "results",
+                           "received_percent": float(m.group(2))}) + "\n"
+        try:  # one write of a short line with O_APPEND: lines of two averagers never interleave
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        except OSError:  # the measurement must never break a round
+            pass
+
+    def take(self) -> list[dict]:
+        """The warnings written since the last call, oldest first (a line still being written waits)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
 class _RoundLog(logging.Handler):
@@ -285,6 +351,8 @@ class CollaborativeStrategy(Strategy):
         self.dht = None
         self.hm_opt = None
         self._log = _RoundLog()
+        self._partial: PartialRoundLog | None = None
+        self._averager_rounds: dict[int, str] = {}  # averager process id -> "gradients" / "parameters"
         self._loggers = [logging.getLogger("hivemind.optim.optimizer"), logging.getLogger("hivemind.optim.state_averager")]
         self._update_s = 0.0
         self._local_step_s = 0.0
@@ -333,6 +401,12 @@ class CollaborativeStrategy(Strategy):
             skip_non_finite_steps(optimizer, functools.partial(
                 self._record_non_finite, "non_finite_average", "gradients", "its optimizer step is skipped"))
         comp = _compression(c.gradient_compression)
+        import tempfile
+
+        fd, path = tempfile.mkstemp(prefix="ddlscope-partial-rounds-", suffix=".jsonl")  # in the run's folder
+        os.close(fd)
+        self._partial = PartialRoundLog(path)
+        logging.getLogger(PartialRoundLog.LOGGER).addHandler(self._partial)  # before the averagers fork
         # Moshpit-style groups, and the bandwidth this peer declares for hivemind's load balancing
         groups = {"target_group_size": c.target_group_size, "initial_group_bits": c.initial_group_bits,
                   "bandwidth": c.declared_bandwidth_mbit_per_s(self.ctx.worker_index, self.cfg.network)}
@@ -342,12 +416,15 @@ class CollaborativeStrategy(Strategy):
             batch_size_per_step=None if auxiliary else self.cfg.batch_size * self.cfg.gradient_accumulation_steps,
             auxiliary=auxiliary,
             use_local_updates=c.use_local_updates, matchmaking_time=c.matchmaking_time_s,
-            averaging_timeout=c.averaging_timeout_s, average_state_every=c.average_state_every,
+            averaging_timeout=c.averaging_timeout_s, next_chunk_timeout=c.next_chunk_timeout_s,
+            average_state_every=c.average_state_every,
             grad_compression=comp, state_averaging_compression=comp, verbose=True, client_mode=client_mode,
             # both rounds: hivemind 1.1.12 passes averager_opts to the state averager only (its docstring
             # says both), so the gradient averager gets them through its factory
             averager_opts=groups, grad_averager_factory=functools.partial(GradientAverager, **groups),
         )
+        self._averager_rounds = {a.pid: kind for a, kind in ((self.hm_opt.state_averager, "parameters"),
+                                                             (self.hm_opt.grad_averager, "gradients")) if a is not None}
         skip_non_finite_state(self.hm_opt.state_averager, functools.partial(
             self._record_non_finite, "non_finite_state_average", "parameters", "the peer keeps its own"))
         self._time_global_update()
@@ -372,7 +449,9 @@ class CollaborativeStrategy(Strategy):
                 "averager_bandwidths": [a.bandwidth for a in averagers if a is not None],
                 "target_group_size": c.target_group_size,
                 "skipped_non_finite_updates": self._skipped["non_finite_average"],
-                "skipped_non_finite_state_rounds": self._skipped["non_finite_state_average"]}
+                "skipped_non_finite_state_rounds": self._skipped["non_finite_state_average"],
+                # whether hivemind's partial rounds were caught (partial_average events; False: not counted)
+                "partial_rounds_counted": self._partial is not None and self._partial.counts}
 
     def _key(self, what: str) -> str:
         return f"ddlscope-{self.ctx.run_id}-{what}"
@@ -434,6 +513,19 @@ class CollaborativeStrategy(Strategy):
         if self.ctx.store is not None:
             self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, kind, epoch=epoch)
 
+    def _store_partial_rounds(self) -> None:
+        """Store a ``partial_average`` event per partial-round warning of this peer's averagers since the last
+        call (:class:`PartialRoundLog`): ``round`` (gradients / parameters), ``side``, ``received_percent``,
+        ``at`` (when hivemind logged it) and the peer's global epoch when it was read."""
+        if self._partial is None:
+            return
+        for w in self._partial.take():
+            if self.ctx.store is not None:
+                self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, "partial_average",
+                                         round=self._averager_rounds.get(w["pid"], "unknown"), side=w["side"],
+                                         received_percent=w["received_percent"], at=w["at"],
+                                         epoch=self.hm_opt.local_epoch if self.hm_opt is not None else None)
+
     def _time_local_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         inner_step = optimizer.step
 
@@ -493,6 +585,7 @@ class CollaborativeStrategy(Strategy):
             self._update_s = 0.0
             self.hm_opt.step()
             happened, group, ok, epoch = parse_round(self._log.take())
+            self._store_partial_rounds()
             if happened:
                 rounds += 1
                 if self.ctx.store is not None:
@@ -537,6 +630,7 @@ class CollaborativeStrategy(Strategy):
         if self._daemon_lost:
             raise RuntimeError(self._daemon_lost)
         happened, group, ok, epoch = parse_round(self._log.take())
+        self._store_partial_rounds()
         averaging_s = max(0.0, self._update_s - self._local_step_s) if happened else 0.0
         before, self._background_cpu_s = self._background_cpu_s, self._read_background_cpu()
         return StepOutcome(averaging_s=averaging_s, averaging_round=happened, group_size=group, succeeded=ok,
@@ -560,3 +654,13 @@ class CollaborativeStrategy(Strategy):
         stopping = self.ctx.stop_requested is not None and self.ctx.stop_requested.is_set()
         # a dead daemon cannot say goodbye, and a stopped run's peers are all stopping: do not wait for them
         shutdown_hivemind(self.hm_opt, self.dht, 0.0 if self._daemon_lost else STOP_SHUTDOWN_S if stopping else SHUTDOWN_S)
+        if self._partial is not None:  # the rounds that ended since the last step, then the file
+            logging.getLogger(PartialRoundLog.LOGGER).removeHandler(self._partial)
+            try:
+                self._store_partial_rounds()
+            except Exception:  # a store that fails here must not hide why the run ended
+                pass
+            try:
+                os.unlink(self._partial.path)
+            except OSError:
+                pass
