@@ -99,6 +99,22 @@ def test_matchmaking_numbers(store):
     assert "1.5 s" in a.verdict and "p90" in a.rule
 
 
+def test_matchmaking_counts_partial_peer_rounds_where_every_peer_counted_them(store):
+    run_id = _matchmaking_run(store)
+    assert analyze_matchmaking(store, [run_id]).partial_share is None  # not counted: unknown, not 0
+    for peer in (0, 1):
+        store.add_event(run_id, peer, "strategy_details", partial_rounds_counted=True)
+    clean = analyze_matchmaking(store, [run_id])
+    assert clean.partial_share == 0 and "partial" not in clean.verdict
+    # peer 0's round of epoch 1 warned twice (its gradients and its parameters), peer 1's of epoch 3 once
+    for peer, epoch, kind in ((0, 1, "gradients"), (0, 1, "parameters"), (1, 3, "parameters")):
+        store.add_event(run_id, peer, "partial_average", round=kind, side="inputs", received_percent=60.0, epoch=epoch)
+    a = analyze_matchmaking(store, [run_id])
+    assert a.partial_share == pytest.approx(2 / 7)
+    assert "29% of peer-rounds were partial" in a.verdict and "next_chunk_timeout_s" in a.verdict
+    assert "| 29% |" in a.markdown()
+
+
 def test_matchmaking_too_long_and_floor(store):
     a = analyze_matchmaking(store, [_matchmaking_run(store, matchmaking_s=10.0)])
     # 43 % of peer-rounds solo: never a shorter window than the configured 10 s (issue 17); "too long" with few

@@ -35,6 +35,14 @@ Only with fewer solo rounds can a configured time be too long.
 
 When the recommendation exceeds half of a global epoch, averaging would dominate the epoch: the
 output says to raise ``target_batch_size`` instead.
+
+The **partial share** is the fraction of peer-rounds in which one of the peer's rounds (gradients
+or parameters) was partial: hivemind dropped a peer's chunks after ``next_chunk_timeout`` and
+averaged that part without them (:func:`ddlscope.analyze.swarm.partial_rounds`; a
+``partial_average`` event belongs to the peer-round of the global epoch the peer was in when it
+was read). hivemind.Optimizer's ``next_chunk_timeout`` is the matchmaking time unless
+``collaborative.next_chunk_timeout_s`` sets it, so a shorter matchmaking time also drops chunks
+sooner; the output says so when rounds were partial.
 """
 
 from __future__ import annotations
@@ -114,6 +122,7 @@ class MatchmakingAnalysis:
     spread_s: float | None
     recommended_s: float | None
     verdict: str
+    partial_share: float | None = None  # None: some run's peers did not count partial rounds
     rule: str = RULE
     rounds: list[RoundObservation] = field(default_factory=list)
 
@@ -130,10 +139,11 @@ class MatchmakingAnalysis:
         lines = [
             f"Runs: {', '.join(f'`{r}`' for r in self.run_ids)}; configured matchmaking_time_s: "
             f"{', '.join(f'{m:g}' for m in self.configured_matchmaking_s) or '-'}.", "",
-            "| peer-rounds | group sizes (size: count) | solo share | failed share | mean wait s | max wait s | "
-            "step s | global epoch s | arrival spread p90 s | recommended s |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| peer-rounds | group sizes (size: count) | solo share | failed share | partial share | mean wait s | "
+            "max wait s | step s | global epoch s | arrival spread p90 s | recommended s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
             f"| {self.peer_rounds} | {sizes or '-'} | {f(self.solo_share, '.0%')} | {f(self.failed_share, '.0%')} | "
+            f"{f(self.partial_share, '.0%')} | "
             f"{f(self.mean_wait_s)} | {f(self.max_wait_s)} | {f(self.step_s, '.3f')} | {f(self.epoch_s)} | "
             f"{f(self.spread_s, '.3f')} | {f(self.recommended_s)} |", "",
             f"**Recommendation**: {self.verdict}", "", f"Rule: {self.rule}.", "",
@@ -239,6 +249,7 @@ def analyze_matchmaking(store: ResultsStore, run_ids: list[str]) -> MatchmakingA
         KeyError: an unknown run id.
     """
     rounds, peer_rows, step_times, gaps, configured, used = [], [], [], [], set(), []
+    partial: set[tuple[str, int, int]] | None = set()  # (run, peer, epoch) of the partial peer-rounds
     for run_id in run_ids:
         cfg = store.run_config(run_id)  # KeyError for an unknown run
         strategy = store.run(run_id)["strategy"]
@@ -247,8 +258,11 @@ def analyze_matchmaking(store: ResultsStore, run_ids: list[str]) -> MatchmakingA
         used.append(run_id)
         configured.add(configured_matchmaking_s(strategy, cfg))
         steps = store.rows("steps", run_id)
-        rounds += rounds_of_run(run_id, steps, round_checksums(store.rows("events", run_id)))
-        peer_rows += [s for s in steps if s["averaging_round"]]
+        events = store.rows("events", run_id)
+        rounds += rounds_of_run(run_id, steps, round_checksums(events))
+        mine = [s for s in steps if s["averaging_round"]]
+        peer_rows += [dict(s, run_id=run_id) for s in mine]
+        partial = None if partial is None else _partial_peer_rounds(run_id, events, mine, partial)
         step_times += [s["step_s"] for s in steps if not s["warmup"] and not s["averaging_round"] and s["step_s"]]
         gaps += _epoch_gaps(steps)
     sizes = Counter(s["averaging_group_size"] for s in peer_rows)
@@ -264,10 +278,26 @@ def analyze_matchmaking(store: ResultsStore, run_ids: list[str]) -> MatchmakingA
         failed_share=sum(1 for s in peer_rows if s["averaging_succeeded"] == 0) / len(peer_rows) if peer_rows else None,
         mean_wait_s=statistics.fmean(waits) if waits else None, max_wait_s=max(waits) if waits else None,
         step_s=step_s, epoch_s=statistics.median(gaps) if gaps else None, spread_s=spread_s,
-        recommended_s=None, verdict="", rounds=rounds)
+        recommended_s=None, verdict="", rounds=rounds,
+        partial_share=None if partial is None or not peer_rows else sum(
+            (s["run_id"], s["worker_index"], s["global_epoch"]) in partial for s in peer_rows) / len(peer_rows))
     analysis.recommended_s = _recommended(analysis)
     analysis.verdict = _verdict(analysis)
     return analysis
+
+
+def _partial_peer_rounds(run_id: str, events: list[dict], rounds: list[dict],
+                         found: set[tuple[str, int, int]]) -> set[tuple[str, int, int]] | None:
+    """``found`` with ``(run_id, peer, epoch)`` of the run's ``partial_average`` events added; None where a
+    peer of ``rounds`` did not count them (its ``strategy_details`` does not say so)."""
+    import json
+
+    from ddlscope.analyze.swarm import partial_rounds
+
+    if any(partial_rounds(events, w) is None for w in {s["worker_index"] for s in rounds}):
+        return None
+    return found | {(run_id, e["worker_index"], json.loads(e["detail_json"] or "{}").get("epoch"))
+                    for e in events if e["kind"] == "partial_average"}
 
 
 def _too_solo(a: MatchmakingAnalysis) -> bool:
@@ -309,6 +339,12 @@ def _verdict(a: MatchmakingAnalysis) -> str:
                      f"average, about {current - a.recommended_s:.1f} s more than needed.")
         elif current is not None:
             text += f" The configured {current:g} s is in range."
+    if a.partial_share:
+        text += (f" {a.partial_share:.0%} of peer-rounds were partial: hivemind dropped chunks that did not arrive "
+                 "within next_chunk_timeout and averaged those parts without them. Unless "
+                 "collaborative.next_chunk_timeout_s sets it, that timeout is the matchmaking time, so a shorter "
+                 "matchmaking time drops more; set next_chunk_timeout_s above the longest wait for a chunk (on a "
+                 "200/20 Mbit/s pair 5 s carried whole rounds, which took twice as long: docs/swarms.md).")
     if a.epoch_s is not None and a.recommended_s > 0.5 * a.epoch_s:
         text += (f" It exceeds half a global epoch ({a.epoch_s:.2f} s): averaging dominates; raise "
                  f"target_batch_size rather than lengthening matchmaking.")
@@ -331,13 +367,13 @@ def print_matchmaking(a: MatchmakingAnalysis, console=None) -> None:
     console.print(f"runs: {', '.join(a.run_ids) or '-'}; configured matchmaking_time_s: "
                   f"{', '.join(f'{m:g}' for m in a.configured_matchmaking_s) or '-'}")
     summary = Table(title="matchmaking")
-    cols = ["peer-rounds", "group sizes (size: count)", "solo share", "failed share", "mean wait s", "max wait s",
-            "step s", "global epoch s", "arrival spread p90 s", "recommended s"]
+    cols = ["peer-rounds", "group sizes (size: count)", "solo share", "failed share", "partial share", "mean wait s",
+            "max wait s", "step s", "global epoch s", "arrival spread p90 s", "recommended s"]
     for col in cols:
         summary.add_column(col, justify="right", overflow="fold")
     sizes = ", ".join(f"{k}: {v}" for k, v in sorted(a.group_size_counts.items(), key=lambda kv: str(kv[0])))
     summary.add_row(str(a.peer_rounds), sizes or "-", f(a.solo_share, ".0%"), f(a.failed_share, ".0%"),
-                    f(a.mean_wait_s), f(a.max_wait_s), f(a.step_s, ".3f"), f(a.epoch_s), f(a.spread_s, ".3f"),
+                    f(a.partial_share, ".0%"), f(a.mean_wait_s), f(a.max_wait_s), f(a.step_s, ".3f"), f(a.epoch_s), f(a.spread_s, ".3f"),
                     f(a.recommended_s))
     console.print(summary)
     console.print(f"[bold]recommendation[/bold]: {escape(a.verdict)}")
