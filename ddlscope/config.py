@@ -522,8 +522,17 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None, nnodes: int
     for table in CONFIG_TABLES[1:]:
         if table in data:
             values[table] = data[table]
-    values.update(overrides or {})
-    return validate_config(values, nnodes)
+    return validate_config(merged(values, overrides or {}), nnodes)
+
+
+def merged(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with ``overrides`` laid over them, table by table: an override of one field of a table
+    (``--set collaborative.next_chunk_timeout_s=5``) keeps the table's other fields; a value replaces
+    whatever was there. Neither argument is changed."""
+    out = dict(values)
+    for key, value in overrides.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def check_runnable(cfg: RunConfigBase, local_workers: int | None = None) -> None:

@@ -57,6 +57,12 @@ def test_toml_config_and_overrides(tmp_path):
                     '[collaborative]\ntarget_batch_size = 64\nuse_local_updates = true\n')
     cfg = load_config(path, {"batch_size": 4})
     assert (cfg.batch_size, cfg.collaborative.target_batch_size, cfg.collaborative.use_local_updates) == (4, 64, True)
+    # one field of a table set on the command line keeps the file's other fields of that table
+    cfg = load_config(path, {"collaborative": {"next_chunk_timeout_s": 5.0}})
+    c = cfg.collaborative
+    assert (c.next_chunk_timeout_s, c.target_batch_size, c.use_local_updates) == (5.0, 64, True)
+    cfg = load_config(path, {"collaborative": {"target_batch_size": 32}, "network": {"emulate": False}})
+    assert (cfg.collaborative.target_batch_size, cfg.collaborative.use_local_updates) == (32, True)
     (tmp_path / "bad.toml").write_text("[run\n")
     with pytest.raises(UserError, match="not valid TOML"):
         load_config(tmp_path / "bad.toml")
