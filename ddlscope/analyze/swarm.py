@@ -428,8 +428,8 @@ def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
             "averaged with every peer. Over a slow link a chunk can wait behind the other round's bytes for "
             "longer than a short matchmaking time (collaborative.next_chunk_timeout_s sets it)."]
     elif any(p.partial_rounds is None for p in a.peers):
-        lines += ["", "Partial rounds: not counted for every peer (\"-\": a run from before they were, or "
-                  "averagers that were not forked)."]
+        lines += ["", "Partial rounds: not counted for every peer (\"-\": a peer still training, whose count is "
+                  "stored at its end, a run from before ddlscope counted them, or averagers that were not forked)."]
     futile = [p for p in a.peers if p.futile_state_loads]
     if futile:
         lines += ["", "Futile state loads: " + ", ".join(f"peer {p.peer} {p.futile_state_loads} of "
