@@ -14,7 +14,7 @@ from ddlscope.analyze.swarm import analyze_swarm, partial_rounds, swarm_markdown
 from ddlscope.config import validate_config
 from ddlscope.launch.local import run_local
 from ddlscope.store.db import ResultsStore
-from ddlscope.strategies.collaborative import CollaborativeStrategy, PartialRoundLog
+from ddlscope.strategies.collaborative import CollaborativeStrategy, PartialRoundLog, forked
 from tests.conftest import tiny_run
 
 PARTITION = logging.getLogger(PartialRoundLog.LOGGER)
@@ -36,6 +36,7 @@ def test_partial_round_warnings_reach_the_peer_from_a_forked_averager_process(tm
         PARTITION.warning("Reducer: received 99.6% of input tensors")  # the peer's own process counts too
     finally:
         PARTITION.removeHandler(catcher)
+    assert forked(child) and not forked(multiprocessing.get_context("spawn").Process(target=print))  # not started
     got = catcher.take()
     assert [(w["pid"], w["side"], w["received_percent"]) for w in got] == [
         (child.pid, "inputs", 60.0), (child.pid, "results", 94.1), (multiprocessing.current_process().pid, "inputs", 99.6)]

@@ -229,6 +229,9 @@ def test_matchmaking_never_recommends_shorter_when_most_rounds_were_solo(store):
     assert short.recommended_s == pytest.approx(3 * 0.41) and "too short" in short.verdict
     few_solo = analyze_matchmaking(store, [_rounds_run(store, 10.0, joint_epochs=range(1, 10), solo_epochs=[])])
     assert few_solo.solo_share == 0 and "too long" in few_solo.verdict
+    # shorter than the rule's 1.23 s, and every round gathered both peers: it works, it is not "in range"
+    works = analyze_matchmaking(store, [_rounds_run(store, 0.5, joint_epochs=range(1, 10), solo_epochs=[])])
+    assert "The configured 0.5 s is shorter and still works: 0% of peer-rounds averaged alone" in works.verdict
 
 
 def test_matchmaking_prints_tables_not_raw_markdown(store):

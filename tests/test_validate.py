@@ -66,6 +66,9 @@ def test_collaborative_validation_runs_exclude_the_first_global_epoch(tmp_path):
     assert grid.measured_batches_by_model["collaborative"] == measured == 48
     assert cfg.sample_budget == (grid.warmup_batches + 3 + measured) * 32 * 2
     assert cfg.collaborative.target_batch_size == 128 and cfg.collaborative.averaging_timeout_s == grid.averaging_timeout_s
+    assert cfg.collaborative.next_chunk_timeout_s is None  # hivemind's default unless the grid sets it
+    chunked = grid.model_copy(update={"next_chunk_timeout_s": 5.0})
+    assert validation_cell(chunked, collab, "resnet18", "mnist", tmp_path).config.collaborative.next_chunk_timeout_s == 5.0
     ddp = validation_cell(grid, Setting("ddp", 2, 32, epoch_samples=60000), "resnet18", "mnist", tmp_path).config
     assert ddp.warmup_steps == grid.warmup_batches
     assert ddp.sample_budget == (grid.warmup_batches + grid.measured_batches) * 32 * 2

@@ -337,6 +337,9 @@ def _verdict(a: MatchmakingAnalysis) -> str:
         elif current is not None and current > 2 * a.recommended_s:
             text += (f" The configured {current:g} s is too long: peers waited {a.mean_wait_s:.2f} s per round on "
                      f"average, about {current - a.recommended_s:.1f} s more than needed.")
+        elif current is not None and current < a.recommended_s and a.solo_share is not None:
+            text += (f" The configured {current:g} s is shorter and still works: {a.solo_share:.0%} of peer-rounds "
+                     f"averaged alone; the rule's value adds margin for slower arrivals.")
         elif current is not None:
             text += f" The configured {current:g} s is in range."
     if a.partial_share:

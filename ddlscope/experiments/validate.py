@@ -115,6 +115,9 @@ class ValidationGrid(BaseModel):
     use_local_updates: bool = False
     averaging_timeout_s: float = Field(60.0, gt=0, description="collaborative: a stuck averaging round fails the "
                                        "measured run after this long")
+    next_chunk_timeout_s: float | None = Field(None, gt=0, le=3600, description="collaborative: hivemind's "
+                                               "next_chunk_timeout (default: the matchmaking time); rounds that "
+                                               "drop a late peer's chunks end sooner than the whole rounds predicted")
     synthetic_train_size: int = Field(128, ge=1)
     bandwidths_mbit_per_s: list[float | list[float]] = Field(
         default_factory=list, description="emulated links, Mbit/s each way: a rate for every peer, or a list of one "

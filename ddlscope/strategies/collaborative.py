@@ -136,6 +136,12 @@ def skip_non_finite_state(state_averager, on_skip: Callable[[], None]) -> None:
     state_averager._apply_averaging_results_ = apply_if_finite
 
 
+def forked(process) -> bool:
+    """Whether a started ``multiprocessing.Process`` (a hivemind averager) was forked, so that it inherited
+    the logging handlers of the process that started it (another start method, or not started: False)."""
+    return getattr(getattr(process, "_popen", None), "method", None) == "fork"
+
+
 class PartialRoundLog(logging.Handler):
     """hivemind's warnings of a *partial* averaging round, caught in the averagers' own processes.
 
@@ -152,8 +158,8 @@ class PartialRoundLog(logging.Handler):
     Added to that logger before the averagers start, the handler is inherited by their processes
     and appends one JSON line per such warning to ``path``: ``at`` (wall time, s), ``pid`` (the
     averager's process), ``side`` (``"inputs"`` or ``"results"``) and ``received_percent``.
-    :meth:`take` reads the lines written since its last call. Nothing is caught where the averagers
-    are not forked (:attr:`counts`: False).
+    :meth:`take` reads the lines written since its last call. Nothing is caught from averagers
+    started another way than by fork (:func:`forked`).
     """
 
     LOGGER = "hivemind.averaging.partition"
@@ -162,13 +168,6 @@ class PartialRoundLog(logging.Handler):
         super().__init__(level=logging.WARNING)
         self.path = path
         self._offset = 0
-
-    @property
-    def counts(self) -> bool:
-        """Whether the averagers' processes inherit this handler (they are forked)."""
-        import multiprocessing
-
-        return multiprocessing.get_start_method(allow_none=False) == "fork"
 
     def emit(self, record: logging.LogRecord) -> None:
         m = _PARTIAL.search(record.getMessage())
@@ -451,7 +450,8 @@ class CollaborativeStrategy(Strategy):
                 "skipped_non_finite_updates": self._skipped["non_finite_average"],
                 "skipped_non_finite_state_rounds": self._skipped["non_finite_state_average"],
                 # whether hivemind's partial rounds were caught (partial_average events; False: not counted)
-                "partial_rounds_counted": self._partial is not None and self._partial.counts}
+                "partial_rounds_counted": self._partial is not None and bool(averagers)
+                and all(forked(a) for a in averagers if a is not None)}
 
     def _key(self, what: str) -> str:
         return f"ddlscope-{self.ctx.run_id}-{what}"
