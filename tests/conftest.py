@@ -65,3 +65,17 @@ def tiny_run(**overrides) -> dict:
                   warmup_steps=1, host_sample_interval_s=0.2)
     values.update(overrides)
     return values
+
+
+def bare_peer(worker_index: int, local_epoch: int, events: list) -> "object":
+    """A ``CollaborativeStrategy`` with only what recording events needs, no swarm: its store appends
+    ``(run_id, worker, kind, fields)`` to ``events``; its run is ``"r"``, hivemind's optimizer at ``local_epoch``."""
+    from types import SimpleNamespace
+
+    from ddlscope.strategies.collaborative import CollaborativeStrategy
+
+    peer = object.__new__(CollaborativeStrategy)
+    peer.hm_opt = SimpleNamespace(local_epoch=local_epoch)
+    peer.ctx = SimpleNamespace(worker_index=worker_index, run_id="r", store=SimpleNamespace(
+        add_event=lambda run_id, worker, kind, **fields: events.append((run_id, worker, kind, fields))))
+    return peer

@@ -18,7 +18,7 @@ from ddlscope.errors import UserError
 from ddlscope.launch.churn import ChurnSchedule
 from ddlscope.launch.local import run_local
 from ddlscope.store.db import ResultsStore
-from tests.conftest import tiny_run
+from tests.conftest import bare_peer, tiny_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -322,15 +322,8 @@ def test_a_state_round_with_non_finite_averages_is_not_applied_and_reported():
 
 
 def test_a_skipped_round_is_counted_logged_and_stored_by_kind(caplog):
-    from types import SimpleNamespace
-
-    from ddlscope.strategies.collaborative import CollaborativeStrategy
-
     events = []
-    peer = object.__new__(CollaborativeStrategy)  # only what recording needs, no swarm
-    peer.hm_opt = SimpleNamespace(local_epoch=7)
-    peer.ctx = SimpleNamespace(worker_index=2, run_id="r", store=SimpleNamespace(
-        add_event=lambda run_id, worker, kind, **fields: events.append((run_id, worker, kind, fields))))
+    peer = bare_peer(2, 7, events)
     peer._skipped = {"non_finite_average": 0, "non_finite_state_average": 0}
     with caplog.at_level("WARNING"):
         peer._record_non_finite("non_finite_state_average", "parameters", "the peer keeps its own")

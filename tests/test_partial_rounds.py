@@ -6,16 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
-from types import SimpleNamespace
-
 import pytest
 
 from ddlscope.analyze.swarm import analyze_swarm, partial_rounds, swarm_markdown
 from ddlscope.config import validate_config
 from ddlscope.launch.local import run_local
 from ddlscope.store.db import ResultsStore
-from ddlscope.strategies.collaborative import CollaborativeStrategy, PartialRoundLog, forked
-from tests.conftest import tiny_run
+from ddlscope.strategies.collaborative import PartialRoundLog, forked
+from tests.conftest import bare_peer, tiny_run
 
 PARTITION = logging.getLogger(PartialRoundLog.LOGGER)
 
@@ -52,10 +50,7 @@ def test_partial_round_warnings_reach_the_peer_from_a_forked_averager_process(tm
 
 def test_each_partial_round_is_stored_with_its_kind_of_round(tmp_path):
     events = []
-    peer = object.__new__(CollaborativeStrategy)  # only what storing needs, no swarm
-    peer.hm_opt = SimpleNamespace(local_epoch=4)
-    peer.ctx = SimpleNamespace(worker_index=1, run_id="r", store=SimpleNamespace(
-        add_event=lambda run_id, worker, kind, **fields: events.append((run_id, worker, kind, fields))))
+    peer = bare_peer(1, 4, events)
     peer._partial = PartialRoundLog(str(tmp_path / "p.jsonl"))
     peer._averager_rounds = {101: "parameters", 102: "gradients"}
     lines = [dict(at=1.5, pid=101, side="inputs", received_percent=60.0),

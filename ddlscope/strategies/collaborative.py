@@ -47,6 +47,7 @@ import logging
 import os
 import re
 import signal
+import tempfile
 import threading
 import time
 from typing import Callable
@@ -400,8 +401,6 @@ class CollaborativeStrategy(Strategy):
             skip_non_finite_steps(optimizer, functools.partial(
                 self._record_non_finite, "non_finite_average", "gradients", "its optimizer step is skipped"))
         comp = _compression(c.gradient_compression)
-        import tempfile
-
         fd, path = tempfile.mkstemp(prefix="ddlscope-partial-rounds-", suffix=".jsonl")  # in the run's folder
         os.close(fd)
         self._partial = PartialRoundLog(path)
