@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -10,6 +13,10 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+
+can_emulate = (sys.platform.startswith("linux") and os.geteuid() == 0 and shutil.which("tc") is not None
+               and subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0)
+"""Whether this machine can run emulated networks (root, iproute2's ``ip netns`` and ``tc``)."""
 
 
 @pytest.fixture(scope="session", autouse=True)

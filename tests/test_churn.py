@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,11 +16,10 @@ from ddlscope.errors import UserError
 from ddlscope.launch.churn import ChurnSchedule
 from ddlscope.launch.local import run_local
 from ddlscope.store.db import ResultsStore
-from tests.conftest import bare_peer, tiny_run
+from tests.conftest import bare_peer, can_emulate, tiny_run
 
 REPO = Path(__file__).resolve().parents[1]
 
-can_emulate = sys.platform.startswith("linux") and os.geteuid() == 0 and shutil.which("tc") is not None
 
 
 def _swarm(peers=3, run=None, share_cores=True, **collaborative) -> dict:

@@ -17,10 +17,8 @@ from pydantic import ValidationError
 from ddlscope.config import validate_config
 from ddlscope.errors import UserError
 from ddlscope.network.emulated import EmulatedNetwork, NetworkConfig, namespaces, netem_available, remove_stale
-from tests.conftest import tiny_run
+from tests.conftest import can_emulate, tiny_run
 
-can_emulate = sys.platform.startswith("linux") and os.geteuid() == 0 and subprocess.run(
-    ["ip", "netns", "list"], capture_output=True).returncode == 0
 needs_root = pytest.mark.skipif(not can_emulate, reason="needs root and iproute2 (network namespaces)")
 
 

@@ -9,7 +9,6 @@ root (skipped otherwise).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,11 +21,9 @@ from ddlscope.config import validate_config
 from ddlscope.launch.local import run_local
 from ddlscope.network.emulated import namespaces
 from ddlscope.store.db import ResultsStore
-from tests.conftest import tiny_run
+from tests.conftest import can_emulate, tiny_run
 from tests.test_integration import assert_no_new_shm_segments, shm_segments
 
-can_emulate = sys.platform.startswith("linux") and os.geteuid() == 0 and subprocess.run(
-    ["ip", "netns", "list"], capture_output=True).returncode == 0
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not can_emulate, reason="needs root and iproute2")]
 
 COLLAB = dict(strategy="collaborative", peers=2, vcpus_per_peer=1,
