@@ -253,7 +253,9 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
                        if n != grid.get("measured_batches"))
              + f"target batch size "
              f"{grid.get('target_batch_size') or grid.get('batch_size', '?')}, matchmaking time "
-             f"{grid.get('matchmaking_time_s', '?')} s); {summary.get('cells', '?')} cells"
+             f"{grid.get('matchmaking_time_s', '?')} s"
+             + (f", chunk timeout {grid['next_chunk_timeout_s']:g} s" if grid.get("next_chunk_timeout_s") else "")
+             + f"); {summary.get('cells', '?')} cells"
              + (f", each run {grid['repeats']} times (interleaved; a cell shows its median run, the spread is "
                 f"(max - min) / median of its runs)" if (grid.get("repeats") or 1) > 1 else "")
              + ("; each round of runs profiled just before it and predicted from that profile"

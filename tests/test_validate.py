@@ -12,6 +12,7 @@ import pytest
 
 from ddlscope import distribution
 from ddlscope.errors import UserError
+from ddlscope.distribution.collaborative import DEFAULT_MATCHMAKING_TIME_S
 from ddlscope.modeling.links import over_links
 from ddlscope.experiments.validate import ValidationGrid, load_grid, predicted_models, run_validation, validation_cell
 from ddlscope.modeling.prediction import Setting
@@ -67,6 +68,11 @@ def test_collaborative_validation_runs_exclude_the_first_global_epoch(tmp_path):
     assert cfg.sample_budget == (grid.warmup_batches + 3 + measured) * 32 * 2
     assert cfg.collaborative.target_batch_size == 128 and cfg.collaborative.averaging_timeout_s == grid.averaging_timeout_s
     assert cfg.collaborative.next_chunk_timeout_s is None  # hivemind's default unless the grid sets it
+    # the links grid keeps the chunk timeout of a run at the default matchmaking time, not its own 1 s
+    links = load_grid("links")
+    assert links.matchmaking_time_s == 1.0 and links.next_chunk_timeout_s == DEFAULT_MATCHMAKING_TIME_S == 10.0
+    assert validation_cell(links, collab, "mobilenet_v2", "mnist", tmp_path, mbit_per_s=[200.0, 20.0]).config \
+        .collaborative.next_chunk_timeout_s == 10.0
     chunked = grid.model_copy(update={"next_chunk_timeout_s": 5.0})
     assert validation_cell(chunked, collab, "resnet18", "mnist", tmp_path).config.collaborative.next_chunk_timeout_s == 5.0
     ddp = validation_cell(grid, Setting("ddp", 2, 32, epoch_samples=60000), "resnet18", "mnist", tmp_path).config

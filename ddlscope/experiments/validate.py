@@ -49,7 +49,7 @@ from ddlscope.config import (MAX_BATCH_SIZE, MAX_PEERS, _bad_numbers, _format_va
                              read_toml)
 from ddlscope.errors import UserError
 from ddlscope.experiments import check_known
-from ddlscope.distribution.collaborative import ChurnEvent
+from ddlscope.distribution.collaborative import DEFAULT_MATCHMAKING_TIME_S, ChurnEvent
 from ddlscope.experiments.results import churn_window, measure_run
 from ddlscope.experiments.runner import Cell, RunFn, run_cells
 from ddlscope.modeling.links import averaging_goodput, fsdp_goodput, links_goodput, over_links
@@ -116,8 +116,9 @@ class ValidationGrid(BaseModel):
     averaging_timeout_s: float = Field(60.0, gt=0, description="collaborative: a stuck averaging round fails the "
                                        "measured run after this long")
     next_chunk_timeout_s: float | None = Field(None, gt=0, le=3600, description="collaborative: hivemind's "
-                                               "next_chunk_timeout (default: the matchmaking time); rounds that "
-                                               "drop a late peer's chunks end sooner than the whole rounds predicted")
+                                               "next_chunk_timeout (default: the grid's matchmaking time, as "
+                                               "hivemind derives it); rounds that drop a late peer's chunks end "
+                                               "sooner than the whole rounds predicted")
     synthetic_train_size: int = Field(128, ge=1)
     bandwidths_mbit_per_s: list[float | list[float]] = Field(
         default_factory=list, description="emulated links, Mbit/s each way: a rate for every peer, or a list of one "
@@ -237,11 +238,14 @@ PRESETS: dict[str, dict] = {
     # Three runs per cell: single runs of one cell moved by 10-20 % between passes (gpipe +14 % then +5 %,
     # fsdp at 200 Mbit/s +17 % then -3 %; the uneven pair's collaborative epoch 3,727 s to 5,302 s)
     # Each round profiled anew: in pass 5 every median run computed 6-23 % slower than the one profile taken
-    # before the first of its 90 runs (the last ones ran 4.5 hours after it)
+    # before the first of its 90 runs (the last ones ran 4.5 hours after it).
+    # The chunk timeout a run at the default matchmaking time (10 s) gets: hivemind derives it from the
+    # matchmaking time, and at the grid's 1 s, kept short for short runs, the uneven pair's peers cut about
+    # half their rounds short (partial rounds, docs/swarms.md), which a user's run at the defaults does not
     "links": dict(name="validation-links", datasets=["mnist"], networks=["mobilenet_v2"],
                   strategies=["ddp", "fsdp", "gpipe", "1f1b", "collaborative", "diloco"], workers=2, batch_size=64,
                   target_batch_size=128, bandwidths_mbit_per_s=[200.0, 50.0, [200.0, 20.0]], loopback=False,
-                  repeats=3, profile_each_repeat=True),
+                  repeats=3, profile_each_repeat=True, next_chunk_timeout_s=DEFAULT_MATCHMAKING_TIME_S),
     # the Decentralized Mixture-of-Experts over emulated links: trainers and expert servers each in a namespace
     # with links of the same rate (a per-worker list would leave the servers' links unlimited). A bucket of 1 ms:
     # a step's remote calls (24 KiB out, 16 KiB back) fit in the default one and would not wait for the rate

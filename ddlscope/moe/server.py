@@ -32,11 +32,14 @@ import time
 from typing import Any
 
 STOP_GRACE_S = 5.0
-READY_TIMEOUT_S = 30.0
+READY_TIMEOUT_S = 15.0
 """Seconds hivemind's ``Server`` gets to become ready (its runtime, task pools and connection-handler
 process started) before this server gives up on that start and makes a fresh one. A start that never
-became ready was seen once in CI (2026-11-28): the server logged "Server started" and waited on its
-connection handler forever, deaf to SIGINT, since hivemind 1.1.12 waits without a time limit."""
+became ready was seen in CI (2026-11-28, 11-29, 12-01): the server logged "Server started" and waited on
+its connection handler forever, deaf to SIGINT, since hivemind 1.1.12 waits without a time limit.
+Starts that did become ready took 1.6-2.2 s here (20 starts in the dmoe tests, 2026-12-01; 4-8 s
+with the DHT's join on a busy machine, 2026-11-28); 30 s (until 2026-12-01) retried a restarted
+server too late to serve the rest of a 30 s run."""
 START_ATTEMPTS = 2
 """Starts of hivemind's ``Server`` (each with its own DHT) before the expert server fails."""
 FLUSH_EVERY_S = 1.0
@@ -255,6 +258,7 @@ def serve(db: str, run_id: str, index: int, generation: int, cores: list[int], i
             hm_server.run_in_background(await_ready=False)
             return hm_server, made
 
+        t_start = time.monotonic()
         server, dht = start_until_ready(make, stop, lambda msg: print(f"expert server {index}: {msg}", file=sys.stderr,
                                                                       flush=True), end_children)
         if stop.is_set():  # stopped while starting
@@ -263,7 +267,8 @@ def serve(db: str, run_id: str, index: int, generation: int, cores: list[int], i
         maddrs = [str(a) for a in dht.get_visible_maddrs()]
         store.upsert_service(run_id, KIND, index, generation, status="serving", experts=json.dumps(uids),
                              peer_id=dht.peer_id.to_base58(), maddrs=json.dumps(maddrs))
-        print(f"expert server {index} serves {', '.join(uids)} at {' '.join(maddrs)}", file=sys.stderr, flush=True)
+        print(f"expert server {index}, ready after {time.monotonic() - t_start:.1f} s, serves {', '.join(uids)} "
+              f"at {' '.join(maddrs)}", file=sys.stderr, flush=True)  # the addresses last: users copy them
         sampler = threading.Thread(target=_sample_forever, args=(db, run_id, index, generation,
                                                                  cfg.host_sample_interval_s, log, stop), daemon=True)
         sampler.start()
