@@ -21,7 +21,6 @@ from tests.conftest import bare_peer, can_emulate, tiny_run
 REPO = Path(__file__).resolve().parents[1]
 
 
-
 def _swarm(peers=3, run=None, share_cores=True, **collaborative) -> dict:
     table = dict(target_batch_size=160, matchmaking_time_s=1.0, averaging_timeout_s=10.0)
     return tiny_run(strategy="collaborative", peers=peers, share_cores=share_cores, **(run or {}),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+
 import pytest
 
 from ddlscope.analyze.swarm import analyze_swarm, partial_rounds, swarm_markdown
