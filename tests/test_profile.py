@@ -74,6 +74,9 @@ def test_tiny_profile_measures_every_layer_at_every_batch_size(tiny):
     for s in p.steps:
         assert s.step_s == pytest.approx(s.forward_s + s.backward_s + s.optimizer_s)
         assert s.measured_activation_peak_bytes is not None
+    # the heap glibc keeps: measured at the largest batch only (in a forked child of the probe), unknown elsewhere
+    assert [s.retained_bytes is None for s in p.steps] == [True, True, True, False]
+    assert p.retained_share() is not None and p.retained_share() >= 0
     fake = [s.activation_peak_bytes for s in p.steps]
     assert fake == sorted(fake) and fake[-1] > fake[0] > 0
     assert [d.loader_workers for d in p.data_loading] == [0, 1] and all(d.samples_per_s > 0 for d in p.data_loading)

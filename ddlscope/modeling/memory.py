@@ -23,7 +23,12 @@ Notation (bytes; the profile's fields):
 * per layer ``l``: ``p_l`` parameter bytes, ``bf_l`` buffer bytes, ``s_l`` / ``i_l`` / ``o_l``
   saved / saved-input / output bytes per sample (:class:`LayerProfile`);
 * ``R`` runtime: the resident memory of a worker process before any model
-  (:attr:`DeviceProfile.runtime_bytes`), the same for every worker.
+  (:attr:`DeviceProfile.runtime_bytes`), the same for every worker;
+* ``K`` (CPU profiles) retained heap: glibc keeps memory a process has freed, so a worker's resident
+  set grows beyond its live tensors. The profile measures it with glibc's defaults at one batch
+  size (:attr:`StepProfile.retained_bytes`) as a share ``k`` of what a step allocates and frees
+  (gradients and activations, :meth:`WorkloadProfile.retained_share`); every worker of every model
+  gets ``K = k (grads + activations)`` of its own estimate (:func:`setting_memory`).
 
 Every figure is a peak during training steps (steady state); one-off peaks before training
 (DDP's initial broadcast of the parameters, hivemind's first state download) are not included,
@@ -34,8 +39,9 @@ CPU, gloo, 2 workers, resident memory with glibc's mmap threshold fixed at 64 Ki
 memory added by training was 4-5% below the measured for single and ddp, 1% for fsdp, 2-4% for
 the two gpipe stages. Two terms were found by those measurements and then traced to their
 mechanism (gloo's flat working copies for FSDP; gradient accumulation over micro-batches for
-pipelines). With glibc's default allocator settings a process also keeps freed heap memory, so
-its resident peak can be higher than predicted. Torch-free.
+pipelines). With glibc's default allocator settings, as runs have them, a process also keeps
+freed heap memory: without ``K`` the validation runs' resident growth was 12-40 % above the
+prediction (docs/validation.md). Torch-free.
 """
 
 from __future__ import annotations
@@ -52,7 +58,9 @@ class MemoryEstimate(BaseModel):
 
     ``params_bytes`` includes the buffers the worker holds; ``comm_buffers_bytes`` is memory the
     distribution model adds for communication (DDP buckets, FSDP's gathered parameters and
-    reduce-scatter buffers, pipeline send/receive buffers, hivemind's averaging copies).
+    reduce-scatter buffers, pipeline send/receive buffers, hivemind's averaging copies);
+    ``retained_bytes`` (CPU profiles) the freed heap memory glibc keeps resident (``K`` in the module
+    docstring), None where the profile did not measure it (GPU profiles, older profiles).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -64,6 +72,7 @@ class MemoryEstimate(BaseModel):
     activations_bytes: int = Field(ge=0)
     comm_buffers_bytes: int = Field(ge=0)
     runtime_bytes: int = Field(ge=0)
+    retained_bytes: int | None = Field(None, ge=0)
     notes: str = ""
 
     @computed_field  # type: ignore[prop-decorator]
@@ -71,7 +80,7 @@ class MemoryEstimate(BaseModel):
     def total_bytes(self) -> int:
         """Sum of all parts: the predicted peak resident memory of the worker."""
         return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.comm_buffers_bytes + self.runtime_bytes)
+                + self.comm_buffers_bytes + (self.retained_bytes or 0) + self.runtime_bytes)
 
     @property
     def training_bytes(self) -> int:
@@ -97,7 +106,9 @@ def replicas(profile: WorkloadProfile, setting: Setting, comm_buffers_bytes: int
 
 def setting_memory(profile: WorkloadProfile, setting: Setting) -> list[MemoryEstimate]:
     """Peak memory of every worker of a setting, from its model's memory model (the registry's
-    ``memory_model``; each formula is documented there).
+    ``memory_model``; each formula is documented there), plus, for a CPU profile that measured it,
+    the retained heap ``K = k (grads + activations)`` of each worker's estimate
+    (:meth:`WorkloadProfile.retained_share`).
 
     Returns:
         one :class:`MemoryEstimate` per worker (pipelines: per stage, in stage order).
@@ -112,7 +123,12 @@ def setting_memory(profile: WorkloadProfile, setting: Setting) -> list[MemoryEst
     if model.memory_model is None:
         known = [m.name for m in distribution.all_models() if m.memory_model is not None]
         raise UserError(f"ddlscope has no memory model for {model.name!r}; allowed: {', '.join(known)}")
-    return model.memory_model(profile, setting)
+    estimates = model.memory_model(profile, setting)
+    share = profile.retained_share()
+    if share is None:
+        return estimates
+    return [e.model_copy(update={"retained_bytes": round(share * (e.grads_bytes + e.activations_bytes))})
+            for e in estimates]
 
 
 def peak_memory_bytes(profile: WorkloadProfile, setting: Setting) -> int:

@@ -84,6 +84,11 @@ class StepProfile(BaseModel):
                                 "included); None where it could not be measured")
     extrapolated: bool = Field(False, description="not run (the batch does not fit the device): times extrapolated "
                                                   "from the measured batch sizes")
+    retained_bytes: int | None = Field(
+        None, ge=0, description="CPU: how far a process's resident set grew over its first training steps at glibc's "
+                                "default allocator settings beyond the memory the steps held live (freed heap memory "
+                                "that glibc keeps); measured at the largest measured batch size only, None elsewhere, "
+                                "on GPUs and where it could not be measured")
 
     @property
     def activation_bytes(self) -> int:
@@ -233,6 +238,18 @@ class WorkloadProfile(BaseModel):
                            activation_peak_bytes=round(pick("activation_peak_bytes")),
                            measured_activation_peak_bytes=measured,
                            extrapolated=len(ran) < len(self.steps) and bool(ran) and batch_size > ran[-1])
+
+    def retained_share(self) -> float | None:
+        """CPU: the resident memory glibc keeps beyond the live tensors, as a share of what a training
+        step allocates and frees (the gradients ``G = P`` and the activations ``A(b)``), at the batch
+        size where the profile measured it (:attr:`StepProfile.retained_bytes`): ``retained / (P + A(b))``.
+        None where it was not measured (GPU profiles, profiles written before it was measured)."""
+        have = [s for s in self.steps if s.retained_bytes is not None]
+        if not have:
+            return None
+        step = have[-1]
+        moved = self.param_bytes + step.activation_bytes
+        return step.retained_bytes / moved if moved > 0 else None
 
     def step_peak_bytes(self, step: StepProfile) -> int:
         """Peak bytes of ``step`` (a step of this profile or :meth:`step_at`'s) on one device, without the

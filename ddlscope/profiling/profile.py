@@ -47,8 +47,12 @@ LAYER_REPEATS = 3
 SYNTHETIC_TRAIN_SIZE = 512
 """Images in the synthetic copy written when no local copy of the dataset exists."""
 MMAP_THRESHOLD_BYTES = 65536
-"""glibc ``M_MMAP_THRESHOLD`` of the memory-probe process: allocations from 64 KiB up are mmap'd
-and unmapped on free, so the process's resident memory follows its live tensors."""
+"""glibc ``M_MMAP_THRESHOLD`` of the memory-probe process once it measures live memory: allocations
+from 64 KiB up are mmap'd and unmapped on free, so the process's resident memory follows its live
+tensors."""
+RETAINED_STEPS = 3
+"""Training steps the memory probe runs with glibc's default allocator settings, as a worker does,
+to measure how far the resident set grows beyond the live tensors (:func:`_probe_resident_growth`)."""
 
 
 def profile_batch_sizes(batch_size: int) -> list[int]:
@@ -403,13 +407,18 @@ args = json.loads(sys.argv[1])
 torch.set_num_threads(args["threads"])
 from ddlscope.modeling.profile import OptimizerSetting
 from ddlscope.profiling.profile import _probe_steps, _warm_up_runtime
+from ddlscope.profiling.profile import _fix_mmap_threshold, _resident_growth_in_child
 optimizer = OptimizerSetting(**args["optimizer"])
 _warm_up_runtime(args["family"], optimizer)
 gc.collect()
 runtime = status("VmRSS")
 batch_sizes = json.loads(sys.stdin.readline())  # sent once the profile knows which batch sizes fit
+growth = _resident_growth_in_child(args["network"], args["family"], max(batch_sizes), optimizer, status,
+                                   args["retained_steps"])  # glibc's defaults, as in a worker
+if not _fix_mmap_threshold(args["mmap_threshold"]):  # not glibc: the live steps are not live memory only
+    growth = None
 peaks = _probe_steps(args["network"], args["family"], batch_sizes, optimizer, status)
-print(json.dumps({"runtime_bytes": runtime, "peaks": peaks}))
+print(json.dumps({"runtime_bytes": runtime, "peaks": peaks, "growth": growth}))
 """
 
 
@@ -496,6 +505,100 @@ def _tensor_bytes(model, optimizer, *tensors) -> int:
     return sum(seen.values())
 
 
+def _probe_resident_growth(network: str, family: str, batch_size: int, optimizer: OptimizerSetting, status,
+                           steps: int) -> dict | None:
+    """In the probe process, with glibc's default allocator settings (as a worker runs): how far the
+    resident set grows over the first ``steps`` training steps at ``batch_size``, measured as a run
+    measures it (:func:`ddlscope.train.loop.run_worker`: from the resident set once the model, the
+    optimizer and the batch exist, before the first step, to the high-water mark after the last).
+
+    Returns ``{"batch_size", "growth_bytes", "optimizer_bytes"}`` (the optimizer's state, created by
+    the first step and counted in the growth), or None when the high-water mark cannot be reset.
+    The probe runs it in a child process (:func:`_resident_growth_in_child`). MobileNetV2/MNIST on
+    one thread grew by 622 and 1,259 MiB over 3 steps at batch 32 and 64, and by 626 and 1,286
+    over 12; with the mmap threshold fixed, the same steps' live peaks were 497 and 958 MiB
+    (2026-12-02, this project's 2-core machine).
+    """
+    import gc
+
+    import torch
+
+    from ddlscope.workloads.models import build_model, input_spec
+    from ddlscope.workloads.step import train_step
+
+    spec = input_spec(family)
+    torch.manual_seed(0)
+    model = build_model(network, family)
+    opt = _build_optimizer(optimizer, model.parameters())
+    x = torch.randn(batch_size, spec.channels, spec.height, spec.width)
+    y = torch.randint(0, spec.num_classes, (batch_size,))
+    start = _reset_resident_peak(status)
+    if start is None:
+        return None
+    for _ in range(steps):
+        train_step(model, opt, x, y)
+    growth = max(0, status("VmHWM") - start)
+    state = sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor))
+    del model, opt, x, y
+    gc.collect()
+    return {"batch_size": batch_size, "growth_bytes": growth, "optimizer_bytes": state}
+
+
+def _resident_growth_in_child(network: str, family: str, batch_size: int, optimizer: OptimizerSetting, status,
+                              steps: int) -> dict | None:
+    """:func:`_probe_resident_growth` in a forked child of the probe, which sends its result back
+    through a pipe and ends. The probe's own heap stays as it was: freed heap chunks that a
+    process keeps are reused by its later allocations even after glibc's mmap threshold is fixed,
+    so the live steps measured after a growth phase in the same process read too little (13 MiB
+    instead of 116 for MobileNetV2 at batch 8). None where the child fails or ``fork`` is missing.
+    The probe runs one torch thread, so the child inherits no thread pool it could wait on.
+    """
+    import json
+
+    if not hasattr(os, "fork"):
+        return None
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: measure, send, end without running the parent's exit handlers
+        code = 1
+        try:
+            os.close(read_fd)
+            os.write(write_fd, json.dumps(_probe_resident_growth(network, family, batch_size, optimizer, status,
+                                                                 steps)).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    data = b""
+    with os.fdopen(read_fd, "rb") as pipe:
+        data = pipe.read()
+    _, wait_status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(wait_status) != 0 or not data:
+        return None
+    return json.loads(data)
+
+
+def _fix_mmap_threshold(threshold_bytes: int) -> bool:
+    """Fix glibc's mmap threshold at ``threshold_bytes`` in this process (``mallopt(M_MMAP_THRESHOLD)``,
+    which also ends glibc's dynamic threshold, as ``MALLOC_MMAP_THRESHOLD_`` does at start-up) and hand
+    freed heap memory back to the kernel (``malloc_trim(0)``), so that from now on the resident set
+    follows the live allocations. False where the C library is not glibc (nothing is changed)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    m_mmap_threshold = -3  # glibc's <malloc.h>
+    if mallopt(m_mmap_threshold, int(threshold_bytes)) != 1:
+        return False
+    malloc_trim(0)
+    return True
+
+
 def _probe_steps(network: str, family: str, batch_sizes: list[int], optimizer: OptimizerSetting,
                  status) -> dict[int, int] | None:
     """In the probe process: resident bytes added by one training step, per batch size (:func:`_step_bytes`).
@@ -505,21 +608,27 @@ def _probe_steps(network: str, family: str, batch_sizes: list[int], optimizer: O
     ``status(key)``: the bytes of a ``/proc/self/status`` field. None when the high-water mark
     cannot be reset.
     """
-    import gc
-
     import torch
 
     def begin(owned: int) -> int | None:  # the resident set counts every byte; ``owned`` is not needed
-        gc.collect()
-        before = status("VmRSS")
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            return None
-        return before
+        return _reset_resident_peak(status)
 
     return _step_bytes(network, family, batch_sizes, optimizer, torch.device("cpu"), begin, lambda: status("VmHWM"))
+
+
+def _reset_resident_peak(status) -> int | None:
+    """Collect the garbage, read the resident set (VmRSS, bytes) and reset the kernel's resident
+    high-water mark to it (``echo 5 > /proc/self/clear_refs``); None where it cannot be reset."""
+    import gc
+
+    gc.collect()
+    before = status("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return before
 
 
 def _measure_cuda_memory(network: str, family: str, batch_sizes: list[int], device,
@@ -567,11 +676,14 @@ def spare_cores(cores: set[int] | list[int], used: int) -> list[int]:
 class CpuMemoryProbe:
     """The CPU memory probe: a fresh Python process that imports torch and ddlscope's training
     loop and runs :func:`_warm_up_runtime`; its resident set (VmRSS) then is ``runtime_bytes``
-    (interpreter, libraries, lazily imported modules, kernel code; no model). It then runs
-    :func:`_probe_steps` with glibc's mmap threshold fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``),
-    so that freed tensors leave the resident set at once and the high-water mark counts live
-    memory only, including the kernels' internal work buffers that fake tensors do not see (e.g.
-    convolution workspaces).
+    (interpreter, libraries, lazily imported modules, kernel code; no model). With glibc's default
+    allocator settings, as a worker has them, a forked child of it then trains :data:`RETAINED_STEPS`
+    steps at the largest batch and measures how far its resident set grows (:func:`_probe_resident_growth`):
+    glibc keeps freed heap memory, so a run's resident set grows beyond its live tensors. Then it
+    fixes glibc's mmap threshold at 64 KiB (:func:`_fix_mmap_threshold`) and runs
+    :func:`_probe_steps`: freed tensors now leave the resident set at once and the high-water mark
+    counts live memory only, including the kernels' internal work buffers that fake tensors do not
+    see (e.g. convolution workspaces).
 
     It starts at construction and runs in the background, with ``threads`` torch threads, pinned
     to ``cores`` (default: this process's cores beyond its first ``threads``, :func:`spare_cores`).
@@ -589,10 +701,12 @@ class CpuMemoryProbe:
         import subprocess
         import sys
 
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD_BYTES), OMP_NUM_THREADS=str(threads))
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        env.pop("MALLOC_MMAP_THRESHOLD_", None)  # the growth is measured at glibc's defaults, as a worker runs
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        args = json.dumps(dict(network=network, family=family, threads=threads, optimizer=optimizer.model_dump()))
+        args = json.dumps(dict(network=network, family=family, threads=threads, optimizer=optimizer.model_dump(),
+                               retained_steps=RETAINED_STEPS, mmap_threshold=MMAP_THRESHOLD_BYTES))
         try:
             self._process = subprocess.Popen([sys.executable, "-c", _PROBE_SCRIPT, args], env=env, stdin=subprocess.PIPE,
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -603,9 +717,15 @@ class CpuMemoryProbe:
         except OSError:  # it already ended (its result says why) or the cores are not ours: it runs where it is
             pass
 
-    def result(self, batch_sizes: list[int], timeout_s: float = 600.0) -> tuple[int, dict[int, int] | None]:
+    def result(self, batch_sizes: list[int], timeout_s: float = 600.0) \
+            -> tuple[int, dict[int, int] | None, tuple[int, int] | None]:
         """Let the probe train at ``batch_sizes`` and wait for it: ``(runtime_bytes, step bytes per
-        batch size)``; step bytes None where /proc cannot reset the high-water mark.
+        batch size, retained)``; step bytes None where /proc cannot reset the high-water mark.
+
+        ``retained`` is ``(batch size, bytes)``: at the largest batch size, how far the resident set
+        grew with glibc's defaults beyond what the steps hold live (the growth less the optimizer's
+        state and the live step bytes at that batch, at least 0); None where either was not measured
+        or the C library is not glibc.
 
         Raises:
             RuntimeError: the probe failed or ran longer than ``timeout_s`` (then it is ended).
@@ -625,8 +745,12 @@ class CpuMemoryProbe:
             result = json.loads(out.strip().splitlines()[-1])
         except (ValueError, IndexError) as exc:
             raise RuntimeError(f"the memory probe process printed no result: {exc}") from exc
-        peaks = result["peaks"]
-        return int(result["runtime_bytes"] or 0), None if peaks is None else {int(k): int(v) for k, v in peaks.items()}
+        peaks = None if result["peaks"] is None else {int(k): int(v) for k, v in result["peaks"].items()}
+        growth, retained = result.get("growth"), None
+        if growth is not None and peaks is not None and growth["batch_size"] in peaks:
+            b = growth["batch_size"]
+            retained = (b, max(0, growth["growth_bytes"] - growth["optimizer_bytes"] - peaks[b]))
+        return int(result["runtime_bytes"] or 0), peaks, retained
 
     def cancel(self) -> None:
         """End the probe now (nothing when it has ended)."""
@@ -979,8 +1103,8 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
             say(f"batch {batch_size} does not fit; measuring batches {sizes[0]}..{fitting}, extrapolating "
                 f"{', '.join(map(str, beyond))}")
         say("memory of a worker process and of real training steps")
-        runtime_bytes, real_steps = probe.result(sizes) if probe else \
-            _measure_cuda_memory(network, family, sizes, dev, optimizer)
+        runtime_bytes, real_steps, retained = probe.result(sizes) if probe else \
+            (*_measure_cuda_memory(network, family, sizes, dev, optimizer), None)
         torch.manual_seed(0)
         model = build_model(network, family).to(dev)
         model.train()
@@ -1007,7 +1131,8 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
                 measured = max(0, real_steps[b] + b * (input_bytes + 8) - fake["param_bytes"])
             steps.append(StepProfile(batch_size=b, forward_s=f, backward_s=bk, optimizer_s=o, step_s=f + bk + o,
                                      activation_peak_bytes=fake["activation_peak_bytes"][b],
-                                     measured_activation_peak_bytes=measured))
+                                     measured_activation_peak_bytes=measured,
+                                     retained_bytes=retained[1] if retained and retained[0] == b else None))
         del model, opt, x, y
         loading = []
         if loader_workers:
