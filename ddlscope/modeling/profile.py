@@ -244,12 +244,17 @@ class WorkloadProfile(BaseModel):
         step allocates and frees (the gradients ``G = P`` and the activations ``A(b)``), at the batch
         size where the profile measured it (:attr:`StepProfile.retained_bytes`): ``retained / (P + A(b))``.
         None where it was not measured (GPU profiles, profiles written before it was measured)."""
-        have = [s for s in self.steps if s.retained_bytes is not None]
-        if not have:
+        step = self.retained_step
+        if step is None:
             return None
-        step = have[-1]
         moved = self.param_bytes + step.activation_bytes
         return step.retained_bytes / moved if moved > 0 else None
+
+    @property
+    def retained_step(self) -> StepProfile | None:
+        """CPU: the step at whose batch size the profile measured the heap glibc keeps
+        (:attr:`StepProfile.retained_bytes`); None where it was not measured."""
+        return next((s for s in reversed(self.steps) if s.retained_bytes is not None), None)
 
     def step_peak_bytes(self, step: StepProfile) -> int:
         """Peak bytes of ``step`` (a step of this profile or :meth:`step_at`'s) on one device, without the

@@ -76,10 +76,10 @@ def print_profile(profile, path: Path | None = None, console=None) -> None:
         console.print(f"{profile.fit_note()} (* above)", markup=False)
     console.print(f"model: {profile.param_count:,} parameters, {profile.param_bytes / 1e6:.1f} MB; buffers "
                   f"{profile.buffer_bytes / 1e6:.2f} MB; optimizer state {profile.optimizer_state_bytes / 1e6:.1f} MB")
-    kept = [s for s in profile.steps if s.retained_bytes is not None]
-    if kept:  # CPU: what glibc keeps of the freed heap, added to every worker's predicted peak
-        console.print(f"freed heap kept resident (glibc's defaults, batch {kept[-1].batch_size}): "
-                      f"{kept[-1].retained_bytes / 1e6:.1f} MB, {profile.retained_share():.2f} of the gradients and "
+    kept = profile.retained_step
+    if kept is not None:  # CPU: what glibc keeps of the freed heap, added to every worker's predicted peak
+        console.print(f"freed heap kept resident (glibc's defaults, batch {kept.batch_size}): "
+                      f"{kept.retained_bytes / 1e6:.1f} MB, {profile.retained_share():.2f} of the gradients and "
                       "activations", markup=False)
     for d in profile.data_loading:
         console.print(f"data loading, {d.loader_workers} loader worker(s): {d.samples_per_s:,.0f} samples/s",

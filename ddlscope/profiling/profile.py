@@ -508,41 +508,26 @@ def _tensor_bytes(model, optimizer, *tensors) -> int:
 def _probe_resident_growth(network: str, family: str, batch_size: int, optimizer: OptimizerSetting, status,
                            steps: int) -> dict | None:
     """In the probe process, with glibc's default allocator settings (as a worker runs): how far the
-    resident set grows over the first ``steps`` training steps at ``batch_size``, measured as a run
-    measures it (:func:`ddlscope.train.loop.run_worker`: from the resident set once the model, the
-    optimizer and the batch exist, before the first step, to the high-water mark after the last).
+    resident set grows over the first ``steps`` training steps at ``batch_size`` (:func:`_train_steps`),
+    measured as a run measures it (:func:`ddlscope.train.loop.run_worker`: from the resident set once
+    the model, the optimizer and the batch exist, before the first step, to the high-water mark
+    after the last).
 
-    Returns ``{"batch_size", "growth_bytes", "optimizer_bytes"}`` (the optimizer's state, created by
-    the first step and counted in the growth), or None when the high-water mark cannot be reset.
-    The probe runs it in a child process (:func:`_resident_growth_in_child`). MobileNetV2/MNIST on
-    one thread grew by 622 and 1,259 MiB over 3 steps at batch 32 and 64, and by 626 and 1,286
-    over 12; with the mmap threshold fixed, the same steps' live peaks were 497 and 958 MiB
-    (2026-12-02, this project's 2-core machine).
+    Returns ``{"batch_size", "growth_bytes"}`` (the growth includes the optimizer's state, which the
+    first step creates), or None when the high-water mark cannot be reset. The probe runs it in a
+    child process (:func:`_resident_growth_in_child`). MobileNetV2/MNIST on one thread grew by 622
+    and 1,259 MiB over 3 steps at batch 32 and 64, and by 626 and 1,286 over 12; with the mmap
+    threshold fixed, the same steps' live peaks were 497 and 958 MiB (2026-12-02, this project's
+    2-core machine).
     """
-    import gc
-
     import torch
 
-    from ddlscope.workloads.models import build_model, input_spec
-    from ddlscope.workloads.step import train_step
-
-    spec = input_spec(family)
-    torch.manual_seed(0)
-    model = build_model(network, family)
-    opt = _build_optimizer(optimizer, model.parameters())
-    x = torch.randn(batch_size, spec.channels, spec.height, spec.width)
-    y = torch.randint(0, spec.num_classes, (batch_size,))
-    start = _reset_resident_peak(status)
-    if start is None:
+    start: list[int | None] = []
+    _train_steps(network, family, optimizer, torch.device("cpu"), batch_size, steps=steps,
+                 before=lambda: start.append(_reset_resident_peak(status)))
+    if start[0] is None:
         return None
-    for _ in range(steps):
-        train_step(model, opt, x, y)
-    growth = max(0, status("VmHWM") - start)
-    state = sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values()
-                if isinstance(v, torch.Tensor))
-    del model, opt, x, y
-    gc.collect()
-    return {"batch_size": batch_size, "growth_bytes": growth, "optimizer_bytes": state}
+    return {"batch_size": batch_size, "growth_bytes": max(0, status("VmHWM") - start[0])}
 
 
 def _resident_growth_in_child(network: str, family: str, batch_size: int, optimizer: OptimizerSetting, status,
@@ -570,7 +555,6 @@ def _resident_growth_in_child(network: str, family: str, batch_size: int, optimi
         finally:
             os._exit(code)
     os.close(write_fd)
-    data = b""
     with os.fdopen(read_fd, "rb") as pipe:
         data = pipe.read()
     _, wait_status = os.waitpid(pid, 0)
@@ -720,12 +704,11 @@ class CpuMemoryProbe:
     def result(self, batch_sizes: list[int], timeout_s: float = 600.0) \
             -> tuple[int, dict[int, int] | None, tuple[int, int] | None]:
         """Let the probe train at ``batch_sizes`` and wait for it: ``(runtime_bytes, step bytes per
-        batch size, retained)``; step bytes None where /proc cannot reset the high-water mark.
+        batch size, growth)``; step bytes None where /proc cannot reset the high-water mark.
 
-        ``retained`` is ``(batch size, bytes)``: at the largest batch size, how far the resident set
-        grew with glibc's defaults beyond what the steps hold live (the growth less the optimizer's
-        state and the live step bytes at that batch, at least 0); None where either was not measured
-        or the C library is not glibc.
+        ``growth`` is ``(batch size, bytes)``: at the largest batch size, how far the resident set
+        grew with glibc's defaults over :data:`RETAINED_STEPS` steps (:func:`_probe_resident_growth`);
+        None where it was not measured or the C library is not glibc.
 
         Raises:
             RuntimeError: the probe failed or ran longer than ``timeout_s`` (then it is ended).
@@ -746,11 +729,8 @@ class CpuMemoryProbe:
         except (ValueError, IndexError) as exc:
             raise RuntimeError(f"the memory probe process printed no result: {exc}") from exc
         peaks = None if result["peaks"] is None else {int(k): int(v) for k, v in result["peaks"].items()}
-        growth, retained = result.get("growth"), None
-        if growth is not None and peaks is not None and growth["batch_size"] in peaks:
-            b = growth["batch_size"]
-            retained = (b, max(0, growth["growth_bytes"] - growth["optimizer_bytes"] - peaks[b]))
-        return int(result["runtime_bytes"] or 0), peaks, retained
+        growth = result.get("growth")
+        return int(result["runtime_bytes"] or 0), peaks, growth and (growth["batch_size"], growth["growth_bytes"])
 
     def cancel(self) -> None:
         """End the probe now (nothing when it has ended)."""
@@ -856,9 +836,12 @@ def _add_activation_peaks(fake: dict, batch_sizes, network: str, family: str, op
         fake["activation_peak_bytes"].update(more["activation_peak_bytes"])
 
 
-def _train_steps(network: str, family: str, optimizer: OptimizerSetting, device, batch_size: int) -> None:
-    """Two training steps of a fresh model at ``batch_size`` on ``device`` (the second with the
-    optimizer's state, as the profile's steps run); everything is dropped on return."""
+def _train_steps(network: str, family: str, optimizer: OptimizerSetting, device, batch_size: int,
+                 steps: int = 2, before=None) -> None:
+    """``steps`` training steps of a fresh model at ``batch_size`` on ``device`` (by default two: the
+    second with the optimizer's state, as the profile's steps run); ``before()``, when given, is
+    called once the model, the optimizer and the batch exist, before the first step. Everything is
+    dropped on return."""
     import torch
 
     from ddlscope.workloads.models import build_model, input_spec
@@ -869,7 +852,9 @@ def _train_steps(network: str, family: str, optimizer: OptimizerSetting, device,
     opt = _build_optimizer(optimizer, model.parameters())
     x = torch.randn(batch_size, spec.channels, spec.height, spec.width, device=device)
     y = torch.randint(0, spec.num_classes, (batch_size,), device=device)
-    for _ in range(2):
+    if before is not None:
+        before()
+    for _ in range(steps):
         train_step(model, opt, x, y)
 
 
@@ -1103,7 +1088,7 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
             say(f"batch {batch_size} does not fit; measuring batches {sizes[0]}..{fitting}, extrapolating "
                 f"{', '.join(map(str, beyond))}")
         say("memory of a worker process and of real training steps")
-        runtime_bytes, real_steps, retained = probe.result(sizes) if probe else \
+        runtime_bytes, real_steps, growth = probe.result(sizes) if probe else \
             (*_measure_cuda_memory(network, family, sizes, dev, optimizer), None)
         torch.manual_seed(0)
         model = build_model(network, family).to(dev)
@@ -1125,14 +1110,16 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
             x = torch.randn(b, spec.channels, spec.height, spec.width, device=dev)
             y = torch.randint(0, spec.num_classes, (b,), device=dev)
             f, bk, o, _ = _time_steps(model, opt, x, y)
-            measured = None
+            measured = retained = None
             if real_steps is not None and b in real_steps:
                 # the probe's step bytes exclude the input batch (resident before) and include the gradients
                 measured = max(0, real_steps[b] + b * (input_bytes + 8) - fake["param_bytes"])
+                if growth is not None and growth[0] == b:  # the growth less the optimizer's state and the live step
+                    retained = max(0, growth[1] - fake["optimizer_state_bytes"] - real_steps[b])
             steps.append(StepProfile(batch_size=b, forward_s=f, backward_s=bk, optimizer_s=o, step_s=f + bk + o,
                                      activation_peak_bytes=fake["activation_peak_bytes"][b],
                                      measured_activation_peak_bytes=measured,
-                                     retained_bytes=retained[1] if retained and retained[0] == b else None))
+                                     retained_bytes=retained))
         del model, opt, x, y
         loading = []
         if loader_workers:
