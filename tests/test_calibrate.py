@@ -252,6 +252,10 @@ def test_fit_swarm_reads_whole_epochs_after_the_first_and_fits_overhead_against_
     first = [0.2] * 20 + [0.05] * 20
     assert fit.step_pattern_s[0] == pytest.approx((statistics.fmean(first), statistics.stdev(first)))
     assert fit.step_pattern_s[1:] == [pytest.approx((0.0, 0.0))] * 2
+    # and per epoch, both workers' steps together: 10 epochs of each swarm
+    assert len(fit.step_epochs_s) == 20
+    assert fit.step_epochs_s[0] == [pytest.approx([0.2, 0.0, 0.0])] * 2
+    assert fit.step_epochs_s[-1] == [pytest.approx([0.05, 0.0, 0.0])] * 2
     # each swarm keeps its own overshoot: 2 extra steps at the short step, 1 at the long one
     def longer(batch, alone):  # 4 steps per epoch after the first
         sw = swarm(batch, alone, 0.5)

@@ -120,7 +120,8 @@ def test_write_then_load_round_trip(tmp_path):
                        peers=[PeerSpec(compute_share=0.5, bandwidth_gb_per_s=0.01),
                               PeerSpec(compute_share=2, bandwidth_gb_per_s=0.125, latency_s=0.02, memory_gib=8)],
                        hivemind=HivemindFit(epoch_overhead_s=1.7, overshoot_steps=0.9,
-                                            overshoot_points=[(0.35, 1.5), (0.64, 0.3)], reference_network="mobilenet_v2"))
+                                            overshoot_points=[(0.35, 1.5), (0.64, 0.3)], reference_network="mobilenet_v2",
+                                            step_epochs_s=[[[0.3, 0.1], [0.0, 0.2, -0.01]], [[0.4], [0.1, 0.1]]]))
     path = write_cluster(spec, tmp_path / "sub" / "c.toml", header="measured somewhere\non some day")
     assert load_cluster(path) == spec
     text = path.read_text()
@@ -132,6 +133,12 @@ def test_write_then_load_round_trip(tmp_path):
 def test_examples_round_trip(tmp_path, name):
     spec = load_cluster(EXAMPLES / name)
     assert load_cluster(write_cluster(spec, tmp_path / name)) == spec
+
+
+def test_a_hivemind_fit_refuses_epochs_of_uneven_peers_or_without_steps():
+    for bad in ([[[0.1], [0.2]], [[0.1]]], [[[0.1], []]], [[]]):
+        with pytest.raises(ValueError, match="same number of peers"):
+            HivemindFit(epoch_overhead_s=1.0, step_epochs_s=bad)
 
 
 def test_dumps_has_no_empty_peers_or_none():

@@ -548,6 +548,39 @@ def test_collaborative_overshoot_follows_hiveminds_rule_on_the_fits_step_pattern
     assert overshoot([], 2) == (pytest.approx(2.0), "fit")
 
 
+def test_collaborative_overshoot_draws_the_fits_epochs_whole():
+    import random
+    import statistics
+
+    prof = make_profile(per_sample_s=0.01)  # about 1 s steps at batch 8
+    c = prof.step_at(8).forward_s + prof.step_at(8).backward_s
+    rng = random.Random(0)
+
+    def extra(share):
+        return rng.gauss(share * c, 0.05 * c)
+
+    # in every epoch hivemind's work lands on one peer's first step (+0.3 of a step), the other's is clean;
+    # which one changes at random; both second steps +0.4
+    epochs = [[[extra(0.3), extra(0.4)], [extra(0.0), extra(0.4)]][::rng.choice((1, -1))] for _ in range(40)]
+    firsts = [e[q][0] for e in epochs for q in (0, 1)]
+    seconds = [e[q][1] for e in epochs for q in (0, 1)]
+    fit = HivemindFit(epoch_overhead_s=1.0, reference_param_bytes=prof.param_bytes, matchmaking_time_s=0.01,
+                      reference_network="toy", step_epochs_s=epochs,
+                      step_pattern_s=[(statistics.fmean(firsts), statistics.stdev(firsts)),
+                                      (statistics.fmean(seconds), statistics.stdev(seconds))])
+    s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=32, matchmaking_time_s=0.01)
+
+    def overshoot(fit):
+        p = predict(prof, make_cluster(bw=1e3).model_copy(update={"hivemind": fit}), s)
+        return p.inputs["overshoot_steps"], p.inputs["overshoot_from"]
+
+    whole, source = overshoot(fit)
+    assert source == "rule" and 0.2 < whole < 0.5
+    # the same steps drawn per peer and position (a fit without the epochs) lose which peer took the work
+    apart, source = overshoot(fit.model_copy(update={"step_epochs_s": []}))
+    assert source == "rule" and apart < whole - 0.1
+
+
 def test_collaborative_round_wire_time_overlaps_the_rounds_cpu_work_in_the_fit():
     prof = make_profile()
     s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=0.01)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from ddlscope.modeling.progress import (ProgressModel, TracedStep, TrackerSettings, replay_transitions,
+from ddlscope.modeling.progress import (EpochDraws, ProgressModel, TracedStep, TrackerSettings, replay_transitions,
                                         simulate_overshoot)
 
 
@@ -89,15 +89,25 @@ def test_a_short_last_step_runs_past_the_target_and_a_long_one_does_not():
         simulate_overshoot(lambda q, epoch, pos, rng: 0.0, 2, 32, settings, epochs=1)
 
 
-def _swarm_rows(step_s, epochs=30, batch=32, target=128, round_s=0.5, seed=1):
-    """Step rows of a 2-peer run whose peers follow the rule (ProgressModel), as the store keeps them."""
+def _swarm_rows(step_s, epochs=30, batch=32, target=128, round_s=0.5, seed=1, lag_s=0.0):
+    """Step rows of a 2-peer run whose peers follow the rule (ProgressModel), as the store keeps them;
+    the round ends ``lag_s`` later for the peer with the shorter first step after it."""
     import random
 
     rng = random.Random(seed)
     model = ProgressModel(TrackerSettings(target, latency_s=0.05), 2, start_s=0.0)
-    rows, counters, start = [], [0, 0], 0.0
+    rows, counters, start, done = [], [0, 0], 0.0, []
     for epoch in range(epochs):
-        ends = {q: (start, start + step_s(q, epoch, 0, rng)) for q in (0, 1)}
+        firsts = {q: step_s(q, epoch, 0, rng) for q in (0, 1)}
+        begins = {q: start + (lag_s if epoch and q == min(firsts, key=firsts.get) else 0.0) for q in (0, 1)}
+        for q, began, at in done:  # the step that ended the epoch holds the round and its wait
+            rows.append(dict(worker_index=q, step=counters[q], wall_time=began, step_s=begins[q] - began,
+                             data_load_s=0.0, forward_s=(at - began) * 0.4, backward_s=(at - began) * 0.6,
+                             samples=batch, global_epoch=epoch, warmup=0, averaging_round=1))
+            counters[q] += 1
+        for q in sorted(begins, key=begins.get) if epoch else ():
+            model.round_end(q, begins[q])
+        ends = {q: (begins[q], begins[q] + firsts[q]) for q in (0, 1)}
         position, joined, done = [0, 0], {}, []
         while ends:
             q = min(ends, key=lambda k: ends[k][1])
@@ -113,13 +123,6 @@ def _swarm_rows(step_s, epochs=30, batch=32, target=128, round_s=0.5, seed=1):
                 counters[q] += 1
                 ends[q] = (at, at + step_s(q, epoch, position[q], rng))
         start = max(joined.values()) + round_s
-        for q, began, at in done:  # the step that ended the epoch holds the round's wait
-            rows.append(dict(worker_index=q, step=counters[q], wall_time=began, step_s=start - began,
-                             data_load_s=0.0, forward_s=(at - began) * 0.4, backward_s=(at - began) * 0.6,
-                             samples=batch, global_epoch=epoch + 1, warmup=0, averaging_round=1))
-            counters[q] += 1
-        for q in (0, 1):
-            model.round_end(q, start)
     return rows
 
 
@@ -140,3 +143,61 @@ def test_a_run_that_follows_the_rule_replays_exactly_and_its_overshoot_is_simula
     # nothing to check without a second trainer or without the steps' times
     assert check_epoch_rule([r for r in rows if r["worker_index"] == 0], 128, 32) is None
     assert check_epoch_rule([dict(r, forward_s=None) for r in rows], 128, 32) is None
+
+
+def test_epochs_drawn_whole_keep_which_peer_took_the_rounds_work_and_the_lag_of_the_other():
+    """hivemind's work after a round lands on one peer's first step (issue 14's swarms): drawn whole,
+    the run's epochs give its overshoot; each peer's steps drawn on their own do not. A round that ends
+    later for the peer with the clean first step lowers the overshoot, and the check measures that lag."""
+    from ddlscope.analyze.epoch_rule import check_epoch_rule
+    from ddlscope.analyze.swarm import global_epochs
+
+    heavy: dict[int, int] = {}
+
+    def step_s(q, epoch, pos, rng):
+        if pos == 0:
+            heavy.setdefault(epoch, rng.randrange(2))
+            return max(0.05, rng.gauss(1.0 if q == heavy[epoch] else 0.7, 0.05))
+        return max(0.05, rng.gauss(1.1, 0.05))
+
+    def each_peer_alone(q, epoch, pos, rng):  # the same steps, without the epoch's pairing
+        return max(0.05, rng.gauss(rng.choice((0.7, 1.0)) if pos == 0 else 1.1, 0.05))
+
+    measured = {}
+    for lag in (0.0, 0.15):
+        heavy.clear()
+        rows = _swarm_rows(step_s, epochs=80, lag_s=lag)
+        check = check_epoch_rule(rows, 128, 32)
+        measured[lag] = global_epochs(rows, 128, 32).overshoot_steps
+        assert check.agreed == check.decisions
+        assert check.round_end_lag_s == pytest.approx(lag, abs=0.01)
+        assert check.simulated_overshoot_steps == pytest.approx(measured[lag], abs=0.08)
+    alone = simulate_overshoot(each_peer_alone, 2, 32, TrackerSettings(128, latency_s=0.05), round_s=0.5, epochs=1000)
+    assert alone < measured[0.0] - 0.1
+    assert measured[0.15] < measured[0.0] - 0.15
+
+
+def test_epoch_draws_take_each_peers_steps_of_one_epoch_and_pools_beyond_them():
+    import random
+
+    epochs = [[[1.0, 2.0], [3.0]], [[5.0, 6.0, 7.0], [8.0, 9.0]]]
+    draw = EpochDraws(epochs, base_s=[10.0, 10.0, 10.0])
+    rng = random.Random(0)
+    for epoch in range(20):
+        firsts = [draw(q, epoch, 0, rng) for q in range(3)]
+        picked = epochs[0] if firsts[0] == 11.0 else epochs[1]
+        assert firsts == [10 + picked[0][0], 10 + picked[1][0], 10 + picked[0][0]]  # peer 2 takes peer 0's steps
+        assert draw(1, epoch, 1, rng) == 19.0  # its own second step, or (epoch 0: none) its second steps' pool: [9]
+        assert draw(0, epoch, 3, rng) == 17.0  # beyond any epoch's steps: every peer's steps at 2 and later
+    assert EpochDraws(epochs, base_s=[1.0, 1.0], floor_share=0.5)(0, 0, 5, rng) >= 0.5
+    for bad in ([], [[[1.0]], [[1.0], [2.0]]], [[[1.0], []]]):
+        with pytest.raises(ValueError, match="epoch"):
+            EpochDraws(bad)
+    # each epoch's own lag goes with it
+    lagged = EpochDraws(epochs, lags_s=[0.1, 0.2])
+    for epoch in range(10):
+        first = lagged(0, epoch, 0, rng)
+        assert lagged.round_end_lag_s(epoch) == (0.1 if first == 1.0 else 0.2)
+    assert EpochDraws(epochs).round_end_lag_s(0) == 0.0
+    with pytest.raises(ValueError, match="one lag per epoch"):
+        EpochDraws(epochs, lags_s=[0.1])

@@ -407,7 +407,9 @@ def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
         lines += ["", f"Why: hivemind's epoch-ending rule (`ddlscope.modeling.progress`), replayed on these steps, "
                   f"gives what the peer did at {r.agreed} of {r.decisions} step ends. On this run's step times "
                   f"by position in the epoch ({by_position}, from the round's end or the previous step to the "
-                  f"report) the rule runs {r.simulated_overshoot_steps:.2f} steps past the target per peer. A peer "
+                  f"report), its epochs drawn whole, each with the lag it had (the round ended a median "
+                  f"{r.round_end_lag_s:.2f} s later for the peer with the shortest first step after it), the rule runs "
+                  f"{r.simulated_overshoot_steps:.2f} steps past the target per peer. A peer "
                   "that ends its share before the tracker's estimated end starts another step: the shorter the "
                   "last step of a share against the peer's average, the larger the overshoot."]
     split = [(p.peer, cpu) for p in a.peers if (cpu := p.background_cpu_per_round_s()) is not None]

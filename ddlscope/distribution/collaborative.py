@@ -21,7 +21,7 @@ from ddlscope.modeling.collectives import butterfly_allreduce_s, contention, ser
 from ddlscope.modeling.memory import MemoryEstimate, replicas
 from ddlscope.modeling.prediction import Prediction, Setting, make_prediction, split_compute
 from ddlscope.modeling.profile import WorkloadProfile
-from ddlscope.modeling.progress import DHT_LATENCY_S, TrackerSettings, simulate_overshoot
+from ddlscope.modeling.progress import DHT_LATENCY_S, TrackerSettings, EpochDraws, simulate_overshoot
 
 if TYPE_CHECKING:
     from ddlscope.network.emulated import NetworkConfig
@@ -387,8 +387,9 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     see the swarm's progress late. With a ``hivemind`` fit (``calibrate --hivemind``: a reference
     network trained in a local swarm) a global epoch lasts the overshoot more steps of the slowest
     peer and holds their samples: hivemind's epoch-ending rule run on the peers' steps as the
-    fit's ``step_pattern_s`` makes them (:func:`rule_overshoot`; ``inputs["overshoot_from"]`` is
-    ``"rule"``), or for a fit without the pattern its overshoot at the slowest peer's compute step
+    fit measured hivemind's work in them, its epochs drawn whole (``step_epochs_s``, or
+    ``step_pattern_s`` for a fit without them; :func:`rule_overshoot`; ``inputs["overshoot_from"]``
+    is ``"rule"``), or for a fit without either its overshoot at the slowest peer's compute step
     (:meth:`HivemindFit.overshoot_at`, ``"fit"``), and the measured overhead, ``epoch_overhead_s +
     overhead_steps x`` the slowest peer's step, replaces the two rounds on these devices. Of that
     overhead, the fit's ``compute_overhead_s`` (what hivemind's work on the peer's cores added to
@@ -499,37 +500,53 @@ within :data:`RULE_EPOCHS`."""
 
 def rule_overshoot(hm: HivemindFit, peer_steps: list[float], s: Setting) -> float | None:
     """Steps per peer per global epoch beyond the target batch, from hivemind's epoch-ending rule
-    (:func:`ddlscope.modeling.progress.simulate_overshoot`) on steps made as the fit's
-    ``step_pattern_s`` says: trainer ``q``'s step at position ``i`` after the round takes
-    ``peer_steps[q]`` plus the pattern's mean at ``i`` (its last entry for later positions), with
-    its standard deviation (normal draws, at least a tenth of the step), at the setting's target
-    batch size, batch size and trainers, rounds of ``matchmaking_time_s``. None without a pattern.
+    (:func:`ddlscope.modeling.progress.simulate_overshoot`) on steps made as the fit measured
+    hivemind's work in them: trainer ``q``'s step at position ``i`` after the round takes
+    ``peer_steps[q]`` plus what that work added there. With the fit's ``step_epochs_s``, whole
+    epochs of the reference swarms are drawn (:class:`ddlscope.modeling.progress.EpochDraws`: the
+    peers of one epoch together); for a fit without them, each step from ``step_pattern_s``
+    (normal draws of the position's mean and standard deviation, its last entry for later
+    positions). Steps are at least a tenth of ``peer_steps[q]``; the rule runs at the setting's
+    target batch size, batch size and trainers, rounds of ``matchmaking_time_s``. None without
+    epochs or a pattern.
 
-    The fit measures the pattern at 2 steps per peer; the rule carries it to other steps per peer,
-    where one fixed overshoot does not (issue 14, 2026-11-29: 2 one-core peers of MobileNetV2 on
-    loopback overshot 0.38 steps at 2 steps each and 0.70 at 6; the rule on the first run's step
-    times gave 0.60 at 6). The pattern is the reference swarms' on loopback; where a link moves
-    hivemind's work between positions the rule does not follow (``docs/validation.md``, stop 46).
+    Over emulated links the peer with the clean first step ended the round later than the other,
+    by 0.035-0.038 s at 200 Mbit/s, 0.08-0.15 s at 50 Mbit/s and 0.13-0.19 s on a 200/20 pair (2 peers
+    of MobileNetV2/MNIST, 2026-12-02), about one all-reduce part (512 KiB) at the link's rate, and
+    on the runs' own epochs that lag explains their lower overshoot
+    (:func:`ddlscope.analyze.epoch_rule.check_epoch_rule`). Taken into the prediction as one part at
+    the slowest link's rate it predicted 0.18, 0.13 and 0.06 steps where those runs had 0.21, 0.19
+    and 0.33, and 0.21 on every link without it, so the prediction leaves it out
+    (``docs/validation.md``, stop 50).
+
+    The fit measures at 2 steps per peer; the rule carries it to other steps per peer, where one
+    fixed overshoot does not (issue 14, 2026-11-29: 2 one-core peers of MobileNetV2 on loopback
+    overshot 0.38 steps at 2 steps each and 0.70 at 6; the rule on the first run's step times gave
+    0.60 at 6). The steps are the reference swarms' on loopback; where a link moves hivemind's
+    work between positions the rule does not follow (``docs/validation.md``, stop 46).
     """
-    if not hm.step_pattern_s or not peer_steps:
+    if not peer_steps or not (hm.step_epochs_s or hm.step_pattern_s):
         return None
-    return _simulated_overshoot(tuple(map(tuple, hm.step_pattern_s)), tuple(round(x, 4) for x in peer_steps),
+    measured = tuple(tuple(tuple(peer) for peer in epoch) for epoch in hm.step_epochs_s) or None
+    return _simulated_overshoot(measured, tuple(map(tuple, hm.step_pattern_s)), tuple(round(x, 4) for x in peer_steps),
                                 s.batch_size, s.target_batch_size, s.matchmaking_time_s)
 
 
 @functools.lru_cache(maxsize=256)
-def _simulated_overshoot(pattern: tuple[tuple[float, float], ...], peer_steps: tuple[float, ...], batch_size: int,
+def _simulated_overshoot(epochs: tuple[tuple[tuple[float, ...], ...], ...] | None,
+                         pattern: tuple[tuple[float, float], ...], peer_steps: tuple[float, ...], batch_size: int,
                          target_batch_size: int, round_s: float) -> float:
     per_epoch = max(1.0, target_batch_size / batch_size)
-    epochs = int(min(RULE_EPOCHS[1], max(RULE_EPOCHS[0], RULE_STEPS / per_epoch)))
+    count = int(min(RULE_EPOCHS[1], max(RULE_EPOCHS[0], RULE_STEPS / per_epoch)))
 
-    def step(q: int, epoch: int, position: int, rng) -> float:
+    def from_pattern(q: int, epoch: int, position: int, rng) -> float:
         extra, sd = pattern[min(position, len(pattern) - 1)]
         return max(0.1 * peer_steps[q], rng.gauss(peer_steps[q] + extra, sd))
 
+    step = EpochDraws(epochs, base_s=peer_steps) if epochs else from_pattern
     return max(0.0, simulate_overshoot(step, len(peer_steps), batch_size,
                                        TrackerSettings(target_batch_size, latency_s=DHT_LATENCY_S),
-                                       round_s=round_s, epochs=epochs, seed=0))
+                                       round_s=round_s, epochs=count, seed=0))
 
 
 def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, scale: float,
@@ -548,8 +565,8 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     peer_steps = [(compute + local_opt) * slow / share + load for share in shares]
     throughput = sum(s.batch_size / t for t in peer_steps)
     hm = cluster.hivemind
-    # peers overshoot the target batch: hivemind's epoch-ending rule on steps made as the fit's pattern says, or
-    # (a fit from before the pattern was kept) the calibrated steps at their compute step (the swarms' compute alone)
+    # peers overshoot the target batch: hivemind's epoch-ending rule on steps made as the fit measured them, or (a
+    # fit from before the pattern was kept) the calibrated steps at their compute step (the swarms' compute alone)
     overshoot, overshoot_from = 0.0, "none"
     if hm and shares:
         overshoot, overshoot_from = rule_overshoot(hm, peer_steps, s), "rule"

@@ -119,6 +119,11 @@ class HivemindFit(BaseModel):
             rule on steps made so (:mod:`ddlscope.modeling.progress`), which gives the overshoot
             at any steps per peer. Empty: a file from before it was kept (the overshoot is then
             :meth:`overshoot_at`).
+        step_epochs_s: the same seconds kept per global epoch of the reference swarms, per peer
+            (rank order), its steps in order: ``[[[s0, s1], [s0, s1, s2]], ...]``. The rule runs
+            on these epochs drawn whole where they are kept, since an epoch's peers are not
+            independent (:class:`ddlscope.modeling.progress.EpochDraws`). Empty: a file from
+            before they were kept (the rule then runs on ``step_pattern_s``).
         epoch_cpu_s: CPU seconds hivemind's processes and threads used per epoch (for the record).
         reference: what was trained; reference_param_bytes: its parameter bytes;
             reference_network: the zoo network trained (``None``: a file from before it was kept).
@@ -139,12 +144,20 @@ class HivemindFit(BaseModel):
     overshoot_steps: float = Field(0.0, ge=0)
     overshoot_points: list[tuple[float, float]] = Field(default_factory=list)
     step_pattern_s: list[tuple[float, float]] = Field(default_factory=list)
+    step_epochs_s: list[list[list[float]]] = Field(default_factory=list)
     epoch_cpu_s: float = Field(0.0, ge=0)
     reference: str = ""
     reference_param_bytes: int = Field(0, ge=0)
     reference_network: str | None = None
     matchmaking_time_s: float | None = Field(None, gt=0)
     peer_startup_s: float | None = Field(None, ge=0)
+
+    @field_validator("step_epochs_s")
+    @classmethod
+    def _whole_epochs(cls, v: list[list[list[float]]]) -> list[list[list[float]]]:
+        if v and (not v[0] or any(len(e) != len(v[0]) for e in v) or any(not steps for e in v for steps in e)):
+            raise ValueError("every epoch needs the same number of peers (>= 1), each with at least one step")
+        return v
 
     def overshoot_at(self, step_s: float) -> float:
         """Extra steps per peer per global epoch for peers whose compute step takes ``step_s``

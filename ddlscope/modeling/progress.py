@@ -24,7 +24,8 @@ whose steps after the round were faster (hivemind's parameter round's CPU lands 
 two) finishes first, and whether it starts a third step depends on how its step times compare
 with the throughputs in the records. :func:`replay_transitions` checks the rule against a stored
 run (the decisions it gives at every step end against the ones the peers took);
-:func:`simulate_overshoot` runs it on modelled step times to predict the mean overshoot.
+:func:`simulate_overshoot` runs it on modelled step times to predict the mean overshoot; :class:`EpochDraws`
+makes such step times from whole measured epochs.
 
 The model leaves out what does not decide the race on these swarms: matchmaking (every peer that
 transitions joins the same round), records expiring (60 s) and client-mode or auxiliary peers.
@@ -36,7 +37,7 @@ import bisect
 import math
 import random
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 EPS = 1e-20
@@ -284,19 +285,87 @@ step's start to its report. Epochs count from 0, warm-up epochs included; every 
 step of an epoch is asked for before any later step of it."""
 
 
+class EpochDraws:
+    """A :data:`StepTime` that draws whole epochs of a swarm: every simulated epoch takes one of
+    ``epochs`` at random, and peer ``q`` takes its peer ``q mod n``'s steps there, position by position.
+
+    An epoch's peers are not independent. In issue 14's swarms (2 one-core peers, MobileNetV2/MNIST)
+    hivemind's work after a round landed on one peer's first step and left the other's clean (0.9-1.0
+    s against 0.65-0.72 s), and which peer took it changed from epoch to epoch. Draws per peer and
+    position (the means and spreads of a pattern) lose that; on one loopback run they gave an
+    overshoot of 0.12 steps where the run had 0.24, and its own epochs drawn whole 0.20 (2026-12-02).
+
+    Args:
+        epochs: per epoch, per peer, seconds of each of its steps in order (``[[[s0, s1], [s0, s1, s2]],
+            ...]``); every epoch has the same number of peers (>= 1), each with at least one step.
+        base_s: per simulated peer, seconds added to each drawn step (None: 0); with
+            ``floor_share``, a step is never shorter than ``floor_share x base_s[q]``.
+        lags_s: per epoch, seconds by which the round before it ended later for the peer with the
+            shortest first step than for the others (None: 0); :meth:`round_end_lag_s` gives the
+            drawn epoch's, for :func:`simulate_overshoot`.
+
+    Positions beyond the drawn peer's steps in its epoch: position 1 from that peer's position 1 in
+    any epoch (position 0's where it has none), later ones from every peer's steps at positions 2
+    and later (position 1's where there are none). Needs the simulation's order: each epoch's position 0 of
+    every peer before its later positions (:func:`simulate_overshoot` asks so).
+
+    Raises:
+        ValueError: no epochs, epochs of different peer counts, a peer without steps, or lags not
+            one per epoch.
+    """
+
+    def __init__(self, epochs: Sequence[Sequence[Sequence[float]]], base_s: Sequence[float] | None = None,
+                 floor_share: float = 0.1, lags_s: Sequence[float] | None = None):
+        if not epochs:
+            raise ValueError("need at least one epoch to draw from")
+        n = len(epochs[0])
+        if n < 1 or any(len(e) != n for e in epochs) or any(not steps for e in epochs for steps in e):
+            raise ValueError("every epoch needs the same number of peers (>= 1), each with at least one step")
+        if lags_s is not None and len(lags_s) != len(epochs):
+            raise ValueError(f"need one lag per epoch: {len(lags_s)} lags for {len(epochs)} epochs")
+        self.epochs, self.base_s, self.floor_share, self.lags_s, self.peers = epochs, base_s, floor_share, lags_s, n
+        self.second = [[e[q][1] for e in epochs if len(e[q]) > 1] or [e[q][0] for e in epochs] for q in range(n)]
+        self.later = [x for e in epochs for steps in e for x in steps[2:]] or [x for pool in self.second for x in pool]
+        self.drawn: tuple[int, int] = (-1, 0)  # (simulated epoch, index of the epoch drawn for it)
+
+    def __call__(self, q: int, epoch: int, position: int, rng: random.Random) -> float:
+        if self.drawn[0] != epoch:
+            self.drawn = (epoch, rng.randrange(len(self.epochs)))
+        mine = self.epochs[self.drawn[1]][q % self.peers]
+        if position < len(mine):
+            seconds = mine[position]
+        else:
+            seconds = rng.choice(self.second[q % self.peers] if position == 1 else self.later)
+        base = self.base_s[q] if self.base_s is not None else 0.0
+        return max(self.floor_share * base, base + seconds)
+
+    def round_end_lag_s(self, epoch: int) -> float:
+        """The lag of the epoch drawn for simulated epoch ``epoch`` (after its first steps were drawn)."""
+        return 0.0 if self.lags_s is None or self.drawn[0] != epoch else float(self.lags_s[self.drawn[1]])
+
+
 def simulate_overshoot(step_s: StepTime, peers: int, batch_size: int, settings: TrackerSettings,
                        round_s: float = 1.0, epochs: int = 200, warmup_epochs: int = 5,
-                       seed: int = 0) -> float:
+                       seed: int = 0, round_end_lag_s: float | Callable[[int], float] = 0.0) -> float:
     """Mean steps per peer per global epoch beyond the target batch, under the rule.
 
-    Every peer starts each epoch when the previous round ends (together), steps with the times
-    ``step_s`` gives, and after each step asks the rule; a peer that is ready waits in the round,
-    which ends ``round_s`` seconds after the last peer joined it. The first ``warmup_epochs``
-    (throughput averages still settling) are left out.
+    Every peer starts each epoch when the previous round ends, steps with the times ``step_s``
+    gives, and after each step asks the rule; a peer that is ready waits in the round, which ends
+    ``round_s`` seconds after the last peer joined it. The first ``warmup_epochs`` (throughput
+    averages still settling) are left out.
+
+    ``round_end_lag_s``: the round ends this much later for the peer whose first step after it is
+    the shortest (the others end it together; a negative lag: earlier), seconds, or a function of
+    the epoch giving that epoch's lag (asked after the epoch's first steps, e.g.
+    :meth:`EpochDraws.round_end_lag_s`). On emulated links that peer ended the round 0.07-0.24 s
+    after the other (median 0.13 s at 50 Mbit/s, 2 peers of MobileNetV2/MNIST, 0.01-0.03 s on
+    loopback; 2026-12-02), and a later start brings its share's end closer to the swarm's estimate
+    of the epoch's end: it runs past the target less often.
 
     Args:
         step_s: :data:`StepTime`; peers: trainers (>= 1); batch_size: samples per step (>= 1).
         settings: the trackers'; round_s: seconds of each round (>= 0); epochs: epochs counted (>= 1).
+        round_end_lag_s: seconds, or a function of the epoch.
 
     Returns:
         ``mean((samples - target) / (batch_size x peers))`` over the counted epochs.
@@ -311,8 +380,17 @@ def simulate_overshoot(step_s: StepTime, peers: int, batch_size: int, settings: 
     start = 0.0
     extra = []
     for epoch in range(warmup_epochs + epochs):
+        firsts = {q: _checked(step_s(q, epoch, 0, rng)) for q in range(peers)}
+        begins = dict.fromkeys(range(peers), start)
+        lag = round_end_lag_s(epoch) if callable(round_end_lag_s) else round_end_lag_s
+        if peers > 1:  # the peer with the shortest first step starts lag later (the others -lag later if < 0)
+            fast = min(firsts, key=firsts.get)
+            begins = {q: start + (max(0.0, lag) if q == fast else max(0.0, -lag)) for q in range(peers)}
+        if epoch > 0:  # the previous round ends for each peer at its start (in time order)
+            for q in sorted(begins, key=begins.get):
+                model.round_end(q, begins[q])
         # each training peer's step in flight ends at ends[q]; the earliest is the next event
-        ends = {q: start + _checked(step_s(q, epoch, 0, rng)) for q in range(peers)}
+        ends = {q: begins[q] + firsts[q] for q in range(peers)}
         position = [0] * peers
         joined: list[float | None] = [None] * peers
         samples = 0
@@ -326,8 +404,6 @@ def simulate_overshoot(step_s: StepTime, peers: int, batch_size: int, settings: 
             else:
                 ends[q] = at + _checked(step_s(q, epoch, position[q], rng))
         start = max(j for j in joined if j is not None) + round_s
-        for q in range(peers):
-            model.round_end(q, start)
         if epoch >= warmup_epochs:
             extra.append((samples - settings.target_batch_size) / (batch_size * peers))
     return statistics.fmean(extra)

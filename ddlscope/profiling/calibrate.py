@@ -839,6 +839,8 @@ def _fit_hivemind(raw: list[dict[str, Any]], plan: dict[str, Any]) -> tuple[Hive
                                                                        "epoch_cpu_s")},
                                  "overshoot_points": [(_sig(x), _sig(o)) for x, o in fit.overshoot_points],
                                  "step_pattern_s": [(_sig(m), _sig(d)) for m, d in fit.step_pattern_s],
+                                 "step_epochs_s": [[[_sig(x) for x in peer] for peer in epoch]
+                                                   for epoch in fit.step_epochs_s],
                                  "peer_startup_s": _sig(startup) if startup is not None else None})
     return fit, epochs, None
 
@@ -1143,6 +1145,9 @@ def print_calibration(result: CalibrationResult, console=None) -> None:
                                  + ("; in the steps by position after the round: "
                                     + ", ".join(f"{m:+.2f} s (sd {d:.2f})" for m, d in hm.step_pattern_s)
                                     if hm.step_pattern_s else "")
+                                 + (f" ({len(hm.step_epochs_s)} global epochs kept whole, every peer's steps, "
+                                    "for the epoch-ending rule)"
+                                    if hm.step_epochs_s else "")
                                  + (f"; a joining peer starts in {hm.peer_startup_s:.1f} s"
                                     if hm.peer_startup_s is not None else "")))
     if c.dmoe is not None:

@@ -211,9 +211,11 @@ def swarm_epochs(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
         epoch (all workers) ``overhead_s`` (wall time beyond the steps' compute alone),
         ``compute_overhead_s`` (the epoch's compute beyond its steps' compute alone: what
         hivemind's background work added to the steps), ``extra_steps`` (steps beyond the target)
-        and ``cpu_s`` (hivemind's CPU seconds); and ``step_extra_s``: per position in the epoch
+        and ``cpu_s`` (hivemind's CPU seconds); ``step_extra_s``: per position in the epoch
         (:data:`PATTERN_POSITIONS`: the first step after the round, the second, later ones), every
-        such step's compute beyond the compute alone, seconds.
+        such step's compute beyond the compute alone, seconds; and ``epoch_step_extra_s``: the
+        same figures kept together per global epoch that every worker timed whole, per worker in
+        rank order, its steps in order (``[[[s0, s1], [s0, s1, s2]], ...]``).
 
     Raises:
         ValueError: a worker timed fewer than 2 whole global epochs after the first in a swarm.
@@ -222,10 +224,12 @@ def swarm_epochs(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i in range(len(raw[0]["swarms"])):
         alone, overheads, in_steps, extra, cpu = [], [], [], [], []
         by_position: list[list[float]] = [[] for _ in range(PATTERN_POSITIONS)]
+        by_epoch: list[dict[int, list[float]]] = []  # per worker: global epoch -> its steps' extras
         for rank, w in enumerate(raw):
             swarm = w["swarms"][i]
             steps = swarm["steps"]
             ends = [j for j in range(1, len(steps)) if steps[j][2] > steps[j - 1][2]]
+            by_epoch.append({})
             if len(ends) < 3:
                 raise ValueError(f"the hivemind swarm at batch {swarm['batch_size']}: worker {rank} timed "
                                  f"{max(0, len(ends) - 1)} whole global epochs after the first; need at least 2")
@@ -236,11 +240,14 @@ def swarm_epochs(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 in_steps.append(sum(s[0] for s in epoch) - len(epoch) * swarm["compute_alone_s"])
                 cpu.append(sum(s[3] for s in epoch))
                 extra.append(len(epoch) - STEPS_PER_EPOCH)
+                by_epoch[-1][steps[start][2]] = [step[0] - swarm["compute_alone_s"] for step in epoch]
                 for position, step in enumerate(epoch):
                     by_position[min(position, PATTERN_POSITIONS - 1)].append(step[0] - swarm["compute_alone_s"])
         out.append({"batch_size": raw[0]["swarms"][i]["batch_size"], "compute_alone_s": statistics.median(alone),
                     "overhead_s": overheads, "compute_overhead_s": in_steps, "extra_steps": extra, "cpu_s": cpu,
-                    "step_extra_s": by_position})
+                    "step_extra_s": by_position,
+                    "epoch_step_extra_s": [[mine[e] for mine in by_epoch]
+                                           for e in sorted(set.intersection(*(set(m) for m in by_epoch)))]})
     return out
 
 
@@ -276,8 +283,10 @@ def fit_swarm(swarms: list[dict[str, Any]], param_bytes: int, matchmaking_time_s
     their steps' compute alone, a 10 % trimmed mean over every epoch of every swarm, at least 0.
     ``step_pattern_s``: where in the epoch that work lands, per position (:data:`PATTERN_POSITIONS`),
     the mean and standard deviation over every swarm's steps there of the compute beyond the
-    compute alone (positions with fewer than 2 steps end the list); the cost model runs hivemind's
-    epoch-ending rule on it (:mod:`ddlscope.modeling.progress`).
+    compute alone (positions with fewer than 2 steps end the list), and ``step_epochs_s``, the
+    same figures per global epoch that every worker timed, all swarms' epochs together: the cost
+    model runs hivemind's epoch-ending rule on these epochs drawn whole
+    (:class:`ddlscope.modeling.progress.EpochDraws`), or on the pattern for a fit without them.
     """
     import numpy as np
 
@@ -302,6 +311,7 @@ def fit_swarm(swarms: list[dict[str, Any]], param_bytes: int, matchmaking_time_s
                        compute_overhead_s=max(0.0, trimmed_mean([x for sw in swarms for x in sw["compute_overhead_s"]])),
                        overshoot_steps=max(0.0, statistics.fmean(x for sw in swarms for x in sw["extra_steps"])),
                        overshoot_points=points, step_pattern_s=pattern,
+                       step_epochs_s=[e for sw in swarms for e in sw.get("epoch_step_extra_s") or []],
                        epoch_cpu_s=statistics.median(x for sw in swarms for x in sw["cpu_s"]),
                        reference=f"{reference[0]} on {reference[1]} shapes, {STEPS_PER_EPOCH} steps of {batches} "
                        f"per peer per epoch", reference_param_bytes=int(param_bytes), reference_network=reference[0],
