@@ -21,7 +21,7 @@ from ddlscope.modeling.collectives import butterfly_allreduce_s, contention, ser
 from ddlscope.modeling.memory import MemoryEstimate, replicas
 from ddlscope.modeling.prediction import Prediction, Setting, make_prediction, split_compute
 from ddlscope.modeling.profile import WorkloadProfile
-from ddlscope.modeling.progress import DHT_LATENCY_S, TrackerSettings, EpochDraws, simulate_overshoot
+from ddlscope.modeling.progress import DHT_LATENCY_S, EpochDraws, TrackerSettings, simulate_overshoot
 
 if TYPE_CHECKING:
     from ddlscope.network.emulated import NetworkConfig

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from ddlscope.errors import UserError
+from ddlscope.modeling.progress import check_whole_epochs
 
 GIB = 1024**3
 
@@ -155,8 +156,7 @@ class HivemindFit(BaseModel):
     @field_validator("step_epochs_s")
     @classmethod
     def _whole_epochs(cls, v: list[list[list[float]]]) -> list[list[list[float]]]:
-        if v and (not v[0] or any(len(e) != len(v[0]) for e in v) or any(not steps for e in v for steps in e)):
-            raise ValueError("every epoch needs the same number of peers (>= 1), each with at least one step")
+        check_whole_epochs(v)
         return v
 
     def overshoot_at(self, step_s: float) -> float:

@@ -285,6 +285,18 @@ step's start to its report. Epochs count from 0, warm-up epochs included; every 
 step of an epoch is asked for before any later step of it."""
 
 
+def check_whole_epochs(epochs: Sequence[Sequence[Sequence[float]]]) -> None:
+    """Check that ``epochs`` (per epoch, per peer, its steps' seconds) have the same number of peers
+    (>= 1) in every epoch and at least one step per peer; no epochs pass.
+
+    Raises:
+        ValueError: they do not.
+    """
+    if epochs and (not epochs[0] or any(len(e) != len(epochs[0]) for e in epochs)
+                   or any(not steps for e in epochs for steps in e)):
+        raise ValueError("every epoch needs the same number of peers (>= 1), each with at least one step")
+
+
 class EpochDraws:
     """A :data:`StepTime` that draws whole epochs of a swarm: every simulated epoch takes one of
     ``epochs`` at random, and peer ``q`` takes its peer ``q mod n``'s steps there, position by position.
@@ -318,9 +330,8 @@ class EpochDraws:
                  floor_share: float = 0.1, lags_s: Sequence[float] | None = None):
         if not epochs:
             raise ValueError("need at least one epoch to draw from")
+        check_whole_epochs(epochs)
         n = len(epochs[0])
-        if n < 1 or any(len(e) != n for e in epochs) or any(not steps for e in epochs for steps in e):
-            raise ValueError("every epoch needs the same number of peers (>= 1), each with at least one step")
         if lags_s is not None and len(lags_s) != len(epochs):
             raise ValueError(f"need one lag per epoch: {len(lags_s)} lags for {len(epochs)} epochs")
         self.epochs, self.base_s, self.floor_share, self.lags_s, self.peers = epochs, base_s, floor_share, lags_s, n
