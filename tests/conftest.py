@@ -86,3 +86,18 @@ def bare_peer(worker_index: int, local_epoch: int, events: list) -> "object":
     peer.ctx = SimpleNamespace(worker_index=worker_index, run_id="r", store=SimpleNamespace(
         add_event=lambda run_id, worker, kind, **fields: events.append((run_id, worker, kind, fields))))
     return peer
+
+
+def stored_swarm_run(store, peers: int = 3, steps: int = 4, step=None) -> str:
+    """A collaborative run in ``store`` (a ``ResultsStore``): batch 32, target batch 64, matchmaking 1 s,
+    ``steps`` one-second steps of each of ``peers`` peers, every other one an averaging round; ``step(t, peer)``
+    gives fields that replace or add to step ``t``'s. Returns its run id."""
+    config = {"strategy": "collaborative", "batch_size": 32,
+              "collaborative": {"target_batch_size": 64, "matchmaking_time_s": 1.0}}
+    run_id = store.create_run("swarm", "collaborative", config)
+    for t in range(steps):
+        for peer in range(peers):
+            store.add_step(run_id, peer, {**dict(step=t, wall_time=1e6 + t, samples=32, step_s=1.0, warmup=0,
+                                                 optimizer_stepped=1, averaging_round=t % 2),
+                                          **(step(t, peer) if step else {})})
+    return run_id

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -581,23 +582,27 @@ def test_collaborative_overshoot_draws_the_fits_epochs_whole():
     assert source == "rule" and apart < whole - 0.1
 
 
-def test_collaborative_round_wire_time_overlaps_the_rounds_cpu_work_in_the_fit():
+def test_collaborative_gradient_round_adds_its_wire_time_to_the_fits_loopback_rounds():
     prof = make_profile()
     s = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=64, matchmaking_time_s=0.01)
-    peers = [PeerSpec(compute_share=1.0, bandwidth_gb_per_s=0.002) for _ in range(2)]
+    fit = HivemindFit(epoch_overhead_s=0.6, epoch_cpu_s=0.5, reference_param_bytes=prof.param_bytes,
+                      matchmaking_time_s=0.01)
 
-    def with_cpu(epoch_cpu_s):
-        fit = HivemindFit(epoch_overhead_s=0.6, epoch_cpu_s=epoch_cpu_s, reference_param_bytes=prof.param_bytes,
-                          matchmaking_time_s=0.01)
-        return predict(prof, make_cluster(peers=peers).model_copy(update={"hivemind": fit}), s)
+    def over(gb_per_s, **options):
+        peers = [PeerSpec(compute_share=1.0, bandwidth_gb_per_s=gb_per_s) for _ in range(2)]
+        return predict(prof, make_cluster(peers=peers).model_copy(update={"hivemind": fit}),
+                       dataclasses.replace(s, **options))
 
-    none, some, plenty = with_cpu(0.0), with_cpu(0.2), with_cpu(1e3)
-    wire = none.inputs["round_wire_beyond_cpu_s"]
-    assert wire > 0.1  # without hivemind CPU in the fit the whole round's wire time adds
-    assert some.inputs["round_wire_beyond_cpu_s"] == pytest.approx(wire - 0.1)  # half the epoch's CPU overlaps it
-    assert plenty.inputs["round_wire_beyond_cpu_s"] == 0.0
-    assert (none.breakdown_s["averaging_s"] - none.inputs["link_wait_s"]) - (
-        some.breakdown_s["averaging_s"] - some.inputs["link_wait_s"]) == pytest.approx(0.1)
+    slow, fast = over(0.002), over(0.004)
+    # the round's wire time at the link's rate, whatever hivemind's CPU per epoch: twice the rate, half of it
+    assert slow.inputs["grad_round_wire_s"] > 0.1
+    assert fast.inputs["grad_round_wire_s"] == pytest.approx(slow.inputs["grad_round_wire_s"] / 2, rel=0.05)
+    assert (slow.breakdown_s["averaging_s"] - slow.inputs["link_wait_s"]) - (
+        fast.breakdown_s["averaging_s"] - fast.inputs["link_wait_s"]) == pytest.approx(
+        slow.inputs["grad_round_wire_s"] - fast.inputs["grad_round_wire_s"])
+    # on loopback (no listed links) the fit's rounds hold it; with local updates there is no gradient round
+    assert predict(prof, make_cluster().model_copy(update={"hivemind": fit}), s).inputs["grad_round_wire_s"] == 0.0
+    assert over(0.002, use_local_updates=True).inputs["grad_round_wire_s"] == 0.0
 
 
 def test_collaborative_epoch_lasts_at_least_both_rounds_on_the_link():

@@ -105,6 +105,11 @@ def test_collaborative_run_averages_with_both_peers(env_data, db_path):
         # hivemind's processes and threads do the averaging: their CPU shows in the round steps
         assert all(s["background_cpu_s"] is not None and s["background_cpu_s"] >= 0 for s in steps), [s["background_cpu_s"] for s in steps]
         assert max(s["background_cpu_s"] for s in full_rounds) > 0
+        # hivemind's parameter rounds, run in its state averager's background thread, are timed per epoch
+        state = [(e["worker_index"], json.loads(e["detail_json"])) for e in store.rows("events", run_id)
+                 if e["kind"] == "state_round"]
+        assert {w for w, _ in state} == {0, 1}, state
+        assert all(d["seconds"] > 0 and d["ended_at"] >= d["began_at"] and d["epoch"] >= 0 for _, d in state), state
         summary = summarize_run(store, run_id)
         assert all(w.net_sent_bytes > 0 for w in summary.workers)  # peers exchanged tensors over TCP
         _assert_no_leftovers(store, run_id)

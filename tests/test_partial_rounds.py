@@ -14,7 +14,7 @@ from ddlscope.config import validate_config
 from ddlscope.launch.local import run_local
 from ddlscope.store.db import ResultsStore
 from ddlscope.strategies.collaborative import PartialRoundLog, forked
-from tests.conftest import bare_peer, can_emulate, tiny_run
+from tests.conftest import bare_peer, can_emulate, stored_swarm_run, tiny_run
 
 PARTITION = logging.getLogger(PartialRoundLog.LOGGER)
 
@@ -66,13 +66,7 @@ def test_each_partial_round_is_stored_with_its_kind_of_round(tmp_path):
 
 def test_partial_rounds_are_counted_per_round_and_shown_only_where_they_were_counted(tmp_path):
     with ResultsStore(tmp_path / "r.db") as store:
-        config = {"strategy": "collaborative", "batch_size": 32,
-                  "collaborative": {"target_batch_size": 64, "matchmaking_time_s": 1.0}}
-        run_id = store.create_run("swarm", "collaborative", config)
-        for t in range(4):
-            for peer in (0, 1, 2):
-                store.add_step(run_id, peer, dict(step=t, wall_time=1e6 + t, samples=32, step_s=1.0, warmup=0,
-                                                  optimizer_stepped=1, averaging_round=t % 2))
+        run_id = stored_swarm_run(store)
         for peer in (0, 1):  # peer 2: a run from before partial rounds were counted
             store.add_event(run_id, peer, "strategy_details", role="trainer", partial_rounds_counted=True)
         # peer 0: one parameter round that warned twice (inputs and results), one gradient round

@@ -36,6 +36,14 @@ gives:
   round as averaged with every peer, and says otherwise only in its averagers' warnings
   (:class:`ddlscope.strategies.collaborative.PartialRoundLog`, stored as ``partial_average``
   events). hivemind's default ``next_chunk_timeout`` is the matchmaking time;
+- **when gradient rounds were pre-scheduled** (:func:`gradient_prescheduling`): rounds whose
+  matchmaking hivemind started before the epoch's last step against those it did not, and what
+  each kind waited;
+- **parameter rounds** (:func:`state_rounds`): how long each background parameter round took from
+  its epoch's transition to its end, and how many epochs skipped theirs because the previous one
+  still ran (hivemind 1.1.12 averages state only when no such round is in progress), from the
+  ``state_round`` / ``state_round_skipped`` events of
+  :class:`ddlscope.strategies.collaborative.CollaborativeStrategy`;
 - a figure (:func:`plot_swarm`) of the swarm's size with each peer's held-out accuracy on the same
   time axis (seconds since the swarm's first step, the clock of ``collaborative.churn``), and the
   churn events marked.
@@ -52,6 +60,7 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ddlscope.analyze.epoch_rule import EpochRuleCheck, check_epoch_rule
 
@@ -85,6 +94,14 @@ class PeerFigures:
     #: rounds in which the peer averaged only part of the tensors (:func:`partial_rounds`), per round kind
     #: ("gradients" / "parameters"); None where they were not counted (a run from before they were)
     partial_rounds: dict[str, int] | None = None
+    #: the parameter rounds hivemind's state averager ran in the background, seconds each from the epoch's
+    #: transition to the round's end (``state_round`` events); None for a run from before they were timed
+    state_round_s: list[float] | None = None
+    #: epochs whose parameter round hivemind skipped because the previous one still ran (``state_round_skipped``)
+    state_rounds_skipped: int = 0
+    #: its gradient rounds by when hivemind pre-scheduled their matchmaking (:func:`gradient_prescheduling`):
+    #: ``{"early": [averaging_s, ...], "late": [...]}``; None for a run from before it was recorded
+    gradient_rounds_by_scheduling: dict[str, list[float]] | None = None
 
     def background_cpu_per_round_s(self) -> tuple[float, float] | None:
         """hivemind's CPU seconds per averaging round of this peer: ``(in steps that only trained,
@@ -301,6 +318,43 @@ def partial_rounds(events: list[dict], peer: int) -> dict[str, int] | None:
     return {kind: len(epochs) for kind, epochs in sorted(seen.items())}
 
 
+def state_rounds(events: list[dict], peer: int) -> dict[str, Any]:
+    """``peer``'s parameter rounds from a run's event rows, as :class:`PeerFigures` fields:
+    ``state_round_s`` (seconds of each ``state_round`` event, in time order; None where the peer has
+    none and skipped none: a run from before they were timed, or one without rounds) and
+    ``state_rounds_skipped`` (its ``state_round_skipped`` events)."""
+    mine = [(e["kind"], json.loads(e["detail_json"] or "{}")) for e in events if e["worker_index"] == peer]
+    seconds = [float(d["seconds"]) for k, d in mine if k == "state_round" and d.get("seconds") is not None]
+    skipped = sum(k == "state_round_skipped" for k, _ in mine)
+    return {"state_round_s": seconds if seconds or skipped else None, "state_rounds_skipped": skipped}
+
+
+def gradient_prescheduling(events: list[dict], steps: list[dict], peer: int) -> dict[str, list[float]] | None:
+    """``peer``'s gradient rounds split by when hivemind started their matchmaking, each as the
+    seconds its round step waited (``averaging_s``): ``"early"``, pre-scheduled in a step before
+    the one that ended the epoch (the group can be ready when the epoch ends), or ``"late"``, not
+    before that step (the group forms a matchmaking time after the epoch's end). hivemind 1.1.12
+    pre-schedules only between steps, once the epoch's estimated end is within the matchmaking
+    time (``Optimizer._maybe_schedule_gradient_averaging``), so with few steps per epoch whether a
+    round is early is nearly a coin toss. From the peer's ``round_prescheduled`` events
+    (:class:`ddlscope.strategies.collaborative.CollaborativeStrategy`) and its non-warm-up round
+    steps (a round step's ``global_epoch`` is the epoch it moved to, so it ended the one before);
+    None where the peer stored none (a run from before they were recorded, or without rounds)."""
+    early: dict[int, bool] = {}
+    for e in events:
+        if e["kind"] == "round_prescheduled" and e["worker_index"] == peer:
+            d = json.loads(e["detail_json"] or "{}")
+            if d.get("round") == "gradients" and d.get("epoch") is not None:
+                early[int(d["epoch"])] = early.get(int(d["epoch"]), False) or not d.get("in_last_step")
+    if not early:
+        return None
+    split: dict[str, list[float]] = {"early": [], "late": []}
+    for s in steps:
+        if s.get("averaging_round") and not s.get("warmup") and s.get("global_epoch") and s.get("averaging_s") is not None:
+            split["early" if early.get(int(s["global_epoch"]) - 1) else "late"].append(float(s["averaging_s"]))
+    return split
+
+
 def _known_sum(values) -> float | None:
     """The sum of ``values`` (seconds); None when any is None (a step that did not measure it) or there are none."""
     values = list(values)
@@ -360,7 +414,8 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
                                    and d.get("epoch_before") is not None and d["epoch_after"] <= d["epoch_before"]),
             background_cpu_training_s=_known_sum(s.get("background_cpu_s") for s in rows if not s.get("averaging_round")),
             background_cpu_rounds_s=_known_sum(s.get("background_cpu_s") for s in rows if s.get("averaging_round")),
-            partial_rounds=partial_rounds(events, p)))
+            partial_rounds=partial_rounds(events, p), **state_rounds(events, p),
+            gradient_rounds_by_scheduling=gradient_prescheduling(events, rows, p)))
     times, sizes = swarm_size_timeline(segments)
     epochs = stored_global_epochs(run, steps)
     rule = check_epoch_rule(steps, epochs.target_batch_size, epochs.batch_size) if epochs and not churn else None
@@ -419,6 +474,27 @@ def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
                   + ", ".join(f"peer {peer} {t:.2f} / {r:.2f} CPU-s" for peer, (t, r) in split)
                   + ". On a peer whose cores training keeps busy, the first slows forward and backward by about as "
                   "much; the second runs while the peer waits for its round."]
+    timed = [p for p in a.peers if p.state_round_s is not None]
+    if timed:
+        lines += ["", "Parameter rounds (hivemind averages the parameters in the background after each epoch's "
+                  "transition, from there to the round's end, its matchmaking included): " + "; ".join(
+                      f"peer {p.peer} {len(p.state_round_s)} rounds"
+                      + (f", median {statistics.median(p.state_round_s):.2f} s ({min(p.state_round_s):.2f}-"
+                         f"{max(p.state_round_s):.2f} s)" if p.state_round_s else "")
+                      + (f", {p.state_rounds_skipped} epochs skipped theirs" if p.state_rounds_skipped else "")
+                      for p in timed)
+                  + (". An epoch skips its parameter round when the previous one still runs at its transition "
+                     "(hivemind averages state only when none is in progress): over a slow link the round can "
+                     "outlast an epoch." if any(p.state_rounds_skipped for p in timed) else ".")]
+    split = [(p.peer, p.gradient_rounds_by_scheduling) for p in a.peers if p.gradient_rounds_by_scheduling]
+    if any(g["early"] or g["late"] for _, g in split):
+        def waits(rounds: list[float]) -> str:
+            return f"{len(rounds)}" + (f" (wait {statistics.median(rounds):.2f} s median)" if rounds else "")
+        lines += ["", "Gradient rounds pre-scheduled before the epoch's last step / not: " + "; ".join(
+            f"peer {peer} {waits(g['early'])} / {waits(g['late'])}" for peer, g in split)
+            + ". hivemind starts a round's matchmaking only between steps, once the epoch's estimated end is "
+            "within the matchmaking time; a round not pre-scheduled by then forms its group a matchmaking time "
+            "after the epoch's end."]
     partial = [p for p in a.peers if p.partial_rounds]
     if partial:
         timeout = f"{a.next_chunk_timeout_s:g} s" if a.next_chunk_timeout_s else "its value"

@@ -409,9 +409,13 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     does not change (the link's wait absorbs it); the parts do. The fit's overhead beyond that goes
     to averaging, plus
     the rounds' extra time for parameters beyond the reference's and, for listed peers, the
-    gradient round's wire time over their links beyond the round's own CPU work, which the
-    overhead holds and the bytes overlap: taken as half of the fit's ``epoch_cpu_s`` (each epoch
-    runs two rounds of the same bytes). The overshoot depends on the network: a fit of another
+    gradient round's wire time over their links at their full rate (``inputs["grad_round_wire_s"]``;
+    none with ``use_local_updates``): the fit measured its rounds on loopback, where bytes take no
+    time, and the round's bytes do not flow under its CPU work. On 200 Mbit/s links (2 one-core
+    peers, MobileNetV2, 2026-12-02) the gradient round's wait was 0.94-1.06 s per epoch against
+    0.64-0.68 s on loopback the same hour, its wire time 0.37 s; an earlier form that hid the wire
+    time under half of hivemind's CPU per epoch predicted 200 Mbit/s as fast as loopback (-13.4 %;
+    ``docs/validation.md``, stop 51). The overshoot depends on the network: a fit of another
     network than the profile's gets a note. The matchmaking wait leaves the peer's cores to hivemind's work, so
     the two overlap: ``max(wait, overhead - compute_overhead_s)``. Both
     figures depend on the matchmaking time (:mod:`ddlscope.profiling.swarm`); a setting at another
@@ -611,9 +615,10 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     if hm and not alone:  # measured on these devices: replaces the two rounds
         reference = round_s(float(hm.reference_param_bytes))
         beyond = 2 * max(0.0, one_round - reference)
-        # over listed links the gradient round's bytes flow while its CPU work (in the overhead) goes on: only
-        # the wire time beyond that work adds, taken as half of hivemind's CPU per epoch (two rounds of equal bytes)
-        wire = max(0.0, one_round - hm.epoch_cpu_s / 2) if cluster.peers else 0.0
+        # over listed links the gradient round's wire time adds to what the fit measured on loopback: its bytes
+        # do not flow under the round's CPU work (issue 14, stop 51: the round's wait grew by 0.26-0.38 s from
+        # loopback to 200 Mbit/s, where its wire time is 0.37 s)
+        wire = one_round if cluster.peers and not s.use_local_updates else 0.0
         # while a peer waits for matchmaking its cores are free for hivemind's own work: they overlap
         rounds = overhead - in_steps
         averaging = (max(wait, rounds) if not s.use_local_updates else rounds) + beyond + wire
@@ -655,7 +660,7 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
                                    "link_busy_s": link_busy, "link_wait_s": link_wait,
                                    "state_round_on_cores": on_cpu, "hivemind_epoch_overhead_s": overhead,
                                    "overshoot_steps": overshoot, "overshoot_from": overshoot_from,
-                                   "round_wire_beyond_cpu_s": wire,
+                                   "grad_round_wire_s": wire,
                                    "hivemind_fit_matchmaking_time_s": (hm.matchmaking_time_s or 0.0) if hm else 0.0,
                                    "contention": slow / scale, "compute_scale": scale}, notes=notes)
 

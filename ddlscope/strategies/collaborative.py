@@ -62,6 +62,7 @@ _STATE_OK = re.compile(r"Averaged parameters with (\d+) peers")
 _ALONE = ("Skipped averaging: there are no other peers", "Skipping pre-scheduled averaging round: there are no other peers")
 _FAILED = ("Averaging gradients failed", "Averaging failed with")
 _EPOCH = re.compile(r"Transitioning to epoch (\d+)")
+_PRESCHEDULED = re.compile(r"Pre-scheduling (gradient|state) averaging round in ([0-9.]+) sec")
 _PARTIAL = re.compile(r"^(Reducer|Averaging): received ([0-9.]+)% (?:of input tensors|results)")
 SHUTDOWN_S = 5.0
 AUX_POLL_S = 0.2
@@ -239,6 +240,16 @@ def parse_round(messages: list[str]) -> tuple[bool, int | None, bool | None, int
     return True, (max(sizes) if sizes else None), not failed, epoch
 
 
+def parse_prescheduling(messages: list[str]) -> list[tuple[str, float]]:
+    """The rounds hivemind 1.1.12 pre-scheduled in one step's status messages, in order:
+    ``("gradients" | "parameters", eta_s)``. ``Optimizer._maybe_schedule_gradient_averaging``
+    (and its state twin) starts a round's matchmaking only between steps, once the epoch's
+    estimated end is within ``matchmaking_time``; ``eta_s`` is the time to that end it logged
+    (at least the minimum matchmaking time)."""
+    return [("gradients" if m.group(1) == "gradient" else "parameters", float(m.group(2)))
+            for msg in messages if (m := _PRESCHEDULED.search(msg))]
+
+
 def _child_processes() -> list:
     """This process's descendants (psutil.Process), e.g. hivemind's DHT and averager processes and p2pd."""
     import psutil
@@ -356,6 +367,8 @@ class CollaborativeStrategy(Strategy):
         self._loggers = [logging.getLogger("hivemind.optim.optimizer"), logging.getLogger("hivemind.optim.state_averager")]
         self._update_s = 0.0
         self._local_step_s = 0.0
+        # parameter rounds hivemind's state averager ran (or skipped) since the last step, from its executor thread
+        self._state_rounds: list[dict] = []
         # per event kind: optimizer steps skipped for non-finite averaged gradients ("non_finite_average"),
         # state averaging rounds not applied for non-finite averaged parameters ("non_finite_state_average")
         self._skipped = {"non_finite_average": 0, "non_finite_state_average": 0}
@@ -426,6 +439,7 @@ class CollaborativeStrategy(Strategy):
         skip_non_finite_state(self.hm_opt.state_averager, functools.partial(
             self._record_non_finite, "non_finite_state_average", "parameters", "the peer keeps its own"))
         self._time_global_update()
+        self._time_state_rounds()
         self._time_state_loading()
         self.optimizer = self.hm_opt
         if threading.current_thread() is threading.main_thread():  # the launcher's "leave now" (leave_at_s)
@@ -551,6 +565,57 @@ class CollaborativeStrategy(Strategy):
 
         self.hm_opt._update_global_epoch = timed_update
 
+    def _time_state_rounds(self) -> None:
+        """Time the parameter (state) rounds hivemind 1.1.12 runs in its state averager's background
+        executor (``TrainingStateAverager._do`` with ``averaging_round``): each becomes a
+        ``state_round`` event with ``epoch`` (the global epoch it averages), ``began_at`` and
+        ``ended_at`` (wall time, s: from the epoch's transition, so its matchmaking and the
+        optimizer step before it count, to the round's end or failure) and ``seconds``. An epoch
+        whose round hivemind skips because the previous one still runs (``Optimizer._update_global_epoch``
+        averages state only ``not state_averager.averaging_in_progress``) becomes a
+        ``state_round_skipped`` event. Stored by the training thread at its next step."""
+        sa = self.hm_opt.state_averager
+        inner_do, inner_step = sa._do, sa.step
+        every = self.cfg.collaborative.average_state_every
+
+        def timed_do(wait_for_trigger, optimizer_step, zero_grad, averaging_round, *args, **kwargs):
+            if not averaging_round:
+                return inner_do(wait_for_trigger, optimizer_step, zero_grad, averaging_round, *args, **kwargs)
+            epoch, t0 = sa.local_epoch, time.time()
+            try:
+                return inner_do(wait_for_trigger, optimizer_step, zero_grad, averaging_round, *args, **kwargs)
+            finally:
+                t1 = time.time()
+                self._state_rounds.append({"kind": "state_round", "epoch": epoch, "began_at": t0, "ended_at": t1,
+                                           "seconds": t1 - t0})
+
+        def watched_step(*args, **kwargs):
+            if (kwargs.get("increment_epoch") and not kwargs.get("averaging_round")
+                    and (sa.local_epoch + 1) % every == 0 and sa.averaging_in_progress):
+                self._state_rounds.append({"kind": "state_round_skipped", "epoch": sa.local_epoch + 1,
+                                           "at": time.time()})
+            return inner_step(*args, **kwargs)
+
+        sa._do, sa.step = timed_do, watched_step
+
+    def _store_prescheduling(self, messages: list[str], epoch: int, ended_epoch: bool) -> None:
+        """Store a ``round_prescheduled`` event per round hivemind pre-scheduled in this step
+        (:func:`parse_prescheduling`): ``round``, ``eta_s``, ``epoch`` (the global epoch being
+        accumulated) and ``in_last_step`` (the step also ended that epoch: the group then forms a
+        matchmaking time after the epoch's end, as if nothing had been pre-scheduled)."""
+        if self.ctx.store is None:
+            return
+        for kind, eta_s in parse_prescheduling(messages):
+            self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, "round_prescheduled", round=kind,
+                                     eta_s=eta_s, epoch=epoch, in_last_step=ended_epoch)
+
+    def _store_state_rounds(self) -> None:
+        """Store the ``state_round`` / ``state_round_skipped`` events :meth:`_time_state_rounds` collected."""
+        while self._state_rounds:  # list.pop is atomic: a round the executor appends meanwhile waits for the next call
+            r = self._state_rounds.pop(0)
+            if self.ctx.store is not None:
+                self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, r.pop("kind"), **r)
+
     def _time_state_loading(self) -> None:
         """Time hivemind's ``load_state_from_peers`` (a peer behind the swarm downloads its state) and
         store a ``state_loaded`` event: seconds, local epoch before and after."""
@@ -585,6 +650,7 @@ class CollaborativeStrategy(Strategy):
             self.hm_opt.step()
             happened, group, ok, epoch = parse_round(self._log.take())
             self._store_partial_rounds()
+            self._store_state_rounds()
             if happened:
                 rounds += 1
                 if self.ctx.store is not None:
@@ -624,12 +690,16 @@ class CollaborativeStrategy(Strategy):
     def step(self, samples: int) -> StepOutcome:
         self.check_stop()
         self._update_s = self._local_step_s = 0.0
+        accumulating = self.hm_opt.local_epoch
         self.hm_opt.step(batch_size=samples)
         self.check_stop()  # hivemind catches the stop signal's exception inside its step: stop here, not at the kill
         if self._daemon_lost:
             raise RuntimeError(self._daemon_lost)
-        happened, group, ok, epoch = parse_round(self._log.take())
+        messages = self._log.take()
+        happened, group, ok, epoch = parse_round(messages)
+        self._store_prescheduling(messages, accumulating, happened)
         self._store_partial_rounds()
+        self._store_state_rounds()
         averaging_s = max(0.0, self._update_s - self._local_step_s) if happened else 0.0
         before, self._background_cpu_s = self._background_cpu_s, self._read_background_cpu()
         return StepOutcome(averaging_s=averaging_s, averaging_round=happened, group_size=group, succeeded=ok,
@@ -657,6 +727,7 @@ class CollaborativeStrategy(Strategy):
             logging.getLogger(PartialRoundLog.LOGGER).removeHandler(self._partial)
             try:
                 self._store_partial_rounds()
+                self._store_state_rounds()
             except Exception:  # a store that fails here must not hide why the run ended
                 pass
             try:
