@@ -323,7 +323,8 @@ def state_rounds(events: list[dict], peer: int) -> dict[str, Any]:
     ``state_round_s`` (seconds of each ``state_round`` event, in time order; None where the peer has
     none and skipped none: a run from before they were timed, or one without rounds) and
     ``state_rounds_skipped`` (its ``state_round_skipped`` events)."""
-    mine = [(e["kind"], json.loads(e["detail_json"] or "{}")) for e in events if e["worker_index"] == peer]
+    mine = [(e["kind"], json.loads(e["detail_json"] or "{}")) for e in events
+            if e["worker_index"] == peer and e["kind"] in ("state_round", "state_round_skipped")]
     seconds = [float(d["seconds"]) for k, d in mine if k == "state_round" and d.get("seconds") is not None]
     skipped = sum(k == "state_round_skipped" for k, _ in mine)
     return {"state_round_s": seconds if seconds or skipped else None, "state_rounds_skipped": skipped}
@@ -486,12 +487,12 @@ def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
                   + (". An epoch skips its parameter round when the previous one still runs at its transition "
                      "(hivemind averages state only when none is in progress): over a slow link the round can "
                      "outlast an epoch." if any(p.state_rounds_skipped for p in timed) else ".")]
-    split = [(p.peer, p.gradient_rounds_by_scheduling) for p in a.peers if p.gradient_rounds_by_scheduling]
-    if any(g["early"] or g["late"] for _, g in split):
+    scheduling = [(p.peer, p.gradient_rounds_by_scheduling) for p in a.peers if p.gradient_rounds_by_scheduling]
+    if any(g["early"] or g["late"] for _, g in scheduling):
         def waits(rounds: list[float]) -> str:
             return f"{len(rounds)}" + (f" (wait {statistics.median(rounds):.2f} s median)" if rounds else "")
         lines += ["", "Gradient rounds pre-scheduled before the epoch's last step / not: " + "; ".join(
-            f"peer {peer} {waits(g['early'])} / {waits(g['late'])}" for peer, g in split)
+            f"peer {peer} {waits(g['early'])} / {waits(g['late'])}" for peer, g in scheduling)
             + ". hivemind starts a round's matchmaking only between steps, once the epoch's estimated end is "
             "within the matchmaking time; a round not pre-scheduled by then forms its group a matchmaking time "
             "after the epoch's end."]
