@@ -270,6 +270,24 @@ def test_the_averaging_probe_refuses_bad_input_before_building_anything():
         averaging_round_seconds([20.0, 20.0], 1.0, 0)
     with pytest.raises(ValueError, match="one non-empty list of cores per peer"):
         averaging_round_seconds([20.0, 20.0], 1.0, 1, cores=[[0]])
+    from ddlscope.network.averaging_probe import measure_averaging_goodput
+    before = set(namespaces())
+    with pytest.raises(ValueError, match="swarms = 0; allowed: >= 1"):
+        measure_averaging_goodput([20.0, 20.0], swarms=0)
+    assert set(namespaces()) == before
+
+
+def test_the_averaging_share_is_over_the_mean_of_each_swarms_median_round():
+    from ddlscope.network.averaging_probe import share_of_rate
+
+    # medians 4.0 and 5.0 s (the 9.0 s round is one swarm's outlier): mean 4.5 s
+    assert share_of_rate(3.0, [[3.9, 4.0, 9.0], [5.0, 5.1, 4.8]]) == pytest.approx(3.0 / 4.5)
+    # one swarm: its median; a round faster than the configured rate caps the share at 1
+    assert share_of_rate(3.0, [[4.0, 6.0]]) == pytest.approx(0.6)
+    assert share_of_rate(3.0, [[2.0]]) == 1.0
+    for predicted, swarms in ((0.0, [[1.0]]), (3.0, []), (3.0, [[1.0], []]), (3.0, [[1.0, 0.0]])):
+        with pytest.raises(ValueError, match="allowed: a predicted round > 0 s and at least one swarm"):
+            share_of_rate(predicted, swarms)
 
 
 @needs_root
@@ -281,9 +299,11 @@ def test_hivemind_rounds_over_slow_links_carry_a_share_of_the_rate_and_leave_not
     children_tmp = Path(os.environ["TMPDIR"])  # the suite's folder for what it starts (conftest)
     folders = set(children_tmp.glob("pymp-*"))
     core = min(os.sched_getaffinity(0))
-    g = measure_averaging_goodput([20.0, 20.0], megabytes=1.0, rounds=1, cores=[[core], [core]])
+    g = measure_averaging_goodput([20.0, 20.0], megabytes=1.0, rounds=1, cores=[[core], [core]], swarms=2)
     # 1 MiB in two halves each way at 20 Mbit/s: ~0.42 s of wire; hivemind's own costs make the round longer
-    assert len(g.round_s) == 1 and g.round_s[0] > g.predicted_round_s > 0.3
+    assert len(g.round_s) == 2 and min(g.round_s) > g.predicted_round_s > 0.3
+    assert g.swarm_median_s == g.round_s  # one round per swarm: its median
+    assert g.share == pytest.approx(g.predicted_round_s / (sum(g.round_s) / 2))
     assert 0 < g.share < 1 and g.cores == ((core,), (core,))
     assert set(namespaces()) == before
     assert not [p for p in psutil.process_iter(["cmdline"]) if "ddlscope.network.averaging_probe" in

@@ -9,10 +9,11 @@ sent at 0.71 of it during their rounds (docs/validation.md, issue 14). So the co
 model's links are priced at what this probe measures: plain ``hivemind.DecentralizedAverager`` s in
 network namespaces of their own, each pinned to its cores, averaging one float32 tensor.
 
-:func:`averaging_round_seconds` runs the rounds; :func:`measure_averaging_goodput` turns them into
-a share of the rate (the butterfly all-reduce's predicted round at the configured rates over the
-measured one). Run as ``python -m ddlscope.network.averaging_probe --peer I ...`` inside a namespace
-(that is how the rounds start each peer).
+:func:`averaging_round_seconds` runs the rounds of one swarm; :func:`measure_averaging_goodput` runs
+:data:`SWARMS` swarms and turns their rounds into a share of the rate (:func:`share_of_rate`: the
+butterfly all-reduce's predicted round at the configured rates over the measured ones). Run as
+``python -m ddlscope.network.averaging_probe --peer I ...`` inside a namespace (that is how the
+rounds start each peer).
 """
 
 from __future__ import annotations
@@ -30,9 +31,16 @@ from pathlib import Path
 
 from ddlscope.launch.processes import kill_processes
 
-ROUNDS = 5
-"""Measured rounds after one warm-up round; the median is kept. Three probes of 3 rounds (8 MiB, a 200/20
-Mbit/s pair, one core per peer) read shares of 0.83, 0.73 and 0.73 in a row on this project's machine."""
+ROUNDS = 3
+"""Measured rounds per swarm after one warm-up round; the swarm's median round is kept."""
+SWARMS = 3
+"""Fresh swarms a probe measures, one after the other (each its own namespaces, DHT, p2pd connections and
+averager): the share is over the mean of their median rounds. Swarms differ more than one swarm's rounds
+do. Five one-swarm probes of 5 rounds in a row (17.9 MiB, two 50 Mbit/s links, one core per peer; a 2-core
+AMD EPYC, stop 52) had median rounds of 3.87, 4.06, 4.22, 4.24 and 4.47 s (shares 0.78 to 0.67; standard
+deviation 0.22 s), where a swarm's rounds spread by 0.06-0.23 s, which moves a median of 5 by about 0.1 s:
+each swarm, as a run's, draws its own rate, about 4 % apart (docs/validation.md, stop 52). Earlier, three
+one-swarm probes of 3 rounds (8 MiB, a 200/20 Mbit/s pair) read 0.83, 0.73 and 0.73 on a 2-core Xeon."""
 WIRE_S = 3.0
 """Seconds of wire time at the configured rate that a probe's round lasts at least
 (:func:`ddlscope.modeling.links.averaging_goodput` sizes the rounds by it), so that the share is the
@@ -48,9 +56,10 @@ class AveragingGoodput:
 
     Attributes:
         share: the round predicted at the configured rates (:func:`~ddlscope.modeling.collectives.
-            butterfly_allreduce_s`, equal parts, no latency) over the measured median round, in (0, 1]
-            (capped at 1).
-        round_s: the measured rounds, seconds each (warm-up left out).
+            butterfly_allreduce_s`, equal parts, no latency) over the mean of the swarms' median
+            rounds, in (0, 1] (capped at 1); see :func:`share_of_rate`.
+        round_s: the measured rounds, seconds each (warm-up left out), swarm after swarm.
+        swarm_median_s: each swarm's median round, seconds.
         predicted_round_s: the round at the configured rates, seconds.
         megabytes: MiB averaged per round.
         cores: each peer's cores (None: not pinned).
@@ -58,6 +67,7 @@ class AveragingGoodput:
 
     share: float
     round_s: tuple[float, ...]
+    swarm_median_s: tuple[float, ...]
     predicted_round_s: float
     megabytes: float
     cores: tuple[tuple[int, ...], ...] | None
@@ -122,21 +132,44 @@ def averaging_round_seconds(rates_mbit_per_s: list[float], megabytes: float, rou
     return out
 
 
-def measure_averaging_goodput(rates_mbit_per_s: list[float], megabytes: float = MEGABYTES, rounds: int = ROUNDS,
-                              cores: list[list[int]] | None = None) -> AveragingGoodput:
-    """The share of the configured rates that hivemind's averaging rounds reach over these links with
-    each peer pinned to ``cores[i]`` (see :func:`averaging_round_seconds`; equal parts, as ddlscope's
-    peers declare no bandwidth unless told to).
+def share_of_rate(predicted_round_s: float, swarm_rounds_s: list[list[float]]) -> float:
+    """The share of the configured rates that measured averaging rounds reached: ``predicted_round_s``
+    (the round at those rates, seconds, > 0) over the mean of each swarm's median round, capped at 1.
+    ``swarm_rounds_s``: per swarm, its measured rounds in seconds (each > 0). The median keeps a
+    swarm's outlying round from moving its figure; the mean over swarms averages the swarm-to-swarm
+    spread (:data:`SWARMS`).
 
     Raises:
-        what :func:`averaging_round_seconds` raises.
+        ValueError: ``predicted_round_s`` <= 0, no swarm, a swarm without rounds, or a round <= 0.
+    """
+    if not (predicted_round_s > 0 and swarm_rounds_s and all(swarm_rounds_s)
+            and all(r > 0 for rounds in swarm_rounds_s for r in rounds)):
+        raise ValueError(f"predicted round {predicted_round_s} s, swarms' rounds {swarm_rounds_s}; allowed: a "
+                         f"predicted round > 0 s and at least one swarm, each with rounds > 0 s")
+    return min(1.0, predicted_round_s / statistics.fmean(statistics.median(r) for r in swarm_rounds_s))
+
+
+def measure_averaging_goodput(rates_mbit_per_s: list[float], megabytes: float = MEGABYTES, rounds: int = ROUNDS,
+                              cores: list[list[int]] | None = None, swarms: int = SWARMS) -> AveragingGoodput:
+    """The share of the configured rates that hivemind's averaging rounds reach over these links with
+    each peer pinned to ``cores[i]``: ``swarms`` fresh swarms one after the other, ``rounds`` measured
+    rounds each (see :func:`averaging_round_seconds`; equal parts, as ddlscope's peers declare no
+    bandwidth unless told to), combined by :func:`share_of_rate`. About ``swarms`` x (``rounds`` + 1)
+    x (the round + 2 s of matchmaking) + a few seconds of start-up per swarm.
+
+    Raises:
+        ValueError: ``swarms`` < 1 (before anything is built), and what :func:`averaging_round_seconds`
+            raises.
     """
     from ddlscope.modeling.collectives import butterfly_allreduce_s
 
-    seconds = averaging_round_seconds(rates_mbit_per_s, megabytes, rounds, cores=cores)
+    if swarms < 1:
+        raise ValueError(f"swarms = {swarms}; allowed: >= 1")
+    per_swarm = [averaging_round_seconds(rates_mbit_per_s, megabytes, rounds, cores=cores) for _ in range(swarms)]
     predicted = butterfly_allreduce_s(megabytes * 2**20, [r / 8e3 for r in rates_mbit_per_s],
                                       [0.0] * len(rates_mbit_per_s), balanced=False)
-    return AveragingGoodput(share=min(1.0, predicted / statistics.median(seconds)), round_s=tuple(seconds),
+    return AveragingGoodput(share=share_of_rate(predicted, per_swarm), round_s=tuple(r for s in per_swarm for r in s),
+                            swarm_median_s=tuple(statistics.median(s) for s in per_swarm),
                             predicted_round_s=predicted, megabytes=megabytes,
                             cores=None if cores is None else tuple(tuple(c) for c in cores))
 
