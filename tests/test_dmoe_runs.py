@@ -79,7 +79,12 @@ server_events = [{ server = 1, kill_at_s = 3.0, restart_at_s = 4.0 }]
         assert answered_by_restart > 0, (f"the restarted server began {last_step_at - services[(1, 1)]['started_at']:.1f} s "
                                          f"before training ended and was never called")
         moe_steps = store.rows("moe_steps", run_id)
-        assert len(moe_steps) == sum(counts.values()) and all(m["forward_calls"] > 0 for m in moe_steps)
+        assert len(moe_steps) == sum(counts.values())
+        # every step called experts, or its beam search found none and it stored all its samples as dropped: on a
+        # 2-core EPYC in CI one step of 99, 10 s after the kill, found no expert while the restart joined
+        assert all(m["forward_calls"] > 0 or (m["experts_chosen"] == 0 and m["samples_dropped"] == m["samples"])
+                   for m in moe_steps), [m for m in moe_steps if m["forward_calls"] == 0]
+        assert sum(m["forward_calls"] > 0 for m in moe_steps) >= 0.9 * len(moe_steps)
         assert store.rows("moe_server_batches", run_id) and store.rows("moe_server_samples", run_id)
         kinds = [e["kind"] for e in store.rows("events", run_id)]
         assert kinds.count("service_started") == 3 + len(restarts_0) and kinds.count("service_killed") == 1
