@@ -114,6 +114,66 @@ def test_global_epochs_count_each_step_in_the_epoch_it_began_in_and_time_epochs_
     assert "2 whole" in swarm_markdown(analysis) and "0.25 steps past the target" in swarm_markdown(analysis)
 
 
+class OutOfSyncOptimizer:
+    """hivemind.Optimizer as a peer's step sees it: ``step`` loads the swarm's state (and returns before
+    accumulating) while ``behind``, as hivemind does for a peer out of sync; a load moves ``local_epoch`` to
+    ``serves`` (the best epoch a live peer has)."""
+
+    def __init__(self, local_epoch: int, serves: int) -> None:
+        self.local_epoch, self.serves, self.behind, self.accumulated = local_epoch, serves, False, 0
+
+    def load_state_from_peers(self, **kwargs):
+        self.local_epoch = self.serves
+
+    def step(self, batch_size: int):
+        if self.behind:
+            self.load_state_from_peers()
+            return None  # "local gradients were computed with out-of-sync parameters, must start over"
+        self.accumulated += batch_size
+
+
+def _stepping_peer(opt: OutOfSyncOptimizer, events: list):
+    from types import SimpleNamespace
+
+    peer = bare_peer(1, opt.local_epoch, events)
+    peer.hm_opt, peer._daemon_lost, peer._partial, peer._state_rounds = opt, None, None, []
+    peer.ctx.stop_requested = None
+    peer._log = SimpleNamespace(take=lambda: [])  # no round in these steps
+    peer._background_cpu_s, peer._read_background_cpu = None, lambda: None
+    peer._time_state_loading()
+    return peer
+
+
+def test_a_step_in_which_hivemind_loads_the_swarms_state_stores_its_samples_as_discarded():
+    events: list = []
+    opt = OutOfSyncOptimizer(local_epoch=2, serves=2)  # the swarm's record names epoch 4; no live peer has it
+    peer = _stepping_peer(opt, events)
+    assert peer.step(16).samples_discarded == 0 and opt.accumulated == 16
+    opt.behind = True
+    outcomes = [peer.step(16) for _ in range(3)]
+    assert [o.samples_discarded for o in outcomes] == [16, 16, 16] and opt.accumulated == 16  # nothing trained
+    loads = [e[3] for e in events if e[2] == "state_loaded"]
+    assert [(d["epoch_before"], d["epoch_after"]) for d in loads] == [(2, 2)] * 3  # futile: the epoch stayed
+    opt.behind = False
+    assert peer.step(16).samples_discarded == 0 and opt.accumulated == 32
+
+
+def test_the_swarm_analysis_counts_discarded_samples_and_shows_unknown_ones_as_a_dash(tmp_path):
+    from tests.conftest import stored_swarm_run
+
+    with ResultsStore(tmp_path / "r.db") as store:  # peer 1 dropped steps 2 and 3; peer 2's run did not count them
+        run_id = stored_swarm_run(store, step=lambda t, p: dict(samples_discarded=None if p == 2 else
+                                                                32 * (p == 1 and t >= 2)))
+        store.add_event(run_id, 1, "state_loaded", seconds=0.1, epoch_before=1, epoch_after=1, at=1e6 + 2)
+        analysis = analyze_swarm(store, run_id)
+    by_peer = {p.peer: p for p in analysis.peers}
+    assert [by_peer[p].samples_discarded for p in (0, 1, 2)] == [0, 64, None]
+    assert by_peer[1].samples == 4 * 32 and by_peer[1].futile_state_loads == 1
+    rows = {line.split("|")[1].strip(): line for line in swarm_markdown(analysis).splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
+    assert "| 0 | 64 | 1 (1) |" in rows["1"] and "| 0 | - | 0 (0) |" in rows["2"]
+
+
 def test_hivemind_cpu_is_split_between_training_steps_and_round_steps(tmp_path):
     with ResultsStore(tmp_path / "r.db") as store:
         run_id = store.create_run("swarm", "collaborative", {"strategy": "collaborative", "batch_size": 32})
@@ -169,6 +229,9 @@ def test_four_peers_with_a_slow_link_an_auxiliary_peer_and_churn_complete(env_da
     by_peer = {p.peer: p for p in analysis.peers}
     assert (by_peer[1].kills, by_peer[1].joins, by_peer[2].leaves) == (1, 1, 1)
     assert by_peer[3].samples == 0 and by_peer[3].sent_bytes > 0
+    # every trainer's steps say how many of their samples hivemind dropped on loading the swarm's state
+    assert all(by_peer[p].samples_discarded is not None and 0 <= by_peer[p].samples_discarded <= by_peer[p].samples
+               for p in (0, 1, 2))
     assert len(analysis.segments[1]) == 2  # before the kill, after the rejoin
     sizes = analysis.timeline[1]
     assert max(sizes) <= 3 and 1 in sizes[:-1]  # peer 0 trained alone for a while

@@ -12,7 +12,10 @@ gives:
   were *futile* (its epoch did not advance: the swarm's progress record named a global epoch that
   no live peer could give it — hivemind keeps a departed peer's progress for its
   ``metadata_expiration``, 60 s, so a peer killed just after it moved on to a new epoch leaves the
-  others loading state at every step until the record expires);
+  others loading state at every step until the record expires), and the samples *discarded*:
+  those of the steps in which hivemind loaded the swarm's state, whose gradients it dropped
+  instead of accumulating (``steps.samples_discarded``; "-" for a run from before they were
+  counted);
 - **the swarm's size over time** (:func:`swarm_size_timeline`): peers training at each moment,
   measured from the steps themselves — a peer trains from its first step to its last within one
   *segment*; segments end where the peer left or was killed (``peer_leave``/``peer_kill``
@@ -89,6 +92,9 @@ class PeerFigures:
     samples_lost: int = 0
     state_load_s: list[float] = field(default_factory=list)
     futile_state_loads: int = 0
+    #: samples of its steps that hivemind computed and dropped: the peer was out of sync and loaded the swarm's
+    #: state instead of accumulating them; None for a run from before they were counted
+    samples_discarded: int | None = 0
     background_cpu_training_s: float | None = None  # hivemind's CPU-s in its steps without a round; None: unmeasured
     background_cpu_rounds_s: float | None = None  # ... in its steps that ended a global epoch (the round's wait)
     #: rounds in which the peer averaged only part of the tensors (:func:`partial_rounds`), per round kind
@@ -410,6 +416,8 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
             joins=sum(k in ("peer_join", "peer_rejoin") for k, _ in mine), leaves=sum(k == "peer_leave" for k, _ in mine),
             kills=sum(k == "peer_kill" for k, _ in mine),
             samples_lost=sum(samples_lost(rows, t) for k, t in mine if k == "peer_kill"),
+            samples_discarded=None if any(s.get("samples_discarded") is None for s in rows)
+            else sum(int(s["samples_discarded"]) for s in rows),
             state_load_s=[d["seconds"] for d in loads if d.get("seconds") is not None],
             futile_state_loads=sum(1 for d in loads if d.get("epoch_after") is not None
                                    and d.get("epoch_before") is not None and d["epoch_after"] <= d["epoch_before"]),
@@ -436,8 +444,9 @@ def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
     """A Markdown section: the per-peer table, the churn events and the figure (``figure``: its file name)."""
     lines = [f"### Run `{a.run_id}`", "",
              "| peer | cores | samples | share | averaging rounds | partial rounds | in rounds s | sent MB | "
-             "traffic share | joins / leaves / kills | samples lost | state loads (futile) | state load s, median |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "traffic share | joins / leaves / kills | samples lost | samples discarded | state loads (futile) | "
+             "state load s, median |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in a.peers:
         partial = "-" if p.partial_rounds is None else str(sum(p.partial_rounds.values()))
         lines.append(
@@ -445,7 +454,8 @@ def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
             f"{p.averaging_rounds} | {partial} | {p.averaging_s:.1f} | "
             f"{'unknown' if p.sent_bytes is None else f'{p.sent_bytes / 1e6:.1f}'} | "
             f"{'unknown' if p.traffic_share is None else f'{p.traffic_share:.0%}'} | {p.joins} / {p.leaves} / {p.kills} | "
-            f"{p.samples_lost:,} | {len(p.state_load_s)} ({p.futile_state_loads}) | "
+            f"{p.samples_lost:,} | {'-' if p.samples_discarded is None else f'{p.samples_discarded:,}'} | "
+            f"{len(p.state_load_s)} ({p.futile_state_loads}) | "
             f"{f'{statistics.median(p.state_load_s):.2f}' if p.state_load_s else '-'} |")
     if a.epochs is not None:
         e = a.epochs
@@ -515,7 +525,8 @@ def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
                                                         f"{len(p.state_load_s)}" for p in futile)
                   + ". A peer loaded the swarm's state without its epoch advancing: the swarm's progress named an "
                   "epoch no live peer had (a departed peer's record, kept by hivemind for 60 s); those steps "
-                  "trained nothing."]
+                  "trained nothing (hivemind drops a step's gradients when it loads state: the samples discarded "
+                  "column)."]
     if a.has_churn:
         sizes = a.timeline[1]
         lines += ["", "Churn: " + "; ".join(f"peer {p} {k[5:]} at {t:.1f} s" for p, k, t in a.churn) + ". "

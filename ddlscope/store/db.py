@@ -76,7 +76,7 @@ CREATE TABLE IF NOT EXISTS steps (
     averaging_s REAL, step_s REAL, loss REAL, accuracy REAL, samples_per_s REAL, warmup INTEGER NOT NULL,
     optimizer_stepped INTEGER NOT NULL, global_epoch INTEGER, averaging_round INTEGER NOT NULL DEFAULT 0,
     averaging_group_size INTEGER, averaging_succeeded INTEGER, comm_s REAL, comm_wait_s REAL, bubble_s REAL,
-    comm_bytes INTEGER, background_cpu_s REAL,
+    comm_bytes INTEGER, background_cpu_s REAL, samples_discarded INTEGER,
     PRIMARY KEY (run_id, worker_index, step)
 );
 CREATE TABLE IF NOT EXISTS evals (
@@ -139,7 +139,7 @@ STEP_COLUMNS = (
     "step", "wall_time", "samples", "data_load_s", "forward_s", "backward_s", "optimizer_s", "averaging_s",
     "step_s", "loss", "accuracy", "samples_per_s", "warmup", "optimizer_stepped", "global_epoch",
     "averaging_round", "averaging_group_size", "averaging_succeeded", "comm_s", "comm_wait_s", "bubble_s",
-    "comm_bytes", "background_cpu_s",
+    "comm_bytes", "background_cpu_s", "samples_discarded",
 )
 # columns added after the first release: (table, column, type); older databases get them on open
 ADDED_COLUMNS = (
@@ -148,6 +148,7 @@ ADDED_COLUMNS = (
     ("workers", "failed_at", "REAL"), ("steps", "background_cpu_s", "REAL"),
     ("runs", "launcher_pid", "INTEGER"), ("runs", "launcher_started_at", "REAL"), ("workers", "pid_started_at", "REAL"),
     ("moe_server_samples", "pss_bytes", "INTEGER"), ("runs", "tmp_dir", "TEXT"),
+    ("steps", "samples_discarded", "INTEGER"),
 )
 MEASUREMENT_TABLES = ("moe_steps", "moe_calls", "moe_server_batches", "moe_server_samples", "network_links")
 """Tables written with :meth:`ResultsStore.add_rows` (rows as dicts of their columns)."""

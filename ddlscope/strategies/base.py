@@ -168,6 +168,9 @@ class StepOutcome:
             in flight and payload bytes, added to the step's :class:`BatchResult` figures.
         param_checksum: after a round, the sum of the peer's parameters (collaborative; equal
             across peers whose parameters agree), else None.
+        samples_discarded: samples the step computed but did not train on: hivemind found the
+            peer out of sync with the swarm and loaded the swarm's state instead of accumulating
+            the step's gradients (collaborative: all of the step's samples, else 0).
     """
 
     averaging_s: float = 0.0
@@ -179,6 +182,7 @@ class StepOutcome:
     comm_s: float = 0.0
     comm_bytes: int = 0
     param_checksum: float | None = None
+    samples_discarded: int = 0
 
 
 class Strategy:

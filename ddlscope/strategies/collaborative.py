@@ -618,11 +618,15 @@ class CollaborativeStrategy(Strategy):
 
     def _time_state_loading(self) -> None:
         """Time hivemind's ``load_state_from_peers`` (a peer behind the swarm downloads its state) and
-        store a ``state_loaded`` event: seconds, local epoch before and after."""
+        store a ``state_loaded`` event: seconds, local epoch before and after. Counts the loads
+        (``_state_loads``): hivemind loads inside ``step`` when the peer is out of sync, and then
+        returns without accumulating the step's gradients (:meth:`step`'s ``samples_discarded``)."""
         inner = self.hm_opt.load_state_from_peers
+        self._state_loads = 0
 
         def timed_load(*args, **kwargs):
             before, t0 = self.hm_opt.local_epoch, time.perf_counter()
+            self._state_loads += 1
             try:
                 return inner(*args, **kwargs)
             finally:
@@ -690,7 +694,7 @@ class CollaborativeStrategy(Strategy):
     def step(self, samples: int) -> StepOutcome:
         self.check_stop()
         self._update_s = self._local_step_s = 0.0
-        accumulating = self.hm_opt.local_epoch
+        accumulating, loads = self.hm_opt.local_epoch, self._state_loads
         self.hm_opt.step(batch_size=samples)
         self.check_stop()  # hivemind catches the stop signal's exception inside its step: stop here, not at the kill
         if self._daemon_lost:
@@ -706,7 +710,9 @@ class CollaborativeStrategy(Strategy):
                            global_epoch=self.hm_opt.local_epoch,
                            param_checksum=param_checksum(self.hm_opt.param_groups) if happened else None,
                            # the kernel counts CPU in ticks: a short interval can read a tick below zero
-                           background_cpu_s=None if before is None else max(0.0, self._background_cpu_s - before))
+                           background_cpu_s=None if before is None else max(0.0, self._background_cpu_s - before),
+                           # hivemind loaded the swarm's state in this step and dropped its gradients ("must start over")
+                           samples_discarded=samples if self._state_loads > loads else 0)
 
     def zero_grad(self) -> None:
         self.hm_opt.zero_grad()

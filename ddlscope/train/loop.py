@@ -326,6 +326,7 @@ def _step_row(cfg, step: int, wall: float, res, outcome, stepped: bool) -> dict:
         averaging_group_size=outcome.group_size if outcome else None,
         averaging_succeeded=None if outcome is None or outcome.succeeded is None else int(outcome.succeeded),
         background_cpu_s=outcome.background_cpu_s if outcome else None,
+        samples_discarded=outcome.samples_discarded if outcome else 0,
     )
 
 
