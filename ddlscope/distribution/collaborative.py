@@ -148,6 +148,12 @@ class CollaborativeConfig(BaseModel):
         "does not arrive within this many seconds is dropped from that part, which is then averaged without it "
         "(a partial round, stored as a partial_average event); default: hivemind's, matchmaking_time_s. On a slow "
         "link a chunk can wait behind the other round's bytes for longer than a short matchmaking time")
+    progress_expiration_s: float = Field(
+        60.0, gt=0, le=3600, description="hivemind's metadata_expiration: how long a peer's progress record (its "
+        "epoch and samples) stays in the DHT after its last report; peers report every half of it. A peer killed "
+        "just after it moved to a new epoch leaves its record naming that epoch, and the others, behind it, load the "
+        "swarm's state at every step, training nothing (samples_discarded), until the record expires. Default: "
+        "hivemind's 60 s")
     gradient_compression: Literal["none", "float16", "scaled-float16", "uniform8bit"] = "none"
     average_state_every: int = Field(1, ge=1, description="average parameters and optimizer state every N global epochs")
     listen_host: str = Field("127.0.0.1", description="address peers listen on; loopback unless you ask")

@@ -433,6 +433,7 @@ class CollaborativeStrategy(Strategy):
             # both rounds: hivemind 1.1.12 passes averager_opts to the state averager only (its docstring
             # says both), so the gradient averager gets them through its factory
             averager_opts=groups, grad_averager_factory=functools.partial(GradientAverager, **groups),
+            tracker_opts={"metadata_expiration": c.progress_expiration_s},
         )
         self._averager_rounds = {a.pid: kind for a, kind in ((self.hm_opt.state_averager, "parameters"),
                                                              (self.hm_opt.grad_averager, "gradients")) if a is not None}
@@ -460,6 +461,8 @@ class CollaborativeStrategy(Strategy):
                 # what hivemind's averagers hold (read back: the value their load balancing gathers)
                 "averager_bandwidths": [a.bandwidth for a in averagers if a is not None],
                 "target_group_size": c.target_group_size,
+                # how long its progress record outlasts it: read back from hivemind's progress tracker
+                "progress_expiration_s": getattr(getattr(self.hm_opt, "tracker", None), "metadata_expiration", None),
                 "skipped_non_finite_updates": self._skipped["non_finite_average"],
                 "skipped_non_finite_state_rounds": self._skipped["non_finite_state_average"],
                 # whether hivemind's partial rounds were caught (partial_average events; False: not counted)
