@@ -50,6 +50,16 @@ def test_the_churn_window_runs_from_the_last_initial_peers_first_measured_step_t
     assert w.schedule == [{"peer": 1, "kill_at_s": 18.5, "rejoin_at_s": 28.0}]
 
 
+def test_samples_hivemind_discarded_on_loading_the_swarms_state_are_not_counted_as_trained(tmp_path):
+    with ResultsStore(tmp_path / "r.db") as store:
+        run_id = _churned_run(store)
+        # the rejoined peer 1's first step (at 38 s) loaded the swarm's state: hivemind dropped its gradients
+        store.conn.execute("UPDATE steps SET samples_discarded = 32 WHERE run_id = ? AND worker_index = 1 AND step = 21",
+                           (run_id,))
+        w = churn_window(store, run_id)
+    assert w.samples == pytest.approx((58 + 19 + 22 - 1) * 32)
+
+
 def test_a_run_without_churn_or_with_a_change_before_every_peer_trained_has_no_window(tmp_path):
     with ResultsStore(tmp_path / "r.db") as store:
         plain = store.create_run("plain", "collaborative", {"strategy": "collaborative", "peers": 2})

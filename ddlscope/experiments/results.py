@@ -112,12 +112,15 @@ def swarm_window(steps: list[dict]) -> tuple[float, float] | None:
 
 def samples_within(steps: list[dict], start: float, end: float) -> float:
     """Samples of ``steps`` trained between Unix times ``start`` and ``end``; a step across either
-    end counts with the share of its time inside."""
+    end counts with the share of its time inside. A step's ``samples_discarded`` (hivemind loaded
+    the swarm's state in it and dropped its gradients) are not trained; where a step does not say
+    (a run stored before they were counted) none are taken off."""
     samples = 0.0
     for s in steps:
         inside = min(end, s["wall_time"] + s["step_s"]) - max(start, s["wall_time"])
         if inside > 0:
-            samples += s["samples"] * (inside / s["step_s"] if s["step_s"] > 0 else 1.0)
+            trained = s["samples"] - (s.get("samples_discarded") or 0)
+            samples += trained * (inside / s["step_s"] if s["step_s"] > 0 else 1.0)
     return samples
 
 
@@ -129,7 +132,8 @@ class ChurnWindow:
         start_wall: Unix time of the window's start: the last initial peer's first measured step.
         run_s: the window's length, seconds: to the first end of a peer that finished its own
             work (later, the peers left would train alone: not the schedule's swarm).
-        samples: samples of every peer's steps inside the window (pro rata for a step across an end).
+        samples: samples of every peer's steps inside the window (pro rata for a step across an end),
+            less those hivemind discarded (``samples_discarded``: steps that loaded the swarm's state).
         samples_lost: samples of killed peers' steps after their last averaging round
             (:func:`ddlscope.analyze.swarm.samples_lost`): counted by hivemind, never averaged.
         schedule: each peer's churn as it happened, seconds from ``start_wall``: the launcher's
