@@ -88,12 +88,13 @@ def bare_peer(worker_index: int, local_epoch: int, events: list) -> "object":
     return peer
 
 
-def stored_swarm_run(store, peers: int = 3, steps: int = 4, step=None) -> str:
-    """A collaborative run in ``store`` (a ``ResultsStore``): batch 32, target batch 64, matchmaking 1 s,
-    ``steps`` one-second steps of each of ``peers`` peers, every other one an averaging round; ``step(t, peer)``
-    gives fields that replace or add to step ``t``'s. Returns its run id."""
+def stored_swarm_run(store, peers: int = 3, steps: int = 4, step=None, collaborative=None) -> str:
+    """A collaborative run in ``store`` (a ``ResultsStore``): batch 32, target batch 64, matchmaking 1 s
+    (``collaborative`` adds to or replaces those settings), ``steps`` one-second steps of each of ``peers``
+    peers, every other one an averaging round; ``step(t, peer)`` gives fields that replace or add to step
+    ``t``'s. Returns its run id."""
     config = {"strategy": "collaborative", "batch_size": 32,
-              "collaborative": {"target_batch_size": 64, "matchmaking_time_s": 1.0}}
+              "collaborative": {"target_batch_size": 64, "matchmaking_time_s": 1.0, **(collaborative or {})}}
     run_id = store.create_run("swarm", "collaborative", config)
     for t in range(steps):
         for peer in range(peers):

@@ -174,6 +174,19 @@ def test_the_swarm_analysis_counts_discarded_samples_and_shows_unknown_ones_as_a
     rows = {line.split("|")[1].strip(): line for line in swarm_markdown(analysis).splitlines()
             if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
     assert "| 0 | 64 | 1 (1) |" in rows["1"] and "| 0 | - | 0 (0) |" in rows["2"]
+    # the stored config names no expiration (a run from before the setting): hivemind's default is what ran
+    assert analysis.progress_expiration_s == 60.0 and "kept by hivemind for 60 s" in swarm_markdown(analysis)
+
+
+def test_the_futile_load_note_names_the_runs_own_progress_expiration(tmp_path):
+    from tests.conftest import stored_swarm_run
+
+    with ResultsStore(tmp_path / "r.db") as store:
+        run_id = stored_swarm_run(store, collaborative={"progress_expiration_s": 12.5})
+        store.add_event(run_id, 1, "state_loaded", seconds=0.1, epoch_before=1, epoch_after=1, at=1e6 + 2)
+        analysis = analyze_swarm(store, run_id)
+    assert analysis.progress_expiration_s == 12.5
+    assert "kept by hivemind for 12.5 s: collaborative.progress_expiration_s" in swarm_markdown(analysis)
 
 
 def test_hivemind_cpu_is_split_between_training_steps_and_round_steps(tmp_path):

@@ -11,7 +11,7 @@ gives:
   state took when it (re)joined (hivemind's ``load_state_from_peers``), and how many of those loads
   were *futile* (its epoch did not advance: the swarm's progress record named a global epoch that
   no live peer could give it — hivemind keeps a departed peer's progress for its
-  ``metadata_expiration``, 60 s, so a peer killed just after it moved on to a new epoch leaves the
+  ``metadata_expiration``, ``collaborative.progress_expiration_s``, 60 s by default, so a peer killed just after it moved on to a new epoch leaves the
   others loading state at every step until the record expires), and the samples *discarded*:
   those of the steps in which hivemind loaded the swarm's state, whose gradients it dropped
   instead of accumulating (``steps.samples_discarded``; "-" for a run from before they were
@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from ddlscope.analyze.epoch_rule import EpochRuleCheck, check_epoch_rule
+from ddlscope.modeling.progress import METADATA_EXPIRATION_S
 
 GAP_FLOOR_S = 5.0
 """Shortest pause, seconds, that splits a peer's steps into two training segments."""
@@ -160,6 +161,9 @@ class SwarmAnalysis:
         next_chunk_timeout_s: the run's hivemind ``next_chunk_timeout`` (its
             ``collaborative.next_chunk_timeout_s``, else the matchmaking time); None where the
             config does not say.
+        progress_expiration_s: how long hivemind kept a departed peer's progress record (the run's
+            ``collaborative.progress_expiration_s``; hivemind's default, 60 s, for a run from before
+            the setting existed).
     """
 
     run_id: str
@@ -172,6 +176,7 @@ class SwarmAnalysis:
     epochs: GlobalEpochs | None = None
     epoch_rule: EpochRuleCheck | None = None
     next_chunk_timeout_s: float | None = None
+    progress_expiration_s: float = METADATA_EXPIRATION_S
 
     @property
     def has_churn(self) -> bool:
@@ -435,6 +440,7 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
     chunk_s = swarm.get("next_chunk_timeout_s") or swarm.get("matchmaking_time_s")
     return SwarmAnalysis(
         run_id=run_id, origin=origin, peers=figures, next_chunk_timeout_s=float(chunk_s) if chunk_s else None,
+        progress_expiration_s=float(swarm.get("progress_expiration_s") or METADATA_EXPIRATION_S),
         segments={p: [(a - origin, b - origin) for a, b in seg] for p, seg in segments.items()},
         timeline=([t - origin for t in times], sizes), churn=[(p, k, t - origin) for p, k, t in churn], evals=evals,
         epochs=epochs, epoch_rule=rule)
@@ -524,7 +530,8 @@ def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
         lines += ["", "Futile state loads: " + ", ".join(f"peer {p.peer} {p.futile_state_loads} of "
                                                         f"{len(p.state_load_s)}" for p in futile)
                   + ". A peer loaded the swarm's state without its epoch advancing: the swarm's progress named an "
-                  "epoch no live peer had (a departed peer's record, kept by hivemind for 60 s); those steps "
+                  "epoch no live peer had (a departed peer's record, kept by hivemind for "
+                  f"{a.progress_expiration_s:g} s: collaborative.progress_expiration_s); those steps "
                   "trained nothing (hivemind drops a step's gradients when it loads state: the samples discarded "
                   "column)."]
     if a.has_churn:

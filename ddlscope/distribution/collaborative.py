@@ -21,7 +21,8 @@ from ddlscope.modeling.collectives import butterfly_allreduce_s, contention, ser
 from ddlscope.modeling.memory import MemoryEstimate, replicas
 from ddlscope.modeling.prediction import Prediction, Setting, make_prediction, split_compute
 from ddlscope.modeling.profile import WorkloadProfile
-from ddlscope.modeling.progress import DHT_LATENCY_S, EpochDraws, TrackerSettings, simulate_overshoot
+from ddlscope.modeling.progress import (
+    DHT_LATENCY_S, METADATA_EXPIRATION_S, EpochDraws, TrackerSettings, simulate_overshoot)
 
 if TYPE_CHECKING:
     from ddlscope.network.emulated import NetworkConfig
@@ -149,7 +150,7 @@ class CollaborativeConfig(BaseModel):
         "(a partial round, stored as a partial_average event); default: hivemind's, matchmaking_time_s. On a slow "
         "link a chunk can wait behind the other round's bytes for longer than a short matchmaking time")
     progress_expiration_s: float = Field(
-        60.0, gt=0, le=3600, description="hivemind's metadata_expiration: how long a peer's progress record (its "
+        METADATA_EXPIRATION_S, gt=0, le=3600, description="hivemind's metadata_expiration: how long a peer's progress record (its "
         "epoch and samples) stays in the DHT after its last report; peers report every half of it. A peer killed "
         "just after it moved to a new epoch leaves its record naming that epoch, and the others, behind it, load the "
         "swarm's state at every step, training nothing (samples_discarded), until the record expires. Default: "

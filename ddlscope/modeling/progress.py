@@ -47,6 +47,9 @@ DHT_LATENCY_S = 0.05
 between peers on one machine or a LAN. Replays of six runs of issue 14 gave 95.1 % of the peers'
 decisions at 0 s and 95.2 % at 0.05 and 0.2 s; on the runs with a 20 Mbit/s link 91 % up to 0.2 s
 and 93-95 % at 1 s, where a record seems to wait behind the rounds' bytes (not modelled)."""
+METADATA_EXPIRATION_S = 60.0
+"""hivemind 1.1.12's ``ProgressTracker`` default ``metadata_expiration``, seconds: how long a peer's
+progress record stays in the DHT after its last report (``collaborative.progress_expiration_s``)."""
 
 
 @dataclass(frozen=True)
