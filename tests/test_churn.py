@@ -189,6 +189,28 @@ def test_the_futile_load_note_names_the_runs_own_progress_expiration(tmp_path):
     assert "kept by hivemind for 12.5 s: collaborative.progress_expiration_s" in swarm_markdown(analysis)
 
 
+def test_failed_rounds_are_counted_per_peer_with_their_seconds_and_explained(tmp_path):
+    from tests.conftest import stored_swarm_run
+
+    with ResultsStore(tmp_path / "r.db") as store:  # rounds at steps 1 and 3; peer 1's round at step 3 failed
+        run_id = stored_swarm_run(store, step=lambda t, p: dict(
+            averaging_succeeded=None if t % 2 == 0 else int(not (p == 1 and t == 3)), averaging_s=0.5 * t))
+        for ok in (True, False):  # an auxiliary peer 3: its rounds are events, one of them failed
+            store.add_event(run_id, 3, "averaging_round", step=None, group_size=2, succeeded=ok, averaging_s=0.7,
+                            epoch=1, auxiliary=True)
+        clean_id = stored_swarm_run(store, step=lambda t, p: dict(averaging_succeeded=1 if t % 2 else None))
+        analysis, clean = analyze_swarm(store, run_id), analyze_swarm(store, clean_id)
+    by_peer = {p.peer: p for p in analysis.peers}
+    assert (by_peer[1].averaging_rounds, by_peer[1].failed_rounds, by_peer[1].failed_rounds_s) == (2, 1, 1.5)
+    assert by_peer[0].failed_rounds == by_peer[2].failed_rounds == 0
+    assert (by_peer[3].samples, by_peer[3].averaging_rounds, by_peer[3].failed_rounds) == (0, 2, 1)
+    text = swarm_markdown(analysis)
+    assert "| 1 | - | 128 | 33% | 2 (1 failed) |" in text and "| 0 | - | 128 | 33% | 2 |" in text
+    assert "| 3 | - | 0 | 0% | 2 (1 failed) |" in text
+    assert "Failed rounds: peer 1 1 of 2, 1.50 s in them" in text and "own accumulated gradients" in text
+    assert "Failed rounds" not in swarm_markdown(clean)
+
+
 def test_hivemind_cpu_is_split_between_training_steps_and_round_steps(tmp_path):
     with ResultsStore(tmp_path / "r.db") as store:
         run_id = store.create_run("swarm", "collaborative", {"strategy": "collaborative", "batch_size": 32})

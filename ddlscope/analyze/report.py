@@ -492,8 +492,8 @@ def swarm_section(summaries: list[RunSummary]) -> list[str]:
     if not runs:
         return []
     lines = ["", "## Peers of collaborative runs", "",
-             "Samples each peer contributed, its averaging rounds and the seconds it spent in them, the bytes it "
-             "sent, churn (joins, leaves, kills), samples lost with a killed peer (accumulated after its last "
+             "Samples each peer contributed, its averaging rounds (and how many failed) and the seconds it spent "
+             "in them, the bytes it sent, churn (joins, leaves, kills), samples lost with a killed peer (accumulated after its last "
              "round), and hivemind's state loads when a peer (re)joined.", ""]
     plotted = [s for s in runs if s.swarm.has_churn][:MAX_SWARM_PLOTS]
     for s in runs:

@@ -4,7 +4,8 @@ For a ``collaborative`` run this module reads the steps, evaluations and events 
 gives:
 
 - **per peer** (:class:`PeerFigures`): samples contributed and their share of the swarm's, the
-  averaging rounds it took part in, the seconds it spent in them (its waits: matchmaking and the
+  averaging rounds it took part in and those of them that failed (hivemind then stepped with the
+  peer's own gradients or kept its own parameters), the seconds it spent in them (its waits: matchmaking and the
   all-reduce), the bytes it sent (its processes' TCP payload, :mod:`ddlscope.measure.host`; each
   process of a peer that rejoined counted to its end) and their share of all peers' bytes, its
   joins, leaves and kills, the samples lost when it was killed, and how long loading the swarm's
@@ -109,6 +110,10 @@ class PeerFigures:
     #: its gradient rounds by when hivemind pre-scheduled their matchmaking (:func:`gradient_prescheduling`):
     #: ``{"early": [averaging_s, ...], "late": [...]}``; None for a run from before it was recorded
     gradient_rounds_by_scheduling: dict[str, list[float]] | None = None
+    #: its round steps in which an averaging failed (hivemind logged that averaging gradients or parameters failed;
+    #: the peer then stepped with its own gradients, or kept its own parameters), and their seconds in rounds
+    failed_rounds: int = 0
+    failed_rounds_s: float = 0.0
 
     def background_cpu_per_round_s(self) -> tuple[float, float] | None:
         """hivemind's CPU seconds per averaging round of this peer: ``(in steps that only trained,
@@ -408,7 +413,8 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
     for p in sorted(set(by_peer) | set(aux_rounds)):
         rows = by_peer.get(p, [])
         rounds = [s for s in rows if s.get("averaging_round")] or [
-            dict(averaging_s=r.get("averaging_s")) for r in aux_rounds.get(p, [])]
+            dict(averaging_s=r.get("averaging_s"), averaging_succeeded=r.get("succeeded")) for r in aux_rounds.get(p, [])]
+        failed = [s for s in rounds if s.get("averaging_succeeded") is not None and not s["averaging_succeeded"]]
         sent = sent_by_peer.get(p)
         mine = [(k, t) for q, k, t in churn if q == p]
         loads = [json.loads(e["detail_json"] or "{}") for e in events
@@ -417,6 +423,7 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
             peer=p, cores=pinned.get(p), samples=sum(int(s["samples"]) for s in rows),
             samples_share=sum(int(s["samples"]) for s in rows) / total, averaging_rounds=len(rounds),
             averaging_s=sum(s.get("averaging_s") or 0.0 for s in rounds),
+            failed_rounds=len(failed), failed_rounds_s=sum(s.get("averaging_s") or 0.0 for s in failed),
             sent_bytes=sent, traffic_share=sent / total_bytes if sent is not None and total_bytes else None,
             joins=sum(k in ("peer_join", "peer_rejoin") for k, _ in mine), leaves=sum(k == "peer_leave" for k, _ in mine),
             kills=sum(k == "peer_kill" for k, _ in mine),
@@ -457,7 +464,8 @@ def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
         partial = "-" if p.partial_rounds is None else str(sum(p.partial_rounds.values()))
         lines.append(
             f"| {p.peer} | {p.cores if p.cores is not None else '-'} | {p.samples:,} | {p.samples_share:.0%} | "
-            f"{p.averaging_rounds} | {partial} | {p.averaging_s:.1f} | "
+            f"{p.averaging_rounds}{f' ({p.failed_rounds} failed)' if p.failed_rounds else ''} | {partial} | "
+            f"{p.averaging_s:.1f} | "
             f"{'unknown' if p.sent_bytes is None else f'{p.sent_bytes / 1e6:.1f}'} | "
             f"{'unknown' if p.traffic_share is None else f'{p.traffic_share:.0%}'} | {p.joins} / {p.leaves} / {p.kills} | "
             f"{p.samples_lost:,} | {'-' if p.samples_discarded is None else f'{p.samples_discarded:,}'} | "
@@ -512,6 +520,16 @@ def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
             + ". hivemind starts a round's matchmaking only between steps, once the epoch's estimated end is "
             "within the matchmaking time; a round not pre-scheduled by then forms its group a matchmaking time "
             "after the epoch's end."]
+    failing = [p for p in a.peers if p.failed_rounds]
+    if failing:
+        lines += ["", "Failed rounds: " + "; ".join(
+            f"peer {p.peer} {p.failed_rounds} of {p.averaging_rounds}, {p.failed_rounds_s:.2f} s in them" for p in failing)
+            + " (steps whose hivemind log said that averaging gradients or parameters failed). After a failed "
+            "gradient round hivemind steps with the peer's own accumulated gradients (Optimizer."
+            "_load_local_gradients_into_optimizer); after a failed parameter round the peer keeps its own parameters. "
+            "Either way the round's time is spent and the peers' parameters differ until a later round averages "
+            "them. A round that fails fast costs less time than one that succeeds; one that a dead peer holds up "
+            "lasts until averaging_timeout_s."]
     partial = [p for p in a.peers if p.partial_rounds]
     if partial:
         timeout = f"{a.next_chunk_timeout_s:g} s" if a.next_chunk_timeout_s else "its value"
