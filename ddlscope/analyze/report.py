@@ -493,8 +493,8 @@ def swarm_section(summaries: list[RunSummary]) -> list[str]:
         return []
     lines = ["", "## Peers of collaborative runs", "",
              "Samples each peer contributed, its averaging rounds (and how many failed) and the seconds it spent "
-             "in them, the bytes it sent, churn (joins, leaves, kills), samples lost with a killed peer (accumulated after its last "
-             "round), and hivemind's state loads when a peer (re)joined.", ""]
+             "in them, the bytes it sent, churn (joins, leaves, kills), samples lost with a killed peer "
+             "(accumulated after its last round), and hivemind's state loads when a peer (re)joined.", ""]
     plotted = [s for s in runs if s.swarm.has_churn][:MAX_SWARM_PLOTS]
     for s in runs:
         lines.append(swarm_markdown(s.swarm, swarm_plot_name(s) if s in plotted else None))
