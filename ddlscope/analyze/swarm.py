@@ -6,17 +6,17 @@ gives:
 - **per peer** (:class:`PeerFigures`): samples contributed and their share of the swarm's, the
   averaging rounds it took part in and those of them that failed (hivemind then stepped with the
   peer's own gradients or kept its own parameters), the seconds it spent in them (its waits:
-  matchmaking and the all-reduce), the bytes it sent (its processes' TCP payload, :mod:`ddlscope.measure.host`; each
-  process of a peer that rejoined counted to its end) and their share of all peers' bytes, its
+  matchmaking and the all-reduce), the bytes it sent (its processes' TCP payload,
+  :mod:`ddlscope.measure.host`; each process of a peer that rejoined counted to its end) and
+  their share of all peers' bytes, its
   joins, leaves and kills, the samples lost when it was killed, and how long loading the swarm's
   state took when it (re)joined (hivemind's ``load_state_from_peers``), and how many of those loads
   were *futile* (its epoch did not advance: the swarm's progress record named a global epoch that
   no live peer could give it — hivemind keeps a departed peer's progress for its
   ``metadata_expiration``, ``collaborative.progress_expiration_s``, 60 s by default, so a peer
   killed just after it moved on to a new epoch leaves the others loading state at every step
-  until the record expires), and the samples *discarded*:
-  those of the steps in which hivemind loaded the swarm's state, whose gradients it dropped
-  instead of accumulating (``steps.samples_discarded``; "-" for a run from before they were
+  until the record expires), and the samples *discarded*: those of the steps in which hivemind
+  loaded the swarm's state, whose gradients it dropped instead of accumulating (``steps.samples_discarded``; "-" for a run from before they were
   counted);
 - **the swarm's size over time** (:func:`swarm_size_timeline`): peers training at each moment,
   measured from the steps themselves — a peer trains from its first step to its last within one
