@@ -46,6 +46,7 @@ Prints a table, writes ``benchmarks/results/dmoe_overhead.json`` and rewrites th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -187,7 +188,7 @@ def plain_trainer(cfg, cores: list[int], initial_peers: list[str], result_out: P
 def _child(argv: list[str]) -> None:
     """``plain-server`` / ``plain-trainer`` modes (started by :func:`main`, never by hand)."""
     from ddlscope.config import validate_config
-    from ddlscope.launch.processes import die_with_parent
+    from ddlscope.launch.processes import die_with_parent, route_hivemind_sockets
 
     p = argparse.ArgumentParser(prog=f"dmoe_overhead.py {argv[0]}")
     p.add_argument("--config", type=Path, required=True)
@@ -197,6 +198,9 @@ def _child(argv: list[str]) -> None:
     p.add_argument("--initial-peers", nargs="*", default=[])
     args = p.parse_args(argv[1:])
     die_with_parent(signal.SIGTERM)
+    # harness hygiene, not part of the plain side's work: hivemind 1.1.12 leaves its clients' socket files in
+    # /tmp; they go to the benchmark's run folder (TMPDIR, see main), removed with it, as ddlscope's own do
+    route_hivemind_sockets()
     cfg = validate_config(json.loads(args.config.read_text()))
     cores = [int(c) for c in args.cores.split(",")]
     code = 0
@@ -447,6 +451,7 @@ def main() -> None:
 
     from ddlscope.config import available_cores, validate_config
     from ddlscope.launch.local import prepare_dataset
+    from ddlscope.launch.processes import make_run_temp_dir, remove_run_temp_dir
 
     cfg = validate_config(dict(
         strategy="dmoe", model="moe_cnn", dataset=args.dataset, batch_size=args.batch_size, peers=1, vcpus_per_peer=1,
@@ -456,7 +461,12 @@ def main() -> None:
     step_s = {s: {t: [] for t in KINDS} for s in KINDS}
     server_cpu_s = {s: {t: [] for t in KINDS} for s in KINDS}
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="dmoe-overhead-") as tmp:
+    # every process this benchmark starts, on both sides, inherits a run folder as TMPDIR (as the launcher gives
+    # a run's processes): multiprocessing's pymp-* folders and hivemind's socket files go there, removed with it
+    run_tmp = make_run_temp_dir()
+    os.environ["TMPDIR"] = str(run_tmp)
+    with contextlib.ExitStack() as cleanup, tempfile.TemporaryDirectory(prefix="dmoe-overhead-") as tmp:
+        cleanup.callback(remove_run_temp_dir, run_tmp)
         bench = Bench(cfg, Path(tmp))
         try:
             sets = {}

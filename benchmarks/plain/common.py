@@ -49,6 +49,16 @@ def pin(core_sets: str | None, local_rank: int) -> None:
         torch.set_num_threads(len(cores))
 
 
+def keep_hivemind_sockets_in_tmpdir() -> None:
+    """Put hivemind's Unix socket files in ``$TMPDIR`` (the benchmark's folder, removed with it):
+    hivemind 1.1.12 names them under ``/tmp`` whatever ``TMPDIR`` says and leaves its clients'
+    behind. Harness hygiene, outside the training loop; nothing without ``TMPDIR``."""
+    from ddlscope.launch.processes import route_hivemind_sockets
+
+    if os.environ.get("TMPDIR"):
+        route_hivemind_sockets(os.environ["TMPDIR"])
+
+
 def start_worker(args: argparse.Namespace) -> tuple[int, int, int]:
     """``(rank, local rank, world size)`` of this torchrun worker, pinned (:func:`pin`), on its GPU
     when ``--device cuda``, with the default process group started (nccl on CUDA, gloo on CPU)."""

@@ -58,6 +58,7 @@ def main() -> None:
     p.add_argument("--averaging-timeout-s", type=float, required=True)
     args = p.parse_args()
     common.pin(args.core_sets, 0)
+    common.keep_hivemind_sockets_in_tmpdir()
     # one machine: p2pd listens on loopback and neither maps ports, probes for NATs nor relays (as ddlscope's peers)
     dht = hivemind.DHT(initial_peers=args.initial_peers or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
                        nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
