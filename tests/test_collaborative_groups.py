@@ -36,6 +36,19 @@ def test_bad_group_and_client_settings_are_refused(table, words):
         validate_config(tiny_run(strategy="collaborative", peers=4, share_cores=True, collaborative=table))
 
 
+def test_param_checksum_sums_every_element_in_float64():
+    import torch
+
+    from ddlscope.strategies.collaborative import param_checksum
+
+    # 100,000 ones in float16 sum to inf in float16 (its largest value is 65,504); 1/3 is not exact in float32
+    groups = [{"params": [torch.ones(100_000, dtype=torch.float16)]},
+              {"params": [torch.full((3, 3), 1 / 3), torch.nn.Parameter(torch.tensor([-2.5]))]}]
+    expected = 100_000 + 9 * float(torch.tensor(1 / 3, dtype=torch.float32)) - 2.5
+    assert param_checksum(groups) == pytest.approx(expected, rel=1e-12)
+    assert param_checksum([{"params": []}]) == 0.0
+
+
 def test_param_spread_is_relative_and_needs_two_peers():
     assert param_spread([2.0, 2.0, 2.0]) == 0.0
     assert param_spread([1.0, 3.0]) == pytest.approx(1.0)
