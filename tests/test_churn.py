@@ -42,6 +42,7 @@ def test_a_schedule_out_of_order_is_refused(event, words):
 @pytest.mark.parametrize("collaborative, words", [
     (dict(churn=[dict(peer=3, kill_at_s=5)]), r"peers \[3\] are not in the run; allowed: 0..2"),
     (dict(progress_expiration_s=0), "progress_expiration_s"),
+    (dict(load_state_timeout_s=-1), "load_state_timeout_s"),
     (dict(churn=[dict(peer=1, kill_at_s=5), dict(peer=1, join_at_s=2)]), "more than one schedule"),
     (dict(churn=[dict(peer=0, join_at_s=5)]), "peer 0 bootstraps the swarm"),
     (dict(random_churn=dict(kills=2, leaves=2)), "need that many peers without a churn table"),
@@ -241,7 +242,9 @@ def test_four_peers_with_a_slow_link_an_auxiliary_peer_and_churn_complete(env_da
         peers=4, run=dict(sample_budget=None, time_limit_s=40, eval_every_steps=20,
                           network=dict(emulate=True, bandwidth_mbit_per_s=200, links=[dict(peer=2, bandwidth_mbit_per_s=20)])),
         auxiliary_peers=[3], churn=[dict(peer=1, kill_at_s=3, rejoin_at_s=5), dict(peer=2, join_at_s=1, leave_at_s=35)],
-        progress_expiration_s=10.0))  # a killed peer's progress record stalls the others for at most 10 s
+        progress_expiration_s=10.0,  # a killed peer's progress record stalls the others for at most 10 s
+        # in CI (2026-12-03) peer 2's state download at 12 s hung for hivemind's default 600 s, past its leave at 35 s
+        load_state_timeout_s=15.0))
     run_id = run_local(cfg, db_path, progress=False)
     with ResultsStore(db_path) as store:
         run, workers = store.run(run_id), {w["worker_index"]: w for w in store.workers(run_id)}
@@ -255,6 +258,7 @@ def test_four_peers_with_a_slow_link_an_auxiliary_peer_and_churn_complete(env_da
         assert workers[3]["reason"].startswith("auxiliary: helped average in"), dict(workers[3])
         details = [json.loads(e["detail_json"]) for e in store.rows("events", run_id) if e["kind"] == "strategy_details"]
         assert len(details) >= 3 and {d["progress_expiration_s"] for d in details} == {10.0}  # read from its tracker
+        assert {d["load_state_timeout_s"] for d in details} == {15.0}  # read from its optimizer
         assert set(store.step_counts(run_id)) == {0, 1, 2}  # the auxiliary peer trained on no batch
         # the rejoined peer 1 continued its step count: one row per step, none twice, steps on both sides of the kill
         steps = store.rows("steps", run_id)

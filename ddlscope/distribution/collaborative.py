@@ -32,6 +32,10 @@ DEFAULT_MATCHMAKING_TIME_S = 10.0
 """Thesis 000's fixed matchmaking time: the one default everywhere (runs, predictions, recommendations)."""
 DEFAULT_AVERAGING_TIMEOUT_S = 300.0
 """hivemind's ``averaging_timeout`` by default (seconds), thesis 000's."""
+DEFAULT_LOAD_STATE_TIMEOUT_S = 120.0
+"""Seconds one attempt to download the swarm's state may take before hivemind gives it up and
+tries again (``load_state_timeout``, whose own default is 600 s): a ResNet-50's parameters and
+momentum, about 200 MB, take 80 s over 20 Mbit/s."""
 
 
 class ChurnEvent(BaseModel):
@@ -155,6 +159,12 @@ class CollaborativeConfig(BaseModel):
         "just after it moved to a new epoch leaves its record naming that epoch, and the others, behind it, load the "
         "swarm's state at every step, training nothing (samples_discarded), until the record expires. Default: "
         "hivemind's 60 s")
+    load_state_timeout_s: float = Field(
+        DEFAULT_LOAD_STATE_TIMEOUT_S, gt=0, le=3600, description="hivemind's load_state_timeout: a peer that (re)joins "
+        "or falls behind gives up one attempt to download the swarm's state after this many seconds, and hivemind "
+        "starts another at once (until one returns). With hivemind's default, 600 s, one hung attempt held a 40 s "
+        "churn run for 10 minutes and past a peer's leave time (issue 14, CI); the retry then returned at once. "
+        "Raise it for a state that needs longer over its link (parameters and optimizer state, bytes / link rate)")
     gradient_compression: Literal["none", "float16", "scaled-float16", "uniform8bit"] = "none"
     average_state_every: int = Field(1, ge=1, description="average parameters and optimizer state every N global epochs")
     listen_host: str = Field("127.0.0.1", description="address peers listen on; loopback unless you ask")

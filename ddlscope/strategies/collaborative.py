@@ -433,7 +433,7 @@ class CollaborativeStrategy(Strategy):
             # both rounds: hivemind 1.1.12 passes averager_opts to the state averager only (its docstring
             # says both), so the gradient averager gets them through its factory
             averager_opts=groups, grad_averager_factory=functools.partial(GradientAverager, **groups),
-            tracker_opts={"metadata_expiration": c.progress_expiration_s},
+            tracker_opts={"metadata_expiration": c.progress_expiration_s}, load_state_timeout=c.load_state_timeout_s,
         )
         self._averager_rounds = {a.pid: kind for a, kind in ((self.hm_opt.state_averager, "parameters"),
                                                              (self.hm_opt.grad_averager, "gradients")) if a is not None}
@@ -463,6 +463,7 @@ class CollaborativeStrategy(Strategy):
                 "target_group_size": c.target_group_size,
                 # how long its progress record outlasts it: read back from hivemind's progress tracker
                 "progress_expiration_s": getattr(getattr(self.hm_opt, "tracker", None), "metadata_expiration", None),
+                "load_state_timeout_s": getattr(self.hm_opt, "load_state_timeout", None),
                 "skipped_non_finite_updates": self._skipped["non_finite_average"],
                 "skipped_non_finite_state_rounds": self._skipped["non_finite_state_average"],
                 # whether hivemind's partial rounds were caught (partial_average events; False: not counted)
