@@ -79,10 +79,11 @@ def bare_peer(worker_index: int, local_epoch: int, events: list) -> "object":
     ``(run_id, worker, kind, fields)`` to ``events``; its run is ``"r"``, hivemind's optimizer at ``local_epoch``."""
     from types import SimpleNamespace
 
-    from ddlscope.strategies.collaborative import CollaborativeStrategy
+    from ddlscope.strategies.collaborative import CollaborativeStrategy, LeaveRequest
 
     peer = object.__new__(CollaborativeStrategy)
     peer.hm_opt = SimpleNamespace(local_epoch=local_epoch)
+    peer._leave = LeaveRequest()  # not asked to leave; its signal handler is not installed
     peer.ctx = SimpleNamespace(worker_index=worker_index, run_id="r", store=SimpleNamespace(
         add_event=lambda run_id, worker, kind, **fields: events.append((run_id, worker, kind, fields))))
     return peer

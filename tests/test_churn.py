@@ -159,6 +159,10 @@ def test_a_step_in_which_hivemind_loads_the_swarms_state_stores_its_samples_as_d
     assert [(d["epoch_before"], d["epoch_after"]) for d in loads] == [(2, 2)] * 3  # futile: the epoch stayed
     opt.behind = False
     assert peer.step(16).samples_discarded == 0 and opt.accumulated == 32
+    opt.behind, opt.serves = True, 5
+    peer._leave.set()  # asked to leave: the load hivemind's step asks for does not start, the step is dropped
+    assert peer.step(16).samples_discarded == 16 and opt.local_epoch == 2
+    assert events[-1][3]["abandoned_for_leave"] is True
 
 
 def test_the_swarm_analysis_counts_discarded_samples_and_shows_unknown_ones_as_a_dash(tmp_path):
@@ -188,6 +192,65 @@ def test_the_futile_load_note_names_the_runs_own_progress_expiration(tmp_path):
         analysis = analyze_swarm(store, run_id)
     assert analysis.progress_expiration_s == 12.5
     assert "kept by hivemind for 12.5 s: collaborative.progress_expiration_s" in swarm_markdown(analysis)
+
+
+def test_a_state_load_cut_short_by_a_leave_is_shown_apart_from_the_loads(tmp_path):
+    from tests.conftest import stored_swarm_run
+
+    with ResultsStore(tmp_path / "r.db") as store:  # peer 2 loaded once, then its leave cut a 14.2 s load short
+        run_id = stored_swarm_run(store)
+        store.add_event(run_id, 2, "state_loaded", seconds=0.4, epoch_before=0, epoch_after=3, at=1e6 + 1)
+        store.add_event(run_id, 2, "state_loaded", seconds=14.2, epoch_before=3, epoch_after=3, at=1e6 + 3,
+                        abandoned_for_leave=True)
+        analysis = analyze_swarm(store, run_id)
+    peer = {p.peer: p for p in analysis.peers}[2]
+    assert (peer.state_load_s, peer.futile_state_loads, peer.abandoned_state_load_s) == ([0.4], 0, [14.2])
+    text = swarm_markdown(analysis)
+    assert "| 1 (0) | 0.40 |" in text and "Futile state loads" not in text
+    assert "State loads cut short by a leave (not in the state-load columns): peer 2 1, after 14.2 s" in text
+
+
+def _hivemind_like_load(wait_s: float) -> str:
+    """What hivemind 1.1.12's ``Optimizer.load_state_from_peers`` does around its wait: a future's
+    ``result(timeout)``, retried on every exception but ``KeyboardInterrupt`` (here for ``wait_s`` in all)."""
+    import concurrent.futures
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            return concurrent.futures.Future().result(timeout=max(0.0, deadline - time.monotonic()))
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            continue
+    return "loaded after the whole wait"
+
+
+def test_the_leave_signal_cuts_a_state_load_short_and_nothing_else():
+    import os
+    import signal
+    import threading
+    import time
+
+    from ddlscope.strategies.collaborative import LeaveRequest
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    leave = LeaveRequest()
+    leave.install()
+    try:
+        assert leave.unless_leaving(lambda x: x + 1, 1) == (2, False)  # no leave: the call's own result
+        with pytest.raises(ValueError):  # its errors propagate
+            leave.unless_leaving(int, "not a number")
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        t0 = time.monotonic()
+        assert leave.unless_leaving(_hivemind_like_load, 20.0) == (None, True)
+        assert time.monotonic() - t0 < 10.0 and leave.is_set()  # cut short, not after the 20 s wait
+        assert leave.unless_leaving(lambda: 1 / 0) == (None, True)  # once leaving, no call starts
+        os.kill(os.getpid(), signal.SIGUSR1)  # outside a call the signal only requests the leave again
+        assert leave.is_set()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def test_failed_rounds_are_counted_per_peer_with_their_seconds_and_explained(tmp_path):

@@ -15,8 +15,8 @@ gives:
   no live peer could give it — hivemind keeps a departed peer's progress for its
   ``metadata_expiration``, ``collaborative.progress_expiration_s``, 60 s by default, so a peer
   killed just after it moved on to a new epoch leaves the others loading state at every step
-  until the record expires), and the samples *discarded*: those of the steps in which hivemind
-  loaded the swarm's state, whose gradients it dropped instead of accumulating
+  until the record expires) or cut short by the peer's leave, and the samples *discarded*: those
+  of the steps in which hivemind loaded the swarm's state, whose gradients it dropped instead of accumulating
   (``steps.samples_discarded``; "-" for a run from before they were counted);
 - **the swarm's size over time** (:func:`swarm_size_timeline`): peers training at each moment,
   measured from the steps themselves — a peer trains from its first step to its last within one
@@ -95,6 +95,9 @@ class PeerFigures:
     samples_lost: int = 0
     state_load_s: list[float] = field(default_factory=list)
     futile_state_loads: int = 0
+    #: state loads the peer's leave cut short, with their seconds (not in ``state_load_s``): a peer asked to leave
+    #: has no use for the swarm's state (:class:`ddlscope.strategies.collaborative.LeaveRequest`)
+    abandoned_state_load_s: list[float] = field(default_factory=list)
     #: samples of its steps that hivemind computed and dropped: the peer was out of sync and loaded the swarm's
     #: state instead of accumulating them; None for a run from before they were counted
     samples_discarded: int | None = 0
@@ -418,8 +421,9 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
         failed = [s for s in rounds if s.get("averaging_succeeded") is not None and not s["averaging_succeeded"]]
         sent = sent_by_peer.get(p)
         mine = [(k, t) for q, k, t in churn if q == p]
-        loads = [json.loads(e["detail_json"] or "{}") for e in events
-                 if e["kind"] == "state_loaded" and e["worker_index"] == p]
+        stored_loads = [json.loads(e["detail_json"] or "{}") for e in events
+                        if e["kind"] == "state_loaded" and e["worker_index"] == p]
+        loads = [d for d in stored_loads if not d.get("abandoned_for_leave")]
         figures.append(PeerFigures(
             peer=p, cores=pinned.get(p), samples=sum(int(s["samples"]) for s in rows),
             samples_share=sum(int(s["samples"]) for s in rows) / total, averaging_rounds=len(rounds),
@@ -432,6 +436,7 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
             samples_discarded=None if any(s.get("samples_discarded") is None for s in rows)
             else sum(int(s["samples_discarded"]) for s in rows),
             state_load_s=[d["seconds"] for d in loads if d.get("seconds") is not None],
+            abandoned_state_load_s=[d["seconds"] for d in stored_loads if d.get("abandoned_for_leave")],
             futile_state_loads=sum(1 for d in loads if d.get("epoch_after") is not None
                                    and d.get("epoch_before") is not None and d["epoch_after"] <= d["epoch_before"]),
             background_cpu_training_s=_known_sum(s.get("background_cpu_s") for s in rows if not s.get("averaging_round")),
@@ -553,6 +558,12 @@ def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
                   f"{a.progress_expiration_s:g} s: collaborative.progress_expiration_s); those steps "
                   "trained nothing (hivemind drops a step's gradients when it loads state: the samples discarded "
                   "column)."]
+    cut = [p for p in a.peers if p.abandoned_state_load_s]
+    if cut:
+        lines += ["", "State loads cut short by a leave (not in the state-load columns): " + ", ".join(
+            f"peer {p.peer} {len(p.abandoned_state_load_s)}, after {max(p.abandoned_state_load_s):.1f} s"
+            for p in cut) + ". A peer asked to leave has no use for the swarm's state: the leave ends the download "
+            "where it waits instead of after collaborative.load_state_timeout_s."]
     if a.has_churn:
         sizes = a.timeline[1]
         lines += ["", "Churn: " + "; ".join(f"peer {p} {k[5:]} at {t:.1f} s" for p, k, t in a.churn) + ". "

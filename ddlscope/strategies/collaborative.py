@@ -25,7 +25,8 @@ accident. A peer that joins later (``collaborative.churn``: ``join_at_s``, ``rej
 the running swarm through the peers alive then; hivemind's optimizer sees that it is behind the
 swarm's global epoch and loads the swarm's parameters and optimizer state
 (``load_state_from_peers``), which is timed and stored as a ``state_loaded`` event. A peer asked
-to leave (SIGUSR1 from the launcher, ``leave_at_s``) ends at its next step, as a finished one does.
+to leave (SIGUSR1 from the launcher, ``leave_at_s``) ends at its next step, as a finished one does;
+a state download it is waiting in is cut short (:class:`LeaveRequest`), an averaging round is not.
 
 An **auxiliary peer** (``collaborative.auxiliary_peers``; hivemind's ``auxiliary=True``) trains on
 no batch: it calls the optimizer's step every :data:`AUX_POLL_S` seconds, which joins the swarm's
@@ -75,6 +76,60 @@ SWARM_POLL_S = 2.0
 """Seconds between two DHT reads of the watcher for finished peers: each read costs the DHT processes and
 ``p2pd`` of both peers CPU (0.004-0.011 CPU-s per second of a 2-peer swarm read at 2 Hz, measured on the
 2-core development machine), taken from training on one-core peers; a finished swarm is noticed up to this late."""
+
+
+class LeftDuringCall(KeyboardInterrupt):
+    """Raised in the main thread by the leave signal to cut short a hivemind call a leaving peer has no
+    use for. A ``KeyboardInterrupt`` because hivemind 1.1.12's ``Optimizer.load_state_from_peers``
+    retries on every other exception (read in its source)."""
+
+
+class LeaveRequest:
+    """The launcher's request that this peer leave the swarm (SIGUSR1, ``collaborative.churn`` ``leave_at_s``).
+
+    A peer asked to leave ends at its next step. A hivemind call it has no use for once it leaves (the
+    download of the swarm's state, which can wait up to ``load_state_timeout_s``: 600 s by hivemind's
+    default held a leave that long in CI) runs through :meth:`unless_leaving`, which the signal cuts short.
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._cuttable = False
+
+    def install(self) -> None:
+        """Make SIGUSR1 request the leave (main thread only, as Python's signal handlers are)."""
+        signal.signal(signal.SIGUSR1, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._event.set()
+        if self._cuttable:
+            self._cuttable = False
+            raise LeftDuringCall()
+
+    def set(self) -> None:
+        """Request the leave from this process (what the signal does, without cutting a call short)."""
+        self._event.set()
+
+    def is_set(self) -> bool:
+        """True once the leave was requested."""
+        return self._event.is_set()
+
+    def unless_leaving(self, call: Callable, *args, **kwargs) -> tuple[object, bool]:
+        """``(call(*args, **kwargs), False)``, or ``(None, True)`` when the leave was requested before the
+        call or while it ran (then the call was cut short where it waited: the signal's handler raises
+        :class:`LeftDuringCall` into it). Exceptions of ``call`` propagate."""
+        if self._event.is_set():
+            return None, True
+        try:  # two levels: a signal that lands as the inner one ends is still caught by the outer one
+            try:
+                self._cuttable = True
+                if self._event.is_set():  # the signal came between the check and now
+                    return None, True
+                return call(*args, **kwargs), False
+            finally:
+                self._cuttable = False
+        except LeftDuringCall:
+            return None, True
 
 
 def _all_finite(tensors) -> bool:
@@ -378,7 +433,7 @@ class CollaborativeStrategy(Strategy):
         self._read_background_cpu = BackgroundCpu()
         self._daemons: list = []  # hivemind's processes (DHT, p2pd, averagers) as psutil.Process, watched while training
         self._daemon_lost: str | None = None
-        self._leave = threading.Event()
+        self._leave = LeaveRequest()
         churn = cfg.collaborative.churn_of(ctx.worker_index, ctx.num_workers)
         # a peer that comes after the start: its schedule says so, or it trained before (a rejoin)
         self.joins_late = bool(churn and churn.join_at_s > 0) or bool(
@@ -444,7 +499,7 @@ class CollaborativeStrategy(Strategy):
         self._time_state_loading()
         self.optimizer = self.hm_opt
         if threading.current_thread() is threading.main_thread():  # the launcher's "leave now" (leave_at_s)
-            signal.signal(signal.SIGUSR1, lambda signum, frame: self._leave.set())
+            self._leave.install()
         self._wait_for_swarm()
         self._background_cpu_s = self._read_background_cpu()
         self._daemons = _child_processes()
@@ -631,13 +686,17 @@ class CollaborativeStrategy(Strategy):
         def timed_load(*args, **kwargs):
             before, t0 = self.hm_opt.local_epoch, time.perf_counter()
             self._state_loads += 1
+            abandoned = True  # until the load returns: also when it raised
             try:
-                return inner(*args, **kwargs)
+                result, abandoned = self._leave.unless_leaving(inner, *args, **kwargs)
+                return result
             finally:
                 if self.ctx.store is not None:
                     self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, "state_loaded",
                                              seconds=time.perf_counter() - t0, epoch_before=before,
-                                             epoch_after=self.hm_opt.local_epoch, at=time.time())
+                                             epoch_after=self.hm_opt.local_epoch, at=time.time(),
+                                             **({"abandoned_for_leave": True} if abandoned and self._leave.is_set()
+                                                else {}))
 
         self.hm_opt.load_state_from_peers = timed_load
 
