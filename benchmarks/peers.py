@@ -10,7 +10,10 @@ alternating, ``--repeats`` times each, on ``--device cpu`` or ``cuda``:
   once here with ddlscope's balancing, or ``--stage-bounds``) with ``--microbatches`` micro-batches;
 * collaborative: ``plain_hivemind.py``, 2 peers as 2 processes (the second joins through the
   first's multiaddrs) with the same ``target_batch_size``, ``matchmaking_time_s`` and
-  ``averaging_timeout_s``.
+  ``averaging_timeout_s``, and the optimizer given to hivemind as an instance on both sides (params
+  and a factory turn on hivemind's ``offload_optimizer`` and ``reuse_tensors``: on CPU that used less
+  CPU in hivemind's state executor and averagers, a difference of configuration, not of
+  instrumentation; docs/validation.md, stop 55).
 
 Both sides: the same network (same seed), data, preprocessing, shuffling and DataLoader (one
 loader process per worker), plain SGD with the same learning rate and momentum, each worker pinned
@@ -95,7 +98,7 @@ NOTES = {
     "fsdp": "ddlscope's all-gathers and reduce-scatters go through timed replacements of FSDP's; plain uses FSDP's own",
     "gpipe": "same cut on both sides; ddlscope probes its links before training and times every micro-batch",
     "1f1b": "same cut on both sides; ddlscope probes its links before training and times every micro-batch",
-    "collaborative": "plain: verbose=False and no end-of-swarm handling (its tail is outside the window; on a GPU it "
+    "collaborative": "both give hivemind an optimizer instance; plain: verbose=False and no end-of-swarm handling (its tail is outside the window; on a GPU it "
                      "synchronises at each step's end); ddlscope reads hivemind's log, the CPU of its daemons every "
                      "step and a DHT record of finished peers every 2 s",
 }

@@ -67,9 +67,11 @@ def main() -> None:
             f.write(" ".join(str(a) for a in dht.get_visible_maddrs()))
         os.replace(args.maddrs_out + ".part", args.maddrs_out)
     model, batches, device = common.workload(args, data_rank=args.index, local_rank=0)
+    # an optimizer instance, as in hivemind's quickstart and as ddlscope passes it; params and a factory
+    # instead would turn on hivemind's offload_optimizer and reuse_tensors, another configuration
     optimizer = hivemind.Optimizer(
-        dht=dht, run_id="plain-hivemind", params=model.parameters(),
-        optimizer=lambda params: common.sgd(params, args), target_batch_size=args.target_batch_size,
+        dht=dht, run_id="plain-hivemind", optimizer=common.sgd(model.parameters(), args),
+        target_batch_size=args.target_batch_size,
         batch_size_per_step=args.batch_size, matchmaking_time=args.matchmaking_time_s,
         averaging_timeout=args.averaging_timeout_s, verbose=False)
     loss_fn = torch.nn.CrossEntropyLoss()
