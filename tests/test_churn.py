@@ -249,6 +249,16 @@ def test_the_leave_signal_cuts_a_state_load_short_and_nothing_else():
         assert leave.unless_leaving(lambda: 1 / 0) == (None, True)  # once leaving, no call starts
         os.kill(os.getpid(), signal.SIGUSR1)  # outside a call the signal only requests the leave again
         assert leave.is_set()
+        # a call on another thread is not cut short: the handler runs on the main thread, which it must not
+        # interrupt (here: in join)
+        other = LeaveRequest()
+        other.install()
+        results: list = []
+        worker = threading.Thread(target=lambda: results.append(other.unless_leaving(time.sleep, 1.0)))
+        worker.start()
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        worker.join()
+        assert results == [(None, False)] and other.is_set()
     finally:
         signal.signal(signal.SIGUSR1, previous)
 

@@ -117,12 +117,13 @@ class LeaveRequest:
     def unless_leaving(self, call: Callable, *args, **kwargs) -> tuple[object, bool]:
         """``(call(*args, **kwargs), False)``, or ``(None, True)`` when the leave was requested before the
         call or while it ran (then the call was cut short where it waited: the signal's handler raises
-        :class:`LeftDuringCall` into it). Exceptions of ``call`` propagate."""
+        :class:`LeftDuringCall` into it). Only a call on the main thread, where Python runs signal
+        handlers, can be cut short; on another thread it runs to its end. Exceptions of ``call`` propagate."""
         if self._event.is_set():
             return None, True
         try:  # two levels: a signal that lands as the inner one ends is still caught by the outer one
             try:
-                self._cuttable = True
+                self._cuttable = threading.current_thread() is threading.main_thread()
                 if self._event.is_set():  # the signal came between the check and now
                     return None, True
                 return call(*args, **kwargs), False
