@@ -98,9 +98,9 @@ NOTES = {
     "fsdp": "ddlscope's all-gathers and reduce-scatters go through timed replacements of FSDP's; plain uses FSDP's own",
     "gpipe": "same cut on both sides; ddlscope probes its links before training and times every micro-batch",
     "1f1b": "same cut on both sides; ddlscope probes its links before training and times every micro-batch",
-    "collaborative": "both give hivemind an optimizer instance; plain: verbose=False and no end-of-swarm handling (its tail is outside the window; on a GPU it "
-                     "synchronises at each step's end); ddlscope reads hivemind's log, the CPU of its daemons every "
-                     "step and a DHT record of finished peers every 2 s",
+    "collaborative": "both give hivemind an optimizer instance; plain: verbose=False and no end-of-swarm handling "
+                     "(its tail is outside the window; on a GPU it synchronises at each step's end); ddlscope reads "
+                     "hivemind's log, the CPU of its daemons every step and a DHT record of finished peers every 2 s",
 }
 
 

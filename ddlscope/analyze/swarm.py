@@ -16,8 +16,8 @@ gives:
   ``metadata_expiration``, ``collaborative.progress_expiration_s``, 60 s by default, so a peer
   killed just after it moved on to a new epoch leaves the others loading state at every step
   until the record expires) or cut short by the peer's leave, and the samples *discarded*: those
-  of the steps in which hivemind loaded the swarm's state, whose gradients it dropped instead of accumulating
-  (``steps.samples_discarded``; "-" for a run from before they were counted);
+  of the steps in which hivemind loaded the swarm's state, whose gradients it dropped instead of
+  accumulating (``steps.samples_discarded``; "-" for a run from before they were counted);
 - **the swarm's size over time** (:func:`swarm_size_timeline`): peers training at each moment,
   measured from the steps themselves — a peer trains from its first step to its last within one
   *segment*; segments end where the peer left or was killed (``peer_leave``/``peer_kill``

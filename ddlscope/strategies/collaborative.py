@@ -687,7 +687,7 @@ class CollaborativeStrategy(Strategy):
         def timed_load(*args, **kwargs):
             before, t0 = self.hm_opt.local_epoch, time.perf_counter()
             self._state_loads += 1
-            abandoned = True  # until the load returns: also when it raised
+            abandoned = False
             try:
                 result, abandoned = self._leave.unless_leaving(inner, *args, **kwargs)
                 return result
@@ -696,8 +696,7 @@ class CollaborativeStrategy(Strategy):
                     self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, "state_loaded",
                                              seconds=time.perf_counter() - t0, epoch_before=before,
                                              epoch_after=self.hm_opt.local_epoch, at=time.time(),
-                                             **({"abandoned_for_leave": True} if abandoned and self._leave.is_set()
-                                                else {}))
+                                             **({"abandoned_for_leave": True} if abandoned else {}))
 
         self.hm_opt.load_state_from_peers = timed_load
 
