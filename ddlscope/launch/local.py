@@ -60,7 +60,7 @@ from ddlscope.errors import UserError
 from ddlscope.launch.churn import ChurnAction, ChurnSchedule
 from ddlscope.launch.cores import CoreLease, lease_cores
 from ddlscope.launch.processes import (describe_exit, log_tail, make_run_temp_dir, remove_run_temp_dir, start_process,
-                                       stop_processes)
+                                       stop_processes, stop_signals_held)
 from ddlscope.launch.services import ServiceSupervisor
 from ddlscope.launch.torchrun import preflight, torchrun_command
 from ddlscope.network.emulated import EmulatedNetwork
@@ -350,9 +350,10 @@ class LocalLauncher:
 
     def _popen(self, cmd: list[str], index: int, cores: list[int], log_path: Path,
                env: dict[str, str] | None = None) -> WorkerProcess:
-        wp = WorkerProcess(index, cores, start_process(cmd, log_path, threads=len(cores),
-                                                       env_extra={**self._child_env(), **(env or {})}), log_path)
-        self.workers.append(wp)
+        with stop_signals_held():  # a stop now would lose the process before it is in self.workers
+            wp = WorkerProcess(index, cores, start_process(cmd, log_path, threads=len(cores),
+                                                           env_extra={**self._child_env(), **(env or {})}), log_path)
+            self.workers.append(wp)
         return wp
 
     def _child_env(self) -> dict[str, str]:
@@ -537,7 +538,10 @@ class LocalLauncher:
         SIGKILL", "worker 0 stopped by SIGTERM" (interrupted), "disk full writing <db>", "worker 0 exited with code
         1: <its recorded reason>". A worker that recorded its own failure and then died by a signal on its way
         out (a library aborting in its shutdown) keeps its recorded reason first: "peer 1 failed: <reason>
-        (then killed by SIGABRT on its way out; ...)"."""
+        (then killed by SIGABRT on its way out; ...)"; one that recorded a stop and was then killed (its own
+        backstop after ``GRACE_S`` in :mod:`ddlscope.train.worker`, when unwinding took longer) is
+        ``interrupted``: "peer 1 stopped by SIGTERM (forced after grace period) (not sent by the launcher;
+        then killed by SIGKILL on its way out; ...)"."""
         wp = next(w for w in self.workers if w.index == index)
         code = wp.popen.returncode
         if index < 0:  # a torchrun agent: name the worker that failed first
@@ -549,6 +553,10 @@ class LocalLauncher:
         recorded = row["reason"] if row is not None and row["reason"] else None
         if code < 0 and recorded and row["status"] == "failed":  # it failed first, then died on its way out
             return "failed", f"{who} failed: {recorded} (then {describe_exit(code)} on its way out; log: {wp.log_path})"
+        if code < 0 and recorded and row["status"] == "interrupted":  # stopped, then its own backstop (or a
+            # library on its way out) ended it: the stop came first, and not from this launcher
+            return "interrupted", (f"{who} {recorded} (not sent by the launcher; then {describe_exit(code)} on its way "
+                                   f"out; log: {wp.log_path})")
         if code < 0:
             return "failed", f"{who} {describe_exit(code)} (log: {wp.log_path})"
         if code == EXIT_DISK_FULL:

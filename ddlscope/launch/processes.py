@@ -362,3 +362,51 @@ def sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""The signals that stop a command (Ctrl-C, ``kill``, a closed terminal)."""
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """Hold Ctrl-C, SIGTERM and SIGHUP while the block starts a process and records it, then act on
+    the first one that came as the handler in place before would have.
+
+    A stop that raises inside ``subprocess.Popen`` (which waits for the child's ``exec``) or between
+    it and the line that records the child loses the child: whoever stops the run's processes never
+    hears of it, and it outlives the command (seen once in CI: a torchrun agent still running after
+    ``ddlscope validate`` had exited on SIGTERM). Use as::
+
+        with stop_signals_held():
+            procs.append(start_process(...))
+
+    Only the main thread can set handlers; elsewhere, or for a signal whose handler was not set from
+    Python, nothing is held. The child does not inherit the holding handler (``exec`` resets it).
+    Processes started inside an emulated network's namespaces need none: they are ended with the
+    network (:func:`ddlscope.network.emulated.remove_network`).
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: h for s in STOP_SIGNALS if (h := signal.getsignal(s)) is not None}
+    came: list[int] = []
+
+    def hold(signum, frame):
+        came.append(signum)
+
+    for s in previous:
+        signal.signal(s, hold)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if came:
+            first = previous[came[0]]
+            if callable(first):
+                first(came[0], None)
+            elif first == signal.SIG_DFL:
+                os.kill(os.getpid(), came[0])

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddlscope.distribution import Service
-from ddlscope.launch.processes import log_tail, signal_group, start_process, wait_group_gone
+from ddlscope.launch.processes import log_tail, signal_group, start_process, stop_signals_held, wait_group_gone
 from ddlscope.network.emulated import EmulatedNetwork
 from ddlscope.store.db import ResultsStore
 
@@ -109,8 +109,10 @@ class ServiceSupervisor:
             cmd += ["--initial-peers", *self.initial_peers]
         if self.network is not None:  # inside its own namespace, listening on its address
             cmd = self.network.peer_command(self.first_namespace + position, cmd)
-        proc = _Process(s, generation, start_process(cmd, log_path, threads=len(cores), env_extra=self.env_extra), log_path)
-        self.processes.append(proc)
+        with stop_signals_held():
+            proc = _Process(s, generation, start_process(cmd, log_path, threads=len(cores), env_extra=self.env_extra),
+                            log_path)
+            self.processes.append(proc)
         store.add_event(self.run_id, None, "service_started", service=s.kind, index=s.index, generation=generation,
                         at_s=round(time.monotonic() - self.t0, 3), pid=proc.popen.pid)
         return proc

@@ -59,7 +59,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from ddlscope.errors import UserError
-from ddlscope.launch.processes import die_with_parent, log_tail, sigterm_as_interrupt, start_process, stop_processes
+from ddlscope.launch.processes import (die_with_parent, log_tail, sigterm_as_interrupt, start_process, stop_processes,
+                                       stop_signals_held)
 from ddlscope.measure.stats import time_call, trimmed_mean
 from ddlscope.modeling.cluster import ClusterSpec, CollectiveFit, DeviceSpec, HivemindFit, LinkSpec
 from ddlscope.profiling.dmoe_rpc import DMoECalibration
@@ -686,12 +687,14 @@ def _run_workers(plan: dict[str, Any], progress: Callable[[str], None]) -> list[
         with sigterm_as_interrupt():  # a SIGTERM stops the workers and removes the folder, as Ctrl-C does
             try:
                 for rank in range(workers):  # each in a process group of its own (ddlscope.launch.processes)
-                    procs.append(start_process(
-                        [sys.executable, "-m", "ddlscope.profiling.calibrate", "--rank", str(rank), "--dir", tmp,
-                         "--parent-pid", str(os.getpid())], os.path.join(tmp, f"worker-{rank}.log"), plan["threads"],
-                        # TMPDIR: what the children's multiprocessing puts in temporary folders (pymp-*) is
-                        # removed with this folder, also when a child is killed before it could remove it
-                        env_extra={"PYTHONPATH": pythonpath, "TMPDIR": tmp}))
+                    with stop_signals_held():
+                        procs.append(start_process(
+                            [sys.executable, "-m", "ddlscope.profiling.calibrate", "--rank", str(rank), "--dir", tmp,
+                             "--parent-pid", str(os.getpid())], os.path.join(tmp, f"worker-{rank}.log"),
+                            plan["threads"],
+                            # TMPDIR: what the children's multiprocessing puts in temporary folders (pymp-*) is
+                            # removed with this folder, also when a child is killed before it could remove it
+                            env_extra={"PYTHONPATH": pythonpath, "TMPDIR": tmp}))
                 while True:
                     relay()
                     for rank, p in enumerate(procs):

@@ -690,7 +690,7 @@ def measure(progress: Callable[[str], None] | None = None, timeout_s: float = DE
             Every child (its whole process group) is stopped before this returns or raises.
     """
     from ddlscope.launch.processes import log_tail, signal_group, start_process, stop_processes
-    from ddlscope.launch.processes import sigterm_as_interrupt
+    from ddlscope.launch.processes import sigterm_as_interrupt, stop_signals_held
     from ddlscope.profiling.calibrate import CalibrationError, ProgressWatchdog
 
     say = progress or (lambda msg: None)
@@ -704,8 +704,9 @@ def measure(progress: Callable[[str], None] | None = None, timeout_s: float = DE
             cmd = [sys.executable, "-m", "ddlscope.profiling.dmoe_rpc", f"--{role}", "--dir", tmp, "--core", str(core),
                    "--parent-pid", str(os.getpid())]
             # TMPDIR: hivemind's multiprocessing folders (pymp-*) go with this one, also from a killed child
-            procs.append(start_process(cmd, os.path.join(tmp, f"{role}.log"), 1, env_extra={**env, "TMPDIR": tmp}))
-            roles.append(role)
+            with stop_signals_held():
+                procs.append(start_process(cmd, os.path.join(tmp, f"{role}.log"), 1, env_extra={**env, "TMPDIR": tmp}))
+                roles.append(role)
             return procs[-1]
 
         seen = [0]
