@@ -508,6 +508,40 @@ def test_a_stop_while_a_process_starts_waits_until_it_is_recorded_and_the_child_
         pass
 
 
+class _StoppedInDel:
+    """An object whose ``__del__`` sends this process SIGTERM and runs on, so the handler raises inside
+    ``__del__``, where Python swallows the exception (as it did once in an import's weakref callback)."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100_000):  # the handler runs between these bytecodes
+            pass
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_stop_that_python_swallowed_is_raised_again():
+    """Seen once: SIGTERM reached ``ddlscope validate`` inside an import's module-lock callback; the stop was
+    "ignored" and the validation ran to its end. A swallowed stop is raised again at the next line, by
+    ``sigterm_as_interrupt`` and by the launcher's handlers (there as a :class:`LauncherSignal`)."""
+    from ddlscope.launch.local import LauncherSignal, LocalLauncher
+
+    launcher = object.__new__(LocalLauncher)
+    launcher._stopping = False
+    for stops, raised in ((sigterm_as_interrupt, KeyboardInterrupt), (launcher._stop_signals, LauncherSignal)):
+        reached = []
+        with pytest.raises(raised) as caught:
+            with stops():
+                _StoppedInDel()  # dropped at once: its __del__ runs here and the stop is swallowed
+                reached.append("after the swallowed stop")
+                t0 = time.monotonic()
+                time.sleep(2)
+                reached.append("the stop was lost")
+        assert reached == ["after the swallowed stop"]
+        assert time.monotonic() - t0 < 2  # a real signal again: the blocking call was cut short
+        assert caught.value.args == ("SIGTERM",)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 def test_a_worker_stopped_before_torchrun_stopped_the_others_is_named_not_the_agent(tmp_path):
     """Seen once in CI: worker 1 was sent SIGTERM, and torchrun's agent stopped worker 0 with SIGTERM before
     worker 0's next collective failed, so both recorded "stopped by SIGTERM". The run names the worker stopped

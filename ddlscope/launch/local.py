@@ -43,6 +43,7 @@ hivemind's files), removed when the run ends. A full disk ends the run as ``fail
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -60,7 +61,7 @@ from ddlscope.errors import UserError
 from ddlscope.launch.churn import ChurnAction, ChurnSchedule
 from ddlscope.launch.cores import CoreLease, lease_cores
 from ddlscope.launch.processes import (describe_exit, log_tail, make_run_temp_dir, remove_run_temp_dir, start_process,
-                                       stop_processes, stop_signals_held)
+                                       stop_processes, stop_signals_held, swallowed_stops_raised_again)
 from ddlscope.launch.services import ServiceSupervisor
 from ddlscope.launch.torchrun import preflight, torchrun_command
 from ddlscope.network.emulated import EmulatedNetwork
@@ -227,25 +228,30 @@ class LocalLauncher:
 
     def _stop_signals(self):
         """While the run goes, SIGINT/SIGTERM/SIGHUP raise :class:`LauncherSignal` in the main thread (one
-        path for all: stop every process, record ``interrupted``); once the launcher is stopping, further
-        ones are ignored so that nothing interrupts the stop. Outside the main thread nothing changes."""
+        path for all: stop every process, record ``interrupted``); once the launcher is stopping
+        (:meth:`_stop_all`), further ones are ignored so that nothing interrupts the stop. One that Python
+        swallowed (it landed in a weakref callback or a ``__del__``) is raised again
+        (:func:`~ddlscope.launch.processes.swallowed_stops_raised_again`). Outside the main thread nothing
+        changes."""
         launcher = self
 
         class _Handlers:
             def __enter__(self):
                 self.previous = {}
+                self.again = contextlib.ExitStack()
                 if threading.current_thread() is threading.main_thread():
                     self.previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
                     for s in STOP_SIGNALS:
                         signal.signal(s, self.handle)
+                    self.again.enter_context(swallowed_stops_raised_again())
 
             def handle(self, signum, frame):
                 if launcher._stopping:
                     return
-                launcher._stopping = True
                 raise LauncherSignal(signal.Signals(signum).name)
 
             def __exit__(self, *exc):
+                self.again.close()
                 for s, h in self.previous.items():
                     signal.signal(s, h)
 

@@ -359,9 +359,53 @@ def sigterm_as_interrupt():
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
-        yield
+        with swallowed_stops_raised_again():
+            yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def swallowed_stops_raised_again():
+    """While the block runs, a stop (``KeyboardInterrupt``, raised by a signal handler) that Python
+    swallowed is raised again in the main thread.
+
+    A handler runs wherever the main thread happens to be, also inside a weakref callback or a
+    ``__del__``, where Python reports an exception as "ignored" and goes on. Seen once: SIGTERM landed
+    in an import's module-lock callback, and ``ddlscope validate`` ran to its end and exited 0. Here such
+    a stop is reported as before (``sys.unraisablehook``) and its signal sent again to the main thread
+    10 ms later from a new thread, so that the handler raises once more in ordinary code (a real
+    signal: a blocking call such as ``time.sleep`` is cut short). Sent from the hook itself, or from a
+    ``threading.Thread`` (whose ``start`` waits, running the handler meanwhile), the handler would run
+    inside the hook and be swallowed again. The signal is the one the exception names
+    (``KeyboardInterrupt("SIGTERM")``), else SIGINT.
+    """
+    import _thread
+    import threading
+
+    previous = sys.unraisablehook
+    main = threading.main_thread().ident
+
+    def deliver(signum: signal.Signals) -> None:
+        time.sleep(0.01)  # the main thread leaves the hook meanwhile
+        signal.pthread_kill(main, signum)
+
+    def hook(unraisable):
+        previous(unraisable)
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            _thread.start_new_thread(deliver, (_signal_named(unraisable.exc_value),))
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
+def _signal_named(stop: KeyboardInterrupt) -> signal.Signals:
+    """The signal a stop names in its first argument ("SIGTERM"), else SIGINT (Ctrl-C)."""
+    name = stop.args[0] if stop.args and isinstance(stop.args[0], str) else ""
+    return signal.Signals[name] if name in signal.Signals.__members__ else signal.SIGINT
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
