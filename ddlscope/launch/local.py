@@ -60,8 +60,8 @@ from ddlscope.config import RunConfig
 from ddlscope.errors import UserError
 from ddlscope.launch.churn import ChurnAction, ChurnSchedule
 from ddlscope.launch.cores import CoreLease, lease_cores
-from ddlscope.launch.processes import (describe_exit, log_tail, make_run_temp_dir, remove_run_temp_dir, start_process,
-                                       stop_processes, stop_signals_held, swallowed_stops_raised_again)
+from ddlscope.launch.processes import (STOP_SIGNALS, describe_exit, log_tail, make_run_temp_dir, remove_run_temp_dir,
+                                       start_process, stop_processes, stop_signals_held, swallowed_stops_raised_again)
 from ddlscope.launch.services import ServiceSupervisor
 from ddlscope.launch.torchrun import preflight, torchrun_command
 from ddlscope.network.emulated import EmulatedNetwork
@@ -75,8 +75,6 @@ EXIT_DISK_FULL = 3
 """Exit code of a worker that stopped because the results store's disk is full."""
 RESERVE_BYTES = 256 * 1024
 """Bytes the launcher sets aside next to the logs while a run goes, freed to record the run's end on a full disk."""
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-"""Signals that stop a run like Ctrl-C: every worker stopped, the run stored as ``interrupted``."""
 
 
 class LauncherSignal(KeyboardInterrupt):

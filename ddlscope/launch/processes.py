@@ -43,6 +43,8 @@ RUN_TMP_PREFIX = "ddlscope-run-"
 """Name prefix of a run's own temporary folder (:func:`make_run_temp_dir`)."""
 UNIX_SOCKET_PATH_MAX = 100
 """Longest socket path used (Linux allows 107 bytes in ``sockaddr_un``)."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""The signals that stop a command like Ctrl-C (Ctrl-C, ``kill``, a closed terminal)."""
 
 
 def thread_env(threads: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -406,10 +408,6 @@ def _signal_named(stop: KeyboardInterrupt) -> signal.Signals:
     """The signal a stop names in its first argument ("SIGTERM"), else SIGINT (Ctrl-C)."""
     name = stop.args[0] if stop.args and isinstance(stop.args[0], str) else ""
     return signal.Signals[name] if name in signal.Signals.__members__ else signal.SIGINT
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-"""The signals that stop a command (Ctrl-C, ``kill``, a closed terminal)."""
 
 
 @contextlib.contextmanager
