@@ -528,7 +528,7 @@ def test_a_stop_that_python_swallowed_is_raised_again():
     launcher = object.__new__(LocalLauncher)
     launcher._stopping = False
     for stops, raised in ((sigterm_as_interrupt, KeyboardInterrupt), (launcher._stop_signals, LauncherSignal)):
-        reached = []
+        reached = []  # (the launcher ignores stops once it raised one: it raises the one sent again all the same)
         with pytest.raises(raised) as caught:
             with stops():
                 _StoppedInDel()  # dropped at once: its __del__ runs here and the stop is swallowed
@@ -540,6 +540,17 @@ def test_a_stop_that_python_swallowed_is_raised_again():
         assert time.monotonic() - t0 < 2  # a real signal again: the blocking call was cut short
         assert caught.value.args == ("SIGTERM",)
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    # nested (a launcher inside ``validate``'s sigterm_as_interrupt): the stop is sent again once, not twice
+    launcher._stopping = False
+    try:
+        with sigterm_as_interrupt():
+            with pytest.raises(LauncherSignal):
+                with launcher._stop_signals():
+                    _StoppedInDel()
+                    time.sleep(2)
+            time.sleep(0.5)  # a second stop sent would raise here
+    except KeyboardInterrupt:
+        pytest.fail("the swallowed stop was sent again twice")
 
 
 def test_a_worker_stopped_before_torchrun_stopped_the_others_is_named_not_the_agent(tmp_path):

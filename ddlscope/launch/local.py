@@ -226,9 +226,9 @@ class LocalLauncher:
 
     def _stop_signals(self):
         """While the run goes, SIGINT/SIGTERM/SIGHUP raise :class:`LauncherSignal` in the main thread (one
-        path for all: stop every process, record ``interrupted``); once the launcher is stopping
-        (:meth:`_stop_all`), further ones are ignored so that nothing interrupts the stop. One that Python
-        swallowed (it landed in a weakref callback or a ``__del__``) is raised again
+        path for all: stop every process, record ``interrupted``); once one was raised, further ones are
+        ignored so that nothing interrupts the stop. One that Python swallowed (it landed in a weakref
+        callback or a ``__del__``) is raised again
         (:func:`~ddlscope.launch.processes.swallowed_stops_raised_again`). Outside the main thread nothing
         changes."""
         launcher = self
@@ -246,7 +246,10 @@ class LocalLauncher:
             def handle(self, signum, frame):
                 if launcher._stopping:
                     return
-                raise LauncherSignal(signal.Signals(signum).name)
+                launcher._stopping = True
+                stop = LauncherSignal(signal.Signals(signum).name)
+                stop.on_swallowed = lambda: setattr(launcher, "_stopping", False)  # it will come again
+                raise stop
 
             def __exit__(self, *exc):
                 self.again.close()

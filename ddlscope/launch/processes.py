@@ -380,12 +380,17 @@ def swallowed_stops_raised_again():
     signal: a blocking call such as ``time.sleep`` is cut short). Sent from the hook itself, or from a
     ``threading.Thread`` (whose ``start`` waits, running the handler meanwhile), the handler would run
     inside the hook and be swallowed again. The signal is the one the exception names
-    (``KeyboardInterrupt("SIGTERM")``), else SIGINT.
+    (``KeyboardInterrupt("SIGTERM")``), else SIGINT. A stop with an ``on_swallowed`` attribute has it
+    called first (a handler that ignores stops once it raised one resets that there). Blocks nest:
+    only the outermost sends, once.
     """
     import _thread
     import threading
 
     previous = sys.unraisablehook
+    if getattr(previous, "sends_stops_again", False):  # an outer block does it
+        yield
+        return
     main = threading.main_thread().ident
 
     def deliver(signum: signal.Signals) -> None:
@@ -394,9 +399,13 @@ def swallowed_stops_raised_again():
 
     def hook(unraisable):
         previous(unraisable)
-        if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            _thread.start_new_thread(deliver, (_signal_named(unraisable.exc_value),))
+        stop = unraisable.exc_value
+        if isinstance(stop, KeyboardInterrupt):
+            if callable(getattr(stop, "on_swallowed", None)):
+                stop.on_swallowed()
+            _thread.start_new_thread(deliver, (_signal_named(stop),))
 
+    hook.sends_stops_again = True
     sys.unraisablehook = hook
     try:
         yield
