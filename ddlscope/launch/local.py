@@ -50,7 +50,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,8 +59,8 @@ from ddlscope.config import RunConfig
 from ddlscope.errors import UserError
 from ddlscope.launch.churn import ChurnAction, ChurnSchedule
 from ddlscope.launch.cores import CoreLease, lease_cores
-from ddlscope.launch.processes import (STOP_SIGNALS, describe_exit, log_tail, make_run_temp_dir, remove_run_temp_dir,
-                                       start_process, stop_processes, stop_signals_held, swallowed_stops_raised_again)
+from ddlscope.launch.processes import (STOP_SIGNALS, describe_exit, handlers_set, log_tail, make_run_temp_dir,
+                                       remove_run_temp_dir, start_process, stop_processes, stop_signals_held)
 from ddlscope.launch.services import ServiceSupervisor
 from ddlscope.launch.torchrun import preflight, torchrun_command
 from ddlscope.network.emulated import EmulatedNetwork
@@ -224,6 +223,7 @@ class LocalLauncher:
             self.reserve_path.unlink(missing_ok=True)
             self.reserve_path = None
 
+    @contextlib.contextmanager
     def _stop_signals(self):
         """While the run goes, SIGINT/SIGTERM/SIGHUP raise :class:`LauncherSignal` in the main thread (one
         path for all: stop every process, record ``interrupted``); once one was raised, further ones are
@@ -231,32 +231,16 @@ class LocalLauncher:
         callback or a ``__del__``) is raised again
         (:func:`~ddlscope.launch.processes.swallowed_stops_raised_again`). Outside the main thread nothing
         changes."""
-        launcher = self
+        def handle(signum, frame):
+            if self._stopping:
+                return
+            self._stopping = True
+            stop = LauncherSignal(signal.Signals(signum).name)
+            stop.on_swallowed = lambda: setattr(self, "_stopping", False)  # it will come again
+            raise stop
 
-        class _Handlers:
-            def __enter__(self):
-                self.previous = {}
-                self.again = contextlib.ExitStack()
-                if threading.current_thread() is threading.main_thread():
-                    self.previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-                    for s in STOP_SIGNALS:
-                        signal.signal(s, self.handle)
-                    self.again.enter_context(swallowed_stops_raised_again())
-
-            def handle(self, signum, frame):
-                if launcher._stopping:
-                    return
-                launcher._stopping = True
-                stop = LauncherSignal(signal.Signals(signum).name)
-                stop.on_swallowed = lambda: setattr(launcher, "_stopping", False)  # it will come again
-                raise stop
-
-            def __exit__(self, *exc):
-                self.again.close()
-                for s, h in self.previous.items():
-                    signal.signal(s, h)
-
-        return _Handlers()
+        with handlers_set(STOP_SIGNALS, handle, resend_swallowed=True):
+            yield
 
     def _record_end(self, store: ResultsStore, run_id: str, status: str, reason: str | None) -> None:
         """Record the run's final status (and its unfinished workers').

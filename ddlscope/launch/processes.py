@@ -345,26 +345,42 @@ def end_children(pid: int | None = None) -> None:
 
 
 @contextlib.contextmanager
+def handlers_set(signals: Iterable[signal.Signals], handler, resend_swallowed: bool = False):
+    """While the block runs in the main thread, ``handler`` handles each of ``signals``; the handlers
+    before are restored after it. Yields those handlers (``{signal: handler}``): empty elsewhere, where
+    handlers cannot be set; a signal whose handler was not set from Python is left alone.
+
+    Args:
+        resend_swallowed: ``handler`` raises a stop (``KeyboardInterrupt``): one that Python swallowed is
+            sent again (:func:`swallowed_stops_raised_again`).
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield {}
+        return
+    previous = {s: h for s in signals if (h := signal.getsignal(s)) is not None}
+    for s in previous:
+        signal.signal(s, handler)
+    try:
+        with swallowed_stops_raised_again() if resend_swallowed and previous else contextlib.nullcontext():
+            yield previous
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
 def sigterm_as_interrupt():
     """While the block runs in the main thread, SIGTERM raises KeyboardInterrupt there, so the code
     that Ctrl-C unwinds (stopping child processes, removing temporary folders and namespaces) runs
     on a SIGTERM too; the previous handler is restored after it. Elsewhere (another thread, where
     handlers cannot be set) it does nothing."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
     def handler(signum, frame):
         raise KeyboardInterrupt("SIGTERM")
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        with swallowed_stops_raised_again():
-            yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with handlers_set((signal.SIGTERM,), handler, resend_swallowed=True):
+        yield
 
 
 @contextlib.contextmanager
@@ -437,24 +453,16 @@ def stop_signals_held():
     Processes started inside an emulated network's namespaces need none: they are ended with the
     network (:func:`ddlscope.network.emulated.remove_network`).
     """
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: h for s in STOP_SIGNALS if (h := signal.getsignal(s)) is not None}
     came: list[int] = []
 
     def hold(signum, frame):
         came.append(signum)
 
-    for s in previous:
-        signal.signal(s, hold)
+    previous: dict = {}
     try:
-        yield
+        with handlers_set(STOP_SIGNALS, hold) as previous:
+            yield
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
         if came:
             first = previous[came[0]]
             if callable(first):
