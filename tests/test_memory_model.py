@@ -217,10 +217,18 @@ def measure_workers(strategy: str, workers: int, extra: dict | None = None) -> l
 
 @pytest.mark.slow
 def test_profiled_activations_match_a_real_step(resnet_profile):
-    """The fake-tensor activation peak agrees with the one measured on real tensors (same definition)."""
-    for step in resnet_profile.steps[1:]:  # batch 1: too small against page-sized noise
+    """The fake-tensor activation peak agrees with the one measured on real tensors (same definition).
+
+    Within 10 % plus 1 MB: the measured step also counts heap pages that no tensor accounts for
+    (autograd's and the kernels' own buffers, allocations under the 64 KiB mmap threshold), and how
+    many of them a step touches anew depends on which freed chunks are still resident. At batch 2
+    (fake 4.6 MB) nine profiles on the 2-core CI machine read 4.0-5.0 MB (2026-12-03), a spread
+    that 15 % alone did not cover; at batch 8 the fakes were 5-6 % (1.2-1.4 MB) below. Batch 1
+    (fake 2.0 MB, measured 3.0-3.5 MB) is left out: the pages not seen dominate it.
+    """
+    for step in resnet_profile.steps[1:]:
         fake, real = step.activation_peak_bytes, step.measured_activation_peak_bytes
-        assert real is not None and abs(fake - real) <= 0.15 * real, (step.batch_size, fake, real)
+        assert real is not None and abs(fake - real) <= 0.10 * real + MB, (step.batch_size, fake, real)
 
 
 @pytest.mark.slow
