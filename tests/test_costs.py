@@ -830,3 +830,51 @@ def test_a_kill_inside_a_gradient_round_stalls_the_swarm_until_the_rounds_timeou
     risk = kill_in_round_risk(stretches, [swarm], [(20.0, 1)], ["trainer", "trainer"], timeout_s=10.5, run_s=50.0)
     assert risk["probability"] == pytest.approx(0.25) and risk["stall_s"] == pytest.approx(10.0)
     assert risk["stall_samples"] == pytest.approx(1000.0)
+
+
+def test_a_kill_can_leave_a_stale_progress_record_which_a_note_bounds_and_the_figure_leaves_out():
+    """A peer killed just after it moved alone to a later epoch stalls the others until its progress
+    record expires (hivemind's metadata_expiration); the cost model cannot tell whether a kill does
+    that, so the note gives the epoch it would make, growing with progress_expiration_s."""
+    from ddlscope.distribution.collaborative import stale_record_stall
+
+    prof = make_profile()
+    cl = make_cluster(peers=[PeerSpec(compute_share=1.0, bandwidth_gb_per_s=1.0) for _ in range(3)])
+
+    def killed(churn, **extra):
+        return predict(prof, cl, Setting("collaborative", 3, 8, epoch_samples=3200, target_batch_size=64,
+                                         matchmaking_time_s=0.01,
+                                         options={"churn": churn, "run_s": 200.0, **extra}))
+
+    kill = [{"peer": 1, "kill_at_s": 30.0, "rejoin_at_s": 60.0}]
+    short, long_, default = (killed(kill, progress_expiration_s=10.0), killed(kill, progress_expiration_s=40.0),
+                             killed(kill))
+    assert short.step_s == long_.step_s == default.step_s  # the figure leaves it out
+    assert short.inputs["stale_record_stall_s"] == 10.0 and default.inputs["stale_record_stall_s"] == 60.0
+    assert short.step_s < short.inputs["epoch_s_with_stale_record"] < long_.inputs["epoch_s_with_stale_record"] \
+        < default.inputs["epoch_s_with_stale_record"]
+    assert any("progress_expiration_s (10 s)" in n for n in short.notes)
+    # a clean leave leaves no record behind it: no bound, no note
+    left = killed([{"peer": 1, "leave_at_s": 30.0}])
+    assert left.inputs["stale_record_stall_s"] == 0.0 and not any("progress_expiration_s" in n for n in left.notes)
+    # where the prediction already has the kill stall its gradient round, the longer of the two stalls counts
+    slow_cl = make_cluster(bw=1e-2, peers=[PeerSpec(compute_share=1.0, bandwidth_gb_per_s=1e-2) for _ in range(3)])
+    kills = [*kill, {"peer": 2, "kill_at_s": 100.0, "rejoin_at_s": 130.0}]
+
+    def in_round(expiration_s):
+        return predict(prof, slow_cl, Setting("collaborative", 3, 8, epoch_samples=3200, target_batch_size=64,
+                                              matchmaking_time_s=0.01,
+                                              options={"churn": kills, "run_s": 200.0, "averaging_timeout_s": 20.0,
+                                                       "progress_expiration_s": expiration_s}))
+    shorter, longer = in_round(5.0), in_round(60.0)
+    assert shorter.inputs["predicted_kill_in_round"] and shorter.inputs["kill_in_round_stall_s"] > 5.0
+    assert shorter.inputs["stale_record_stall_s"] == 0.0 and not any("progress_expiration_s" in n for n in shorter.notes)
+    assert longer.inputs["stale_record_stall_s"] == 60.0 and longer.inputs["epoch_s_with_stale_record"] > longer.step_s
+    # the bound: the samples inside [kill, kill + expiration], cut at the run's end; none for an auxiliary
+    # peer or one with nobody to be ahead of
+    stretches = [{"from_s": 0.0, "to_s": 50.0, "peers": [0, 1], "samples": 5000.0}]
+    assert stale_record_stall(stretches, [(20.0, 1)], ["trainer", "trainer"], 10.0, 50.0) == pytest.approx(1000.0)
+    assert stale_record_stall(stretches, [(20.0, 1)], ["trainer", "trainer"], 100.0, 50.0) == pytest.approx(3000.0)
+    assert stale_record_stall(stretches, [(20.0, 1)], ["trainer", "auxiliary"], 10.0, 50.0) == 0.0
+    alone = [{"from_s": 0.0, "to_s": 50.0, "peers": [1], "samples": 5000.0}]
+    assert stale_record_stall(alone, [(20.0, 1)], ["trainer", "trainer"], 10.0, 50.0) == 0.0

@@ -140,6 +140,7 @@ def test_a_swarm_run_config_is_predicted_with_its_roles_links_and_churn():
     cfg = load_config(resolve_example("examples/swarm-churn.toml"))
     opts = swarm_options(cfg)
     assert opts["auxiliary_peers"] == [3] and opts["run_s"] == 60 and [e["peer"] for e in opts["churn"]] == [1, 2]
+    assert opts["progress_expiration_s"] == cfg.collaborative.progress_expiration_s
     cluster = over_links(ClusterSpec(name="t", nodes=1, devices_per_node=2, device=DeviceSpec(kind="local"),
                                      intra_node=LinkSpec(bandwidth_gb_per_s=1.0, latency_s=1e-5)),
                          [100.0, 100.0, 20.0, 100.0], 4)

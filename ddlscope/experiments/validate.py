@@ -820,7 +820,7 @@ def churn_outcome(outcome: StrategyOutcome, db_path: Path, run_id: str, profile,
     epoch of the real dataset = ``run_s x epoch_samples / samples trained`` (the samples that
     reached an averaging round) in the window where the schedule applies. The prediction is the
     collaborative cost model with the churn that happened (the launcher's events) and the window's
-    length (``churn`` and ``run_s`` options, with the run's ``averaging_timeout_s``,
+    length (``churn`` and ``run_s`` options, with the run's ``averaging_timeout_s`` and ``progress_expiration_s``,
     :func:`ddlscope.distribution.collaborative.predict_collaborative`):
     what it predicts is how many samples the swarm trains in that time. It is stored as a prediction
     of its own under ``key``, linked to the run. A run whose window cannot be measured (see
@@ -839,7 +839,7 @@ def churn_outcome(outcome: StrategyOutcome, db_path: Path, run_id: str, profile,
             return outcome
         table = store.run_config(run_id).get(distribution.get(setting.strategy).config_table or "", {})
         options = {**setting.options, "churn": window.schedule, "run_s": window.run_s,
-                   **({"averaging_timeout_s": table["averaging_timeout_s"]} if "averaging_timeout_s" in table else {})}
+                   **{k: table[k] for k in ("averaging_timeout_s", "progress_expiration_s") if k in table}}
         try:
             p = predict(profile, cluster, dataclasses.replace(setting, options=options))
         except UserError as err:
