@@ -876,5 +876,8 @@ def test_a_kill_can_leave_a_stale_progress_record_which_a_note_bounds_and_the_fi
     assert stale_record_stall(stretches, [(20.0, 1)], ["trainer", "trainer"], 10.0, 50.0) == pytest.approx(1000.0)
     assert stale_record_stall(stretches, [(20.0, 1)], ["trainer", "trainer"], 100.0, 50.0) == pytest.approx(3000.0)
     assert stale_record_stall(stretches, [(20.0, 1)], ["trainer", "auxiliary"], 10.0, 50.0) == 0.0
+    # two kills whose stalls overlap count the overlap once: [20, 30] and [25, 35] are 15 s
+    assert stale_record_stall(stretches, [(20.0, 1), (25.0, 0)], ["trainer", "trainer"], 10.0, 50.0) \
+        == pytest.approx(1500.0)
     alone = [{"from_s": 0.0, "to_s": 50.0, "peers": [1], "samples": 5000.0}]
     assert stale_record_stall(alone, [(20.0, 1)], ["trainer", "trainer"], 10.0, 50.0) == 0.0

@@ -840,16 +840,19 @@ def stale_record_stall(stretches: list[dict[str, Any]], kills: list[tuple[float,
         roles: per peer. expiration_s: ``progress_expiration_s`` (> 0). run_s: the run's seconds.
 
     Returns:
-        the stretches' samples inside ``[kill, kill + expiration_s]`` (cut at ``run_s``) of every
-        kill of a trainer that had another peer to be ahead of; 0 without such kills.
+        the stretches' samples inside the union of ``[kill, kill + expiration_s]`` (cut at
+        ``run_s``) over the kills of trainers that had another peer to be ahead of; 0 without such kills.
     """
-    lost = 0.0
-    for t, i in kills:
-        k = _stretch_of(stretches, t, i)
-        if k is None or roles[i] == "auxiliary" or len(stretches[k]["peers"]) < 2:
-            continue
-        lost += _samples_between(stretches, t, min(run_s, t + expiration_s))
-    return lost
+    windows = sorted((t, min(run_s, t + expiration_s)) for t, i in kills
+                     if (k := _stretch_of(stretches, t, i)) is not None and roles[i] != "auxiliary"
+                     and len(stretches[k]["peers"]) >= 2)
+    merged: list[list[float]] = []
+    for a, b in windows:  # overlapping stalls count once
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return sum(_samples_between(stretches, a, b) for a, b in merged)
 
 
 def _samples_between(stretches: list[dict[str, Any]], start_s: float, end_s: float) -> float:
