@@ -491,6 +491,9 @@ def test_a_stop_while_a_process_starts_waits_until_it_is_recorded_and_the_child_
     held until the process is recorded, then acts as the handler before it would have; the child is started
     with the default handlers, not the holding one."""
     started = []
+    # what was in place before: Python's Ctrl-C handler, or SIG_IGN where the suite was started in the background
+    # by a shell without job control (which ignores SIGINT for it)
+    sigint_before = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
         with sigterm_as_interrupt():
             with stop_signals_held():
@@ -502,7 +505,7 @@ def test_a_stop_while_a_process_starts_waits_until_it_is_recorded_and_the_child_
                 started.append(child)
     assert len(started) == 1  # recorded: whoever stops the processes knows it
     assert started[0].communicate(timeout=60)[0].split() == ["True", "True"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers before are back
+    assert signal.getsignal(signal.SIGINT) is sigint_before  # the handlers before are back
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     with stop_signals_held():  # no stop: nothing happens after the block
         pass
