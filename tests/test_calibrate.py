@@ -181,14 +181,16 @@ def test_time_repeats_warms_up_untimed_and_syncs_around_every_call():
 def test_calibrate_cli_quick_writes_a_loadable_cluster_with_what_hivemind_adds(tmp_path):
     """One real calibration (collectives, DDP and FSDP in steps, and the hivemind swarms) checked as a whole.
 
-    The swarms train the zoo's smallest network (``--swarm-network tiny_cnn``): the default, ResNet-18, made this
-    one command take 279 s on an idle 2-core AVX2 EPYC (3.6 s per batch-32 step on one thread)."""
+    The swarm trains the zoo's smallest network (``--swarm-network tiny_cnn``): the default, ResNet-18, made this
+    one command take 279 s on an idle 2-core AVX2 EPYC (3.6 s per batch-32 step on one thread). One swarm (batch
+    8) instead of the default two: each costs ~11 s here, and the fit over two is checked without processes
+    (``test_fit_swarm_reads_whole_epochs_after_the_first_and_fits_overhead_against_the_step``)."""
     out = tmp_path / "cluster.toml"
     sockets = set(Path("/tmp").glob("hivemind-*.sock"))  # hivemind's socket files go with the calibration's folder
     children_tmp = Path(os.environ["TMPDIR"])  # the suite's folder for what it starts (conftest): the command's
     folders = set(children_tmp.glob("pymp-*"))
     proc = subprocess.run([sys.executable, "-m", "ddlscope", "calibrate", "--quick", "--workers", "2", "--hivemind",
-                           "--out", str(out), "--matchmaking-time-s", "0.8", "--swarm-network", "tiny_cnn", "--json"],
+                           "--out", str(out), "--matchmaking-time-s", "0.8", "--swarm-network", "tiny_cnn", "--swarm-batch-sizes", "8", "--json"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900)  # a guard against a hang
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "all-reduce" in proc.stderr and "ping-pong" in proc.stderr  # progress lines
@@ -214,14 +216,13 @@ def test_calibrate_cli_quick_writes_a_loadable_cluster_with_what_hivemind_adds(t
     assert "hivemind swarm: tiny_cnn" in proc.stderr
     hm = spec.hivemind
     assert hm is not None, result["notes"]
-    # hivemind's processes did work every epoch: the fitted overhead at each swarm's step is positive (tiny_cnn's
-    # steps of a few ms hardly differ between the swarms, so the line may run through the origin: intercept 0)
+    # hivemind's processes did work every epoch: the fitted overhead at the swarm's step is positive
     assert all(hm.epoch_overhead_s + hm.overhead_steps * step > 0 for step, _ in hm.overshoot_points)
-    assert len(hm.overshoot_points) == 2 and hm.epoch_cpu_s > 0
+    assert len(hm.overshoot_points) == 1 and hm.epoch_cpu_s > 0
     tiny_bytes = sum(p.numel() * p.element_size() for p in build_model("tiny_cnn", "mnist").parameters())
     assert hm.reference_param_bytes == tiny_bytes and "tiny_cnn" in hm.reference  # the network asked for
     assert hm.matchmaking_time_s == pytest.approx(0.8)  # the swarm ran at the matchmaking time asked for
-    assert "32/8" in hm.reference and hm.overhead_steps >= 0  # one swarm per reference batch size
+    assert "steps of 8 per peer" in hm.reference and hm.overhead_steps >= 0  # the swarm's batch size asked for
     assert 0.5 < hm.peer_startup_s < 60  # a fresh interpreter's imports, a DHT join and an optimizer: seconds
     assert set(Path("/tmp").glob("hivemind-*.sock")) <= sockets
     # the swarm peers' multiprocessing folders went with the calibration's (its peers end with os._exit)

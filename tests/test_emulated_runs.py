@@ -154,7 +154,9 @@ def test_a_killed_launcher_leaves_no_namespace_link_or_process(env_data, tmp_pat
 
 
 def test_a_dmoe_run_reaches_its_servers_through_their_namespaces_and_survives_a_restart(tmp_path):
-    """Run as a user runs it, in a process of its own (see tests/test_dmoe_runs.py); about 60 s on 2 cores."""
+    """Run as a user runs it, in a process of its own: started from this test process after the rest of the
+    suite, hivemind's server start hung at its connection handler (twice in CI; cause not found, see
+    docs/validation.md). About 60 s on 2 cores. The suite's one dmoe run with a server killed and restarted."""
     db, config = tmp_path / "r.db", tmp_path / "run.toml"
     # the trainer trains for 30 s (a time limit: its 100 steps took 28 s on a slow day and 13 s on a fast one, when
     # the restarted server came up 1 s before they ended); server 1 is killed 6 s after the first step and back at
@@ -187,8 +189,23 @@ def test_a_dmoe_run_reaches_its_servers_through_their_namespaces_and_survives_a_
         assert addresses[(1, 0)] <= {"10.201.0.4"}, addresses
         status = {k: (s["status"], s["reason"]) for k, s in services.items()}
         assert services[(1, 0)]["status"] == "killed" and services[(1, 1)]["status"] == "stopped", status
-        restarted = services[(1, 1)]["peer_id"]
-        assert sum(c["calls"] - c["failed"] for c in store.rows("moe_calls", run_id) if c["peer_id"] == restarted) > 0
+        assert "SIGKILL" in services[(1, 0)]["reason"], status
+        # calls to the killed server failed; the restarted one, a new peer found through the DHT, answered
+        calls = store.rows("moe_calls", run_id)
+        killed, restarted = services[(1, 0)]["peer_id"], services[(1, 1)]["peer_id"]
+        assert killed != restarted
+        assert sum(c["failed"] for c in calls if c["peer_id"] == killed) > 0
+        assert sum(c["calls"] - c["failed"] for c in calls if c["peer_id"] == restarted) > 0
+        # every step called experts, or its beam search found none and it stored all its samples as dropped (on a
+        # 2-core EPYC in CI one step of 99, 10 s after the kill, found no expert while the restart joined)
+        moe_steps = store.rows("moe_steps", run_id)
+        assert len(moe_steps) == store.step_counts(run_id)[0]
+        assert all(m["forward_calls"] > 0 or (m["experts_chosen"] == 0 and m["samples_dropped"] == m["samples"])
+                   for m in moe_steps), [m for m in moe_steps if m["forward_calls"] == 0]
+        assert sum(m["forward_calls"] > 0 for m in moe_steps) >= 0.9 * len(moe_steps)
+        assert store.rows("moe_server_batches", run_id) and store.rows("moe_server_samples", run_id)
+        kinds = [e["kind"] for e in store.rows("events", run_id)]
+        assert kinds.count("service_started") == len(services) and kinds.count("service_killed") == 1, kinds
         links = {r["worker_index"]: r for r in store.rows("network_links", run_id)}
         assert [links[i]["namespace"][-2:] for i in range(3)] == ["-0", "-1", "-2"]
         assert [(links[i]["upload_mbit_per_s"], links[i]["download_mbit_per_s"]) for i in range(3)] == \
