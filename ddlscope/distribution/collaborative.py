@@ -749,7 +749,7 @@ def _predict_churn(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     stale = stale_record_stall(stretches, kills, roles, max(expiration_s, in_round_s), run_s) \
         if expiration_s > in_round_s else 0.0
     left = trained - stale
-    stale_epoch_s = (run_s * s.target_batch_size / left if left > 0 else None) if stale > 0 else None
+    stale_epoch_s = run_s * s.target_batch_size / left if stale > 0 and left > 0 else None
     parts = {k: v * epoch_s / full.step_s for k, v in full.breakdown_s.items() if v}
     other_s = run_s * s.target_batch_size / (trained if in_round else stalled) if stalled > 0 else None
     inputs = {**full.inputs, "run_s": run_s, "churn_stretches": stretches, "state_load_s": load_s,
