@@ -190,7 +190,8 @@ def test_calibrate_cli_quick_writes_a_loadable_cluster_with_what_hivemind_adds(t
     children_tmp = Path(os.environ["TMPDIR"])  # the suite's folder for what it starts (conftest): the command's
     folders = set(children_tmp.glob("pymp-*"))
     proc = subprocess.run([sys.executable, "-m", "ddlscope", "calibrate", "--quick", "--workers", "2", "--hivemind",
-                           "--out", str(out), "--matchmaking-time-s", "0.8", "--swarm-network", "tiny_cnn", "--swarm-batch-sizes", "8", "--json"],
+                           "--out", str(out), "--matchmaking-time-s", "0.8", "--swarm-network", "tiny_cnn",
+                           "--swarm-batch-sizes", "8", "--json"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900)  # a guard against a hang
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "all-reduce" in proc.stderr and "ping-pong" in proc.stderr  # progress lines
