@@ -1015,6 +1015,8 @@ def examples(
     copy: Optional[Path] = typer.Option(None, "--copy", metavar="DIR",
                                         help="copy the examples into this folder (created if missing)"),
     overwrite: bool = typer.Option(False, help="with --copy: replace files there that differ from the shipped ones"),
+    as_json: bool = typer.Option(False, "--json", help="print the examples (name, kind, summary, path) or, with --copy, "
+                                                       "the files copied, as one JSON document"),
 ):
     """List the example cluster files, run configs, sweep grid and scripts that ship with ddlscope, or copy them out.
 
@@ -1023,7 +1025,7 @@ def examples(
     """
     from ddlscope.examples import examples_command
 
-    typer.echo(examples_command(copy, names, overwrite))
+    typer.echo(examples_command(copy, names, overwrite, as_json))
 
 
 from ddlscope.predict.commands import register as _register_predict_commands  # noqa: E402

@@ -58,6 +58,13 @@ def test_every_help_shows_the_tables_it_names_literally():
         " ".join(_invoke("run", "--help").output.split())
 
 
+def test_validate_help_names_every_preset():
+    from ddlscope.experiments.validate import PRESETS
+
+    grid = next(p for p in dict(_commands())[("validate",)].params if p.name == "grid")
+    assert grid.help.endswith("preset: " + ", ".join(PRESETS)), grid.help
+
+
 def test_one_name_per_option_with_units_and_old_names_hidden():
     flags: dict[str, set[str]] = {}
     for path, cmd in _commands():
@@ -102,6 +109,9 @@ def test_json_of_the_listing_and_planning_commands():
     plan = _strict_loads(plan.stdout)
     assert plan["sweep"] == "local" and plan["cells"] and plan["cells"][0]["stored"] == "-"
     assert plan["estimated_remaining_s"] == pytest.approx(sum(c["estimated_s"] for c in plan["cells"]))
+    listing = _strict_loads(_invoke("examples", "--json").stdout)
+    assert set(listing[0]) == {"name", "kind", "summary", "path"}
+    assert "swarm-churn.toml" in {e["name"] for e in listing}
     suite = _invoke("suite", "local", "--dry-run", "--json")
     assert suite.exit_code == 0, suite.output
     assert {"label", "strategy", "batch_size", "microbatches"} <= set(_strict_loads(suite.stdout)["cells"][0])

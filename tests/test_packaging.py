@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import email.parser
+import json
 import os
 import re
 import subprocess
@@ -110,6 +111,11 @@ def test_examples_command_lists_every_example_and_reports_a_copy(tmp_path):
     assert "cluster-2x4xa100.toml  cluster file" in examples_command(names=["cluster-2x4xa100.toml"])
     copied = examples_command(tmp_path / "ex", ["peers-tbs.toml"])
     assert copied.splitlines() == [f"copied 1 example(s) to {tmp_path / 'ex'}:", f"  {tmp_path / 'ex' / 'peers-tbs.toml'}"]
+    as_json = json.loads(examples_command(names=["examples/peers-tbs.toml"], as_json=True))
+    assert as_json == [{"name": "peers-tbs.toml", "kind": "sweep grid", "summary": as_json[0]["summary"],
+                        "path": str(EXAMPLES_DIR / "peers-tbs.toml")}] and as_json[0]["summary"]
+    assert json.loads(examples_command(tmp_path / "ex2", ["peers-tbs.toml"], as_json=True)) == {
+        "copied": [str(tmp_path / "ex2" / "peers-tbs.toml")], "to": str(tmp_path / "ex2")}
 
 
 def test_examples_slash_name_resolves_to_the_shipped_file_unless_one_is_here(tmp_path, monkeypatch):

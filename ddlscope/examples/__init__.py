@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import filecmp
+import json
 import re
 import shutil
 import tomllib
@@ -158,9 +159,11 @@ def copy_examples(dest: str | Path, names: list[str] | None = None, overwrite: b
     return targets
 
 
-def examples_command(copy_to: Path | None = None, names: list[str] | None = None, overwrite: bool = False) -> str:
+def examples_command(copy_to: Path | None = None, names: list[str] | None = None, overwrite: bool = False,
+                     as_json: bool = False) -> str:
     """What ``ddlscope examples`` prints: one line per shipped example (name, kind, summary), or,
-    with ``copy_to``, the files copied there.
+    with ``copy_to``, the files copied there; ``as_json``: the same as one JSON document (a list of
+    ``{name, kind, summary, path}``, or ``{"copied": [paths], "to": folder}``).
 
     Raises:
         UserError: as :func:`copy_examples` (unknown name, clashing file, unwritable folder), or
@@ -171,10 +174,15 @@ def examples_command(copy_to: Path | None = None, names: list[str] | None = None
     if copy_to is None:
         chosen = {example_path(n).name for n in names or []}
         rows = [e for e in list_examples() if not chosen or e.name in chosen]
+        if as_json:
+            return json.dumps([{"name": e.name, "kind": e.kind, "summary": e.summary, "path": str(e.path)}
+                               for e in rows], indent=2)
         width = max(len(e.name) for e in rows)
         lines = [f"{e.name:<{width}}  {e.kind:<12}  {e.summary}" for e in rows]
         lines.append(f"(in {EXAMPLES_DIR}; `ddlscope examples --copy DIR` copies them out; a path "
                      f"examples/NAME that does not exist here is read from there)")
         return "\n".join(lines)
     written = copy_examples(copy_to, names, overwrite)
+    if as_json:
+        return json.dumps({"copied": [str(p) for p in written], "to": str(copy_to)}, indent=2)
     return "\n".join([f"copied {len(written)} example(s) to {copy_to}:"] + [f"  {p}" for p in written])

@@ -157,7 +157,7 @@ def register(app: typer.Typer) -> None:
         old_matchmaking_time: Optional[float] = typer.Option(None, "--matchmaking-time", min=0.01, hidden=True,
                                                              help="old name of --matchmaking-time-s"),
         dmoe: bool = typer.Option(False, "--dmoe", help="also time hivemind's beam searches and remote expert calls "
-                                  "between an expert server and a client (about 30 s) to fit what they cost (dmoe)"),
+                                  "between an expert server and a client (about 35 s) to fit what they cost (dmoe)"),
         swarm_network: str = typer.Option("resnet18", "--swarm-network", help="--hivemind: the zoo network the swarms "
                                           "train; how far peers overshoot the target batch depends on it, so use "
                                           "the one you will predict for"),
@@ -306,7 +306,7 @@ def register(app: typer.Typer) -> None:
     # ---- validate (experiments/validate.py)
     @app.command("validate")
     def validate_cmd(
-        grid: str = typer.Argument("local", metavar="GRID", help="grid TOML ([validation] table) or preset: local, tiny"),
+        grid: str = typer.Argument("local", metavar="GRID", help="grid TOML ([validation] table) or preset: local, moe, links, moe-links, churn, tiny"),
         cluster: Optional[Path] = typer.Option(None, "--cluster", help="cluster TOML of this machine (default: calibrate now, kept next to the database)"),
         out: Optional[Path] = typer.Option(None, "--out", help="report folder (default <results>/validation/<name>)"),
         rerun: bool = typer.Option(False, "--rerun", help="run cells again even if a completed run is stored"),
