@@ -306,7 +306,8 @@ def register(app: typer.Typer) -> None:
     # ---- validate (experiments/validate.py)
     @app.command("validate")
     def validate_cmd(
-        grid: str = typer.Argument("local", metavar="GRID", help="grid TOML ([validation] table) or preset: local, moe, links, moe-links, churn, tiny"),
+        grid: str = typer.Argument("local", metavar="GRID", help="grid TOML ([validation] table) or preset: "
+                                   "local, moe, links, moe-links, churn, tiny"),
         cluster: Optional[Path] = typer.Option(None, "--cluster", help="cluster TOML of this machine (default: calibrate now, kept next to the database)"),
         out: Optional[Path] = typer.Option(None, "--out", help="report folder (default <results>/validation/<name>)"),
         rerun: bool = typer.Option(False, "--rerun", help="run cells again even if a completed run is stored"),
