@@ -170,8 +170,11 @@ def test_removing_a_network_lets_torchs_shm_manager_end_by_itself_and_kills_one_
                                                             capture_output=True, text=True).stdout.split()]
         subprocess.run(net.wrap(0, ["setsid", "-f", "sleep", "60"]), check=True)  # the client, reaped by init
         (client,) = pids(0)
+        # a killed client is gone for the real manager at once (its socket closes), while init may reap it seconds
+        # later (this machine's init: 1-2 s, when the wait was 2 s); so a zombie counts as gone, as kill -0 would not
+        gone = f"[ ! -e /proc/{client} ] || grep -q '^State:[[:space:]]*Z' /proc/{client}/status 2>/dev/null"
         subprocess.run(net.wrap(0, ["setsid", "-f", str(manager), "-c",
-                                    f"while kill -0 {client} 2>/dev/null; do sleep 0.05; done; rm {segment}"]),
+                                    f"until {gone}; do sleep 0.05; done; rm {segment}"]),
                        check=True)
         subprocess.run(net.wrap(1, ["setsid", "-f", str(manager), "-c", "while true; do sleep 0.05; done"]), check=True)
         time.sleep(0.3)
