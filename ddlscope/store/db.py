@@ -5,7 +5,8 @@ crashes or is killed keeps everything measured up to its last step. The training
 rows are the exception: they go through a :class:`BatchedWriter`, a thread of the worker with a
 connection of its own that commits them every ``store_flush_interval_s`` (run config, default 1 s),
 when the loop ends, and on SIGTERM/SIGINT (the loop's ``finally``). A worker killed with SIGKILL
-loses at most the steps of the last flush interval. Tables:
+loses at most the steps of the last two flush intervals (the loop queues a row once its step's
+values were read from the device: :mod:`ddlscope.train.loop`). Tables:
 
 - ``runs``: one row per run — config (JSON), status (running / completed / failed /
   interrupted), reason, times, group name, the host and pid (with its start time) of the process
@@ -40,6 +41,7 @@ fails because the disk is full raises :class:`StoreFullError` where the caller a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -711,9 +713,12 @@ class BatchedWriter:
 
     The training thread only appends to a queue (:meth:`add_step`, :meth:`add_event`); the writer
     thread, through its own :class:`ResultsStore` connection (an SQLite connection belongs to the
-    thread that opened it), commits what has queued up every ``flush_interval_s`` seconds in one
-    transaction, and everything on :meth:`flush` and :meth:`close`. What a SIGKILL loses is what
-    had not been committed yet: at most the rows of the last ``flush_interval_s`` seconds.
+    thread that opened it), wakes every ``flush_interval_s`` seconds and commits what has queued up
+    in one transaction, and everything at once on :meth:`flush` and :meth:`close`. A row queued does
+    not wake it: a thread woken at every step takes the interpreter lock from the training thread
+    at every step, which the training loop pays for (issue 16's overhead target). What a SIGKILL
+    loses is what had not been committed yet: at most the rows of the last ``flush_interval_s``
+    seconds.
 
     Args:
         path: the results store's SQLite file.
@@ -731,6 +736,7 @@ class BatchedWriter:
             raise ValueError(f"flush_interval_s = {flush_interval_s!r}; allowed: a number of seconds > 0")
         self.path, self.flush_interval_s = Path(path), float(flush_interval_s)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()  # set by flush() and close(): commit now, not at the interval's end
         self._error: BaseException | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="ddlscope-store-writer", daemon=True)
@@ -757,6 +763,7 @@ class BatchedWriter:
         """Block until everything queued so far is committed."""
         done = threading.Event()
         self._put(("flush", done))
+        self._wake.set()
         while not done.wait(0.1):
             if not self._thread.is_alive():
                 break
@@ -767,6 +774,7 @@ class BatchedWriter:
         if not self._closed:
             self._closed = True
             self._queue.put(("close",))
+            self._wake.set()
         self._thread.join()
         self._raise_error()
 
@@ -791,18 +799,17 @@ class BatchedWriter:
         try:
             store = ResultsStore(self.path)
             while True:
-                batch = [self._queue.get()]  # wait for the first row, then let more queue up
-                deadline = time.monotonic() + self.flush_interval_s
-                while batch[-1][0] not in ("flush", "close"):
-                    try:
-                        batch.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
-                    except queue.Empty:
-                        break
+                self._wake.wait(self.flush_interval_s)
+                self._wake.clear()  # before draining: a flush queued from now on sets it again
+                batch = []
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        batch.append(self._queue.get_nowait())
                 self._write(store, [item for item in batch if item[0] in ("step", "event", "rows")])
                 for item in batch:
                     if item[0] == "flush":
                         item[1].set()
-                if batch[-1][0] == "close":
+                if any(item[0] == "close" for item in batch):
                     return
         except BaseException as err:  # handed to the training thread; flush() waiters see the thread end
             self._error = err
