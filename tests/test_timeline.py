@@ -135,9 +135,9 @@ def test_the_loop_reads_a_steps_laps_only_after_the_next_step_ran(env_data, db_p
         assert row["step_s"] == pytest.approx(clock.times[first + 6] - clock.times[first])
 
 
-def test_step_values_stay_where_they_are_off_a_gpu():
-    from ddlscope.strategies.base import values_to_host
+def test_step_values_off_a_gpu_are_read_without_an_event():
+    from ddlscope.measure.step_values import DeviceValues, ValuesInFlight
 
-    values = torch.tensor([0.5, 3.0, 4.0], dtype=torch.float64)
-    host, copied = values_to_host(values)
-    assert host is values and copied is None
+    logits, y = torch.tensor([[0.1, 0.9], [0.8, 0.2]]), torch.tensor([1, 1])
+    flight = ValuesInFlight([DeviceValues.of(torch.tensor(0.25), logits, y)])
+    assert flight.reached() and flight.read() == [(0.25, 1.0, 2.0)]

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ddlscope.measure.step_values import DeviceValues, ValuesInFlight, loss_and_correct
 from ddlscope.measure.timeline import Lap, Stopwatch
 
 if TYPE_CHECKING:
@@ -93,13 +94,14 @@ class BatchResult:
         pending: laps timed on the device and not read yet (CUDA events, see
             :mod:`ddlscope.measure.timeline`): ``{"forward_s": Lap, ...}``; :meth:`resolve` adds
             their seconds to those fields. Code that reads the times calls :meth:`resolve` first.
-        pending_values: the loss and :func:`~ddlscope.workloads.step.prediction_counts` (a ``[3]``
-            float64 tensor: loss, correct, scored; ``per_position`` says how to count), on a GPU
-            being copied into pinned host memory (:func:`values_to_host`), so that reading them
-            neither makes the step wait for the device between forward and backward nor, one
-            step later, for the step queued since; :meth:`resolve` sets ``loss`` and ``correct``
-            from them.
-        values_copied: the CUDA event recorded after that copy (None off a GPU).
+        device_values: the loss and predictions left on the device
+            (:class:`~ddlscope.measure.step_values.DeviceValues`), so that reading them neither makes
+            the step wait for the device between forward and backward nor costs the host a
+            dozen launches per step: the training loop reads them for a group of steps at once
+            (:class:`~ddlscope.measure.step_values.ValuesInFlight`, :meth:`take_values`);
+            :meth:`resolve` reads them for this step alone.
+        per_position: the logits were per position (``[batch, T, classes]``): ``correct`` is then
+            ``samples`` times the share of scored positions predicted right.
     """
 
     samples: int
@@ -112,44 +114,25 @@ class BatchResult:
     bubble_s: float = 0.0
     comm_bytes: int = 0
     pending: dict[str, Lap] = field(default_factory=dict, repr=False)
-    pending_values: torch.Tensor | None = field(default=None, repr=False)
-    values_copied: Any = field(default=None, repr=False)
+    device_values: DeviceValues | None = field(default=None, repr=False)
     per_position: bool = False
 
     def resolve(self) -> "BatchResult":
-        """Add the seconds of the :attr:`pending` laps to their fields and read the loss and hits
-        of :attr:`pending_values`; on a GPU waits for the last of them to be reached (nothing to
+        """Add the seconds of the :attr:`pending` laps to their fields and read this step's loss and
+        hits (:attr:`device_values`); on a GPU waits for the last of them to be reached (nothing to
         wait for once the device has passed it). Returns self."""
-        from ddlscope.workloads.step import correct_in_samples
-
         for name, lap in self.pending.items():
             setattr(self, name, getattr(self, name) + lap.seconds())
         self.pending = {}
-        if self.pending_values is not None:
-            if self.values_copied is not None:
-                self.values_copied.synchronize()
-            loss, correct, scored = self.pending_values.tolist()
-            self.loss, self.correct = loss, correct_in_samples(int(correct), int(scored), self.per_position, self.samples)
-            self.pending_values = None
+        if self.device_values is not None:
+            self.take_values(ValuesInFlight([self.device_values]).read()[0])
         return self
 
-
-def values_to_host(values: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """``(host tensor, event)``: on a GPU, ``values`` copied into pinned host memory without the
-    host waiting, and the CUDA event that marks the copy done (the tensor is read only after
-    ``event.synchronize()``); elsewhere ``(values, None)``.
-
-    A plain ``.tolist()`` of a device tensor one step later would wait for everything queued on
-    the stream since, the next step included, so the host could never run ahead of the device:
-    on an H100 that made VGG-11/CIFAR-10 b64 12 % slower than a bare loop.
-    """
-    if values.device.type != "cuda":
-        return values, None
-    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-    host.copy_(values, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(values.device))
-    return host, event
+    def take_values(self, values: tuple[float, float, float]) -> None:
+        """Set ``loss`` and ``correct`` from this step's ``(loss, correct, scored)`` as read by a
+        :class:`~ddlscope.measure.step_values.ValuesInFlight`; the device values are then dropped."""
+        self.loss, self.correct = loss_and_correct(values, self.per_position, self.samples)
+        self.device_values = None
 
 
 @dataclass
@@ -245,20 +228,16 @@ class Strategy:
         ``correct / samples`` is the accuracy also for per-position targets; both it and ``loss``
         are read by :meth:`BatchResult.resolve` (one step later in the training loop).
         """
-        from ddlscope.workloads.step import prediction_counts
-
         watch = Stopwatch(x.device)
         with self.gradient_sync(model, sync):
             logits = model(x)
             loss = loss_fn(logits, y)
-            # loss and hits stay on the device until the step's row is written (resolve): no sync here
-            values, copied = values_to_host(
-                torch.stack([loss.detach().double(), *(c.double() for c in prediction_counts(logits.detach(), y))]))
+            values = DeviceValues.of(loss, logits, y)  # read later, with other steps' (no sync here)
             forward = watch.mark()
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             backward = watch.mark()  # on a GPU: not waited for here (the caller resolves it)
         return BatchResult(len(y), None, None, 0.0, 0.0, pending=dict(forward_s=forward, backward_s=backward),
-                           pending_values=values, values_copied=copied, per_position=logits.dim() > 2)
+                           device_values=values, per_position=logits.dim() > 2)
 
     def step(self, samples: int) -> StepOutcome:
         """Apply the gradients accumulated over ``samples`` samples (``batch_size x GAS``)."""

@@ -11,9 +11,11 @@ loss is divided by GAS so that the accumulated gradient is the mean over GAS x b
 
 Rows are queued to a writer thread that commits them every ``store_flush_interval_s`` (run
 config, default 1 s), when training ends and on SIGTERM/SIGINT; a worker killed with SIGKILL
-loses at most the steps of the last flush interval. A peer that a churn schedule kills
-(``kill_at_s``) commits each step as it ends, so the store keeps every step it made. On a GPU the phase times are CUDA events
-read one step later, so timing adds no synchronization (:mod:`ddlscope.measure.timeline`).
+loses at most the steps of the last two flush intervals (a row is queued once its group of steps
+was read from the device, :class:`_StepRows`). A peer that a churn schedule kills (``kill_at_s``)
+commits each step as it ends, so the store keeps every step it made. On a GPU the phase times are
+CUDA events and the loss and hits stay on the device until a group of steps is read, so timing adds
+no synchronization (:mod:`ddlscope.measure.timeline`, :mod:`ddlscope.measure.step_values`).
 
 Stop conditions, whichever comes first: the sample budget (each peer's max steps =
 budget / (peers x batch size), thesis 000), the target accuracy on the held-out split, the
@@ -22,6 +24,7 @@ wall-clock limit, or the strategy saying the swarm is gone.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import time
@@ -34,6 +37,7 @@ from torch.utils.data import DataLoader
 from ddlscope.config import RunConfig
 from ddlscope.measure.host import UNKNOWN_EVENT, HostSampler
 from ddlscope.measure.memory import cuda_runtime_bytes, peak_memory_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
+from ddlscope.measure.step_values import ValuesInFlight
 from ddlscope.measure.timeline import Stopwatch
 from ddlscope.measure.torch_profile import StepProfiler, profile_dir, record_profile
 from ddlscope.store.db import ResultsStore
@@ -217,9 +221,10 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfile
     The steps' rows go through a :class:`~ddlscope.store.db.BatchedWriter` (committed every
     ``cfg.store_flush_interval_s``), which is closed, everything committed, before the worker's end
     is recorded, and also when an error or SIGTERM/SIGINT (:class:`~ddlscope.train.worker.Interrupted`)
-    stops training; a SIGKILL loses at most the steps of the last flush interval. A step's phases are
-    :class:`~ddlscope.measure.timeline.Lap` s (on a GPU, CUDA events) read once the next step has run
-    (:func:`_write_step`), so the timer never makes the training wait for the device.
+    stops training; a SIGKILL loses at most the steps of the last two flush intervals. A step's phases
+    are :class:`~ddlscope.measure.timeline.Lap` s (on a GPU, CUDA events) and its loss and hits stay on
+    the device; both are read for a group of steps once the device is past them (:class:`_StepRows`),
+    so neither the timer nor the values make the training wait for the device.
     """
     run_id, wi, gas = ctx.run_id, ctx.worker_index, cfg.gradient_accumulation_steps
     max_steps = cfg.max_steps_per_peer()
@@ -235,12 +240,13 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfile
     if cuda_runtime is not None:
         torch.cuda.reset_peak_memory_stats(wl.device)  # the allocator's training-phase peak
     clock = _EvalClock(store, run_id, wi, model, wl, strategy, cfg.eval_max_samples, train_start)
-    reason, steps_done, pending = "sample_budget", 0, None
+    reason, steps_done = "sample_budget", 0
     first_step = store.step_counts(run_id).get(wi, 0)  # a peer that rejoins a swarm continues its count and budget
     writer = ctx.writer = store.batched_writer(cfg.store_flush_interval_s)
     # a peer that a churn schedule kills commits every step at once, so that the kill loses none of them
     durable = any(e.peer == wi and e.kill_at_s is not None for e in
                   (cfg.distribution_model.churn(cfg) if cfg.distribution_model.churn else []))
+    rows = _StepRows(writer, run_id, wi, 1 if durable else VALUES_GROUP_STEPS, cfg.store_flush_interval_s)
     try:
         for step in itertools.count(first_step):
             if max_steps is not None and step >= max_steps:
@@ -266,12 +272,9 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfile
                 strategy.zero_grad()
             optimizer = watch.mark()
             profiler.step_ended(step)
-            if pending is not None:  # the previous step: the device is past its laps by now
-                _write_step(writer, run_id, wi, *pending)
-            pending = (_step_row(cfg, step, wall, res, outcome, stepped), res, data_load, compute, optimizer)
+            rows.add(_step_row(cfg, step, wall, res, outcome, stepped), res, (data_load, compute, optimizer))
             if durable:
-                _write_step(writer, run_id, wi, *pending)
-                pending = None
+                rows.drain()
             if outcome is not None and outcome.averaging_round:
                 writer.add_event(run_id, wi, "averaging_round", step=step, group_size=outcome.group_size,
                                  succeeded=outcome.succeeded, averaging_s=outcome.averaging_s,
@@ -284,15 +287,13 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfile
                 if cfg.target_accuracy is not None and acc >= cfg.target_accuracy:
                     reason = "target_accuracy"
                     break
-        if pending is not None:
-            _write_step(writer, run_id, wi, *pending)
+        rows.drain()
         ctx.writer = None
         writer.close()
     except BaseException:
         ctx.writer = None
         with contextlib.suppress(Exception):  # keep the completed steps; the error that stopped training is reported
-            if pending is not None:
-                _write_step(writer, run_id, wi, *pending)
+            rows.drain()
         with contextlib.suppress(Exception):
             writer.close()  # waits for the commit also when a signal came during the close above
         raise
@@ -328,6 +329,66 @@ def _step_row(cfg, step: int, wall: float, res, outcome, stepped: bool) -> dict:
         background_cpu_s=outcome.background_cpu_s if outcome else None,
         samples_discarded=outcome.samples_discarded if outcome else 0,
     )
+
+
+#: steps whose loss and hits are read from the device together (:mod:`ddlscope.measure.step_values`)
+VALUES_GROUP_STEPS = 8
+#: groups of steps launched and not read yet, beyond which the loop waits for the oldest
+MAX_GROUPS_IN_FLIGHT = 2
+
+
+class _StepRows:
+    """The steps' rows on their way to the store: their laps and values read from the device in groups.
+
+    A step's row is queued to the writer once the device has passed its laps and its loss and hits
+    were copied to the host, read for ``group_steps`` steps at once
+    (:class:`~ddlscope.measure.step_values.ValuesInFlight`): a group is launched when it holds
+    ``group_steps`` steps or its first step ended ``group_s`` seconds ago, and read without waiting once
+    the device reached it; only when more than :data:`MAX_GROUPS_IN_FLIGHT` groups are in flight does
+    the loop wait for the oldest. So a step's row reaches the writer at most ``group_s`` seconds
+    (plus the device's lag) after the step: a SIGKILL loses at most two flush intervals of steps.
+    """
+
+    def __init__(self, writer, run_id: str, wi: int, group_steps: int, group_s: float):
+        self.writer, self.run_id, self.wi = writer, run_id, wi
+        self.group_steps, self.group_s = group_steps, group_s
+        self._open: list[tuple] = []
+        self._opened_at = 0.0
+        self._in_flight: collections.deque = collections.deque()
+
+    def add(self, row: dict, res, laps: tuple) -> None:
+        """Queue one step: its row's known columns, its :class:`~ddlscope.strategies.base.BatchResult`
+        and its ``(data_load, compute, optimizer)`` laps; writes the groups the device is done with."""
+        if not self._open:
+            self._opened_at = time.monotonic()
+        self._open.append((row, res, laps))
+        if len(self._open) >= self.group_steps or time.monotonic() - self._opened_at >= self.group_s:
+            self._launch()
+        self._write(wait=False)
+
+    def drain(self) -> None:
+        """Write every queued step, waiting for the device where it is not done yet."""
+        if self._open:
+            self._launch()
+        self._write(wait=True)
+
+    def _launch(self) -> None:
+        entries, self._open = self._open, []
+        values = [res.device_values for _, res, _ in entries if res.device_values is not None]
+        self._in_flight.append((ValuesInFlight(values) if values else None, entries))
+
+    def _write(self, wait: bool) -> None:
+        while self._in_flight:
+            flight, entries = self._in_flight[0]
+            done = (flight is None or flight.reached()) and entries[-1][2][-1].reached()
+            if not (wait or done or len(self._in_flight) > MAX_GROUPS_IN_FLIGHT):
+                return
+            self._in_flight.popleft()
+            values = iter(flight.read() if flight is not None else ())
+            for row, res, laps in entries:
+                if res.device_values is not None:
+                    res.take_values(next(values))
+                _write_step(self.writer, self.run_id, self.wi, row, res, *laps)
 
 
 def _write_step(writer, run_id: str, wi: int, row: dict, res, data_load, compute, optimizer) -> None:
