@@ -90,8 +90,13 @@ def test_the_printed_profile_says_which_batches_were_extrapolated(capped):
     print_profile(p, console=console)
     text = console.export_text()
     assert note in text and "16*" in text and "32*" in text and "8*" not in text
-    # the heap glibc keeps is measured at the largest batch that ran, not at one extrapolated
-    assert "freed heap kept resident (glibc's defaults, batch 8): " in text
+    # the heap glibc keeps is measured at the largest batch that ran, not at one extrapolated; where the
+    # probe could not measure it (seen once, on a GPU host with torch 2.11+cu130) it is shown as unknown
+    assert all(s.retained_bytes is None for s in p.steps if s.extrapolated)
+    if p.retained_step is not None:
+        assert "freed heap kept resident (glibc's defaults, batch 8): " in text
+    else:
+        assert "freed heap kept resident (glibc's defaults): - (not measured" in text
 
 
 def test_an_uncapped_profile_records_no_fit(capped):

@@ -81,6 +81,9 @@ def print_profile(profile, path: Path | None = None, console=None) -> None:
         console.print(f"freed heap kept resident (glibc's defaults, batch {kept.batch_size}): "
                       f"{kept.retained_bytes / 1e6:.1f} MB, {profile.retained_share():.2f} of the gradients and "
                       "activations", markup=False)
+    elif profile.device.type == "cpu":  # unknown, not none: the probe's measurement failed (or fork is missing)
+        console.print("freed heap kept resident (glibc's defaults): - (not measured: the memory probe's child "
+                      "process gave no result; the memory model adds none)", markup=False)
     for d in profile.data_loading:
         console.print(f"data loading, {d.loader_workers} loader worker(s): {d.samples_per_s:,.0f} samples/s",
                       markup=False)
