@@ -123,7 +123,7 @@ class RunConfigBase(BaseModel):
     host_sample_interval_s: float = Field(1.0, gt=0, le=60)
     store_flush_interval_s: float = Field(
         1.0, gt=0, le=3600, description="seconds between commits of the training loop's step rows (a thread writes "
-                                        "them); a worker killed with SIGKILL loses at most twice this much of its steps")
+                                        "them); a worker killed with SIGKILL loses at most this much of its steps")
     profile_steps: list[int] | None = Field(
         None, description="[a, b]: record torch.profiler traces of each worker's steps a..b (0-based, both "
                           "included); `ddlscope export --to trace` merges them")

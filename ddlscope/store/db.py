@@ -5,8 +5,8 @@ crashes or is killed keeps everything measured up to its last step. The training
 rows are the exception: they go through a :class:`BatchedWriter`, a thread of the worker with a
 connection of its own that commits them every ``store_flush_interval_s`` (run config, default 1 s),
 when the loop ends, and on SIGTERM/SIGINT (the loop's ``finally``). A worker killed with SIGKILL
-loses at most the steps of the last two flush intervals (the loop queues a row once its step's
-values were read from the device: :mod:`ddlscope.train.loop`). Tables:
+loses at most the steps of the last flush interval (the loop reads its steps' values from the
+device within half an interval and commits every half interval: :mod:`ddlscope.train.loop`). Tables:
 
 - ``runs``: one row per run — config (JSON), status (running / completed / failed /
   interrupted), reason, times, group name, the host and pid (with its start time) of the process

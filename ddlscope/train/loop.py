@@ -11,8 +11,8 @@ loss is divided by GAS so that the accumulated gradient is the mean over GAS x b
 
 Rows are queued to a writer thread that commits them every ``store_flush_interval_s`` (run
 config, default 1 s), when training ends and on SIGTERM/SIGINT; a worker killed with SIGKILL
-loses at most the steps of the last two flush intervals (a row is queued once its group of steps
-was read from the device, :class:`_StepRows`). A peer that a churn schedule kills (``kill_at_s``)
+loses at most the steps of the last flush interval (half of it to read a group of steps from the
+device, :class:`_StepRows`, half to commit them). A peer that a churn schedule kills (``kill_at_s``)
 commits each step as it ends, so the store keeps every step it made. On a GPU the phase times are
 CUDA events and the loss and hits stay on the device until a group of steps is read, so timing adds
 no synchronization (:mod:`ddlscope.measure.timeline`, :mod:`ddlscope.measure.step_values`).
@@ -221,7 +221,7 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfile
     The steps' rows go through a :class:`~ddlscope.store.db.BatchedWriter` (committed every
     ``cfg.store_flush_interval_s``), which is closed, everything committed, before the worker's end
     is recorded, and also when an error or SIGTERM/SIGINT (:class:`~ddlscope.train.worker.Interrupted`)
-    stops training; a SIGKILL loses at most the steps of the last two flush intervals. A step's phases
+    stops training; a SIGKILL loses at most the steps of the last flush interval. A step's phases
     are :class:`~ddlscope.measure.timeline.Lap` s (on a GPU, CUDA events) and its loss and hits stay on
     the device; both are read for a group of steps once the device is past them (:class:`_StepRows`),
     so neither the timer nor the values make the training wait for the device.
@@ -242,11 +242,13 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfile
     clock = _EvalClock(store, run_id, wi, model, wl, strategy, cfg.eval_max_samples, train_start)
     reason, steps_done = "sample_budget", 0
     first_step = store.step_counts(run_id).get(wi, 0)  # a peer that rejoins a swarm continues its count and budget
-    writer = ctx.writer = store.batched_writer(cfg.store_flush_interval_s)
+    # half an interval to read a group of steps from the device, half to commit it: a SIGKILL loses at
+    # most one flush interval of steps
+    writer = ctx.writer = store.batched_writer(cfg.store_flush_interval_s / 2)
     # a peer that a churn schedule kills commits every step at once, so that the kill loses none of them
     durable = any(e.peer == wi and e.kill_at_s is not None for e in
                   (cfg.distribution_model.churn(cfg) if cfg.distribution_model.churn else []))
-    rows = _StepRows(writer, run_id, wi, 1 if durable else VALUES_GROUP_STEPS, cfg.store_flush_interval_s)
+    rows = _StepRows(writer, run_id, wi, 1 if durable else VALUES_GROUP_STEPS, cfg.store_flush_interval_s / 2)
     try:
         for step in itertools.count(first_step):
             if max_steps is not None and step >= max_steps:
@@ -346,7 +348,8 @@ class _StepRows:
     ``group_steps`` steps or its first step ended ``group_s`` seconds ago, and read without waiting once
     the device reached it; only when more than :data:`MAX_GROUPS_IN_FLIGHT` groups are in flight does
     the loop wait for the oldest. So a step's row reaches the writer at most ``group_s`` seconds
-    (plus the device's lag) after the step: a SIGKILL loses at most two flush intervals of steps.
+    (plus the device's lag) after the step; the loop gives it half a flush interval, and the writer
+    commits every half interval.
     """
 
     def __init__(self, writer, run_id: str, wi: int, group_steps: int, group_s: float):
