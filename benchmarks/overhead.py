@@ -62,8 +62,12 @@ DEFAULT_LOADER_WORKERS = {"cpu": 1, "cuda": 4}
 WORKLOADS = ("tiny_cnn:digits:32", "resnet18:digits:32")  # a small step and a large one
 
 
-def plain_loop_s(cfg, warmup: int, steps: int) -> float:
-    """Seconds for ``steps - warmup`` steps of a bare PyTorch loop on the same workload."""
+def plain_loop_s(cfg, warmup: int, steps: int, sections: dict[str, float] | None = None) -> float:
+    """Seconds for ``steps - warmup`` steps of a bare PyTorch loop on the same workload.
+
+    ``sections`` (a diagnosis, ``benchmarks/overhead_parts.py``): a dict that gets the host seconds
+    of the timed steps spent per part of the step (``data_wait``, ``to_device``, ``forward``,
+    ``backward``, ``optimizer``); None times nothing but the whole."""
     wl = build_workload(cfg)
     batches = batches_forever(wl.train_loader)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -73,12 +77,21 @@ def plain_loop_s(cfg, warmup: int, steps: int) -> float:
         if step == warmup:
             _sync(wl.device)
             start = time.perf_counter()
+        t0 = time.perf_counter()
         x, y = next(batches)
+        t1 = time.perf_counter()
         x, y = x.to(wl.device, non_blocking=True), y.to(wl.device, non_blocking=True)
+        t2 = time.perf_counter()
         loss = loss_fn(wl.model(x), y)
+        t3 = time.perf_counter()
         loss.backward()
+        t4 = time.perf_counter()
         wl.optimizer.step()
         wl.optimizer.zero_grad(set_to_none=True)
+        if sections is not None and start is not None:
+            for name, seconds in zip(("data_wait", "to_device", "forward", "backward", "optimizer"),
+                                     (t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4)):
+                sections[name] = sections.get(name, 0.0) + seconds
     _sync(wl.device)
     return time.perf_counter() - start
 

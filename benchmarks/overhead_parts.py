@@ -7,7 +7,15 @@ Variants (each a ``single`` run of ``benchmarks/overhead.py``'s ``ddlscope_loop_
 - ``ddlscope``: as a user runs it;
 - ``host_sample_60s``: the host-metrics thread samples every 60 s instead of every second;
 - ``commit_60s``: the step rows are committed every 60 s instead of every second;
-- ``loader_0``: no DataLoader worker processes (shows whether the loader limits the step).
+- ``loader_0``: no DataLoader worker processes (shows whether the loader limits the step);
+- ``no_values``: no loss and hits kept on the device (the rows' loss and accuracy stay empty);
+- ``host_clock``: the phases timed by the host clock instead of CUDA events (wrong on a GPU: it
+  shows what the events cost).
+
+The last two change ddlscope's code for the diagnosis; no run of a user does that. Every repeat
+also times the host (the training thread) per part of the step: waiting for the loader, issuing
+forward and backward, the optimizer, and the loop's bookkeeping of the step's row (``rows``), for
+the plain loop and for ``ddlscope``; what a loop spends beyond its parts is ``other``.
 
 Then ``--profile-steps`` steps of each loop run under ``torch.profiler`` (CPU and, on a GPU, CUDA
 activities), and the host operations' call counts and self CPU time are compared: waits on the
@@ -23,6 +31,8 @@ does not judge: ``benchmarks/overhead.py`` holds the target.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import statistics
 import tempfile
@@ -40,10 +50,57 @@ from _docs import git_commit, machine_description
 from overhead import DEFAULT_LOADER_WORKERS, check_device, ddlscope_loop_s, parse_workload, plain_loop_s
 
 VARIANTS = {"ddlscope": {}, "host_sample_60s": dict(host_sample_interval_s=60.0),
-            "commit_60s": dict(store_flush_interval_s=60.0), "loader_0": dict(loader_workers=0)}
+            "commit_60s": dict(store_flush_interval_s=60.0), "loader_0": dict(loader_workers=0),
+            "no_values": {}, "host_clock": {}}
 #: host operations always listed (waits on the device, copies), whether or not they are in the top
 WATCHED_OPS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventQuery",
                "cudaMemcpyAsync", "cudaLaunchKernel", "aten::copy_", "aten::to")
+
+
+@contextlib.contextmanager
+def changed_loop(variant: str, warmup: int, sections: dict[str, float]):
+    """ddlscope's loop with ``variant``'s code change (``no_values``, ``host_clock``; none for the
+    others), timing the training thread's host seconds per part of the timed steps into ``sections``."""
+    from ddlscope.measure import step_values, timeline
+    from ddlscope.strategies.base import Strategy
+    from ddlscope.strategies.single import SingleStrategy
+    from ddlscope.train import loop
+
+    timing = {"on": False}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if timing["on"]:
+                    sections[name] = sections.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    original_batches = loop.batches_forever
+
+    def timed_batches(loader):
+        inner, take = original_batches(loader), timed("data_wait", next)
+        for step in itertools.count():
+            timing["on"] = step >= warmup
+            yield take(inner)
+
+    with contextlib.ExitStack() as undo:
+        def patch(owner, name, value):
+            undo.callback(setattr, owner, name, vars(owner)[name])  # the descriptor itself (a classmethod)
+            setattr(owner, name, value)
+
+        patch(loop, "batches_forever", timed_batches)
+        patch(Strategy, "forward_backward", timed("forward_backward", Strategy.forward_backward))
+        patch(SingleStrategy, "step", timed("optimizer", SingleStrategy.step))
+        patch(Strategy, "zero_grad", timed("optimizer", Strategy.zero_grad))
+        patch(loop._StepRows, "add", timed("rows", loop._StepRows.add))
+        if variant == "no_values":
+            patch(step_values.DeviceValues, "of", classmethod(lambda cls, *args: None))
+        elif variant == "host_clock":
+            patch(timeline, "clock_for", lambda device: timeline.HostClock())
+        yield
 
 
 def op_table(run, device: str) -> dict[str, dict]:
@@ -52,6 +109,15 @@ def op_table(run, device: str) -> dict[str, dict]:
     with profile(activities=activities) as prof:
         run()
     return {e.key: dict(count=e.count, self_cpu_ms=e.self_cpu_time_total / 1e3) for e in prof.key_averages()}
+
+
+def host_parts_ms(parts: list[dict[str, float]], totals: list[float], timed: int) -> dict[str, float]:
+    """Median host milliseconds per timed step of each part over the repeats, and ``other``: the
+    step's time beyond its parts (the host's own work between them, or waits on the device)."""
+    names = sorted({name for p in parts for name in p})
+    out = {name: statistics.median(p.get(name, 0.0) for p in parts) / timed * 1e3 for name in names}
+    out["other"] = statistics.median(t - sum(p.values()) for p, t in zip(parts, totals)) / timed * 1e3
+    return out
 
 
 def main() -> None:
@@ -77,12 +143,16 @@ def main() -> None:
     prepare_dataset(cfg)
     timed = args.steps - args.warmup
     seconds: dict[str, list[float]] = {k: [] for k in ("plain", *VARIANTS)}
+    parts: dict[str, list[dict[str, float]]] = {k: [] for k in seconds}  # host seconds per part, per repeat
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):  # alternating, so that drifts of the machine hit every variant alike
-            seconds["plain"].append(plain_loop_s(cfg, args.warmup, args.steps))
+            parts["plain"].append({})
+            seconds["plain"].append(plain_loop_s(cfg, args.warmup, args.steps, parts["plain"][-1]))
             for name, change in VARIANTS.items():
-                seconds[name].append(ddlscope_loop_s(validate_config({**base, **change}), args.warmup,
-                                                     Path(tmp) / f"{name}-{r}.db"))
+                parts[name].append({})
+                with changed_loop(name, args.warmup, parts[name][-1]):
+                    seconds[name].append(ddlscope_loop_s(validate_config({**base, **change}), args.warmup,
+                                                         Path(tmp) / f"{name}-{r}.db"))
             print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in seconds.items()),
                   flush=True)
         short = validate_config({**base, "sample_budget": args.profile_steps * batch})
@@ -91,12 +161,14 @@ def main() -> None:
                                     args.device)}
     plain_ms = statistics.median(seconds["plain"]) / timed * 1e3
     variants = {k: dict(seconds=v, step_ms=statistics.median(v) / timed * 1e3,
-                        vs_plain=statistics.median(v) / statistics.median(seconds["plain"]) - 1.0)
+                        vs_plain=statistics.median(v) / statistics.median(seconds["plain"]) - 1.0,
+                        host_ms_per_step=host_parts_ms(parts[k], v, timed))
                 for k, v in seconds.items()}
     print(f"\n{args.workload} on {args.device}, {timed} timed steps, median of {args.repeats}:")
-    print(f"{'loop':<18}{'ms/step':>10}{'vs plain':>10}")
+    print(f"{'loop':<18}{'ms/step':>10}{'vs plain':>10}   host ms per step, by part")
     for name, v in variants.items():
-        print(f"{name:<18}{v['step_ms']:>10.2f}{v['vs_plain']:>10.1%}")
+        print(f"{name:<18}{v['step_ms']:>10.2f}{v['vs_plain']:>10.1%}   "
+              + " ".join(f"{part} {ms:.2f}" for part, ms in v["host_ms_per_step"].items()))
     top = sorted(ops["ddlscope"], key=lambda k: -ops["ddlscope"][k]["self_cpu_ms"])[:args.top]
     print(f"\nhost operations, {args.profile_steps} steps each: calls and self CPU ms, plain | ddlscope")
     for op in dict.fromkeys([*top, *WATCHED_OPS]):
