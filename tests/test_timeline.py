@@ -1,5 +1,5 @@
 """The step timer with a fake device clock: phases are marked without waiting for the device and
-read afterwards, in the training loop one step later (issue 16: no synchronize between phases)."""
+read afterwards, in the training loop once the device is past them (issue 16: no synchronize between phases)."""
 
 from __future__ import annotations
 

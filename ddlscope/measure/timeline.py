@@ -6,7 +6,8 @@ GPU while the host prepares the next phase (measured on an H100: +11..+44 % per 
 So on CUDA a :class:`Stopwatch` records a ``torch.cuda.Event(enable_timing=True)`` at each phase
 boundary, on the current stream, and never synchronizes while marking; a :class:`Lap` is turned
 into seconds later (:meth:`Lap.seconds`), which waits for the lap's *end* event only, and costs
-nothing once the GPU has passed it (the training loop reads a step's laps one step later). The
+nothing once the GPU has passed it (the training loop reads a group of steps' laps once the GPU
+is past them). The
 seconds are the GPU's time between the two events (``torch.cuda.Event.elapsed_time``, ms / 1000):
 the time the stream took to get from one boundary to the next, including time it sat idle
 waiting for the host. On other devices laps are ``time.perf_counter`` differences.

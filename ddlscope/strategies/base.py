@@ -226,7 +226,8 @@ class Strategy:
 
         ``correct`` is in samples' worth (:func:`~ddlscope.workloads.step.correct_samples`), so
         ``correct / samples`` is the accuracy also for per-position targets; both it and ``loss``
-        are read by :meth:`BatchResult.resolve` (one step later in the training loop).
+        are read by :meth:`BatchResult.resolve` (in the training loop: with a group of steps, once the
+        device is past them).
         """
         watch = Stopwatch(x.device)
         with self.gradient_sync(model, sync):
