@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ddlscope.workloads.step import IGNORE_INDEX, correct_in_samples
+from ddlscope.workloads.step import hit_counts
 
 
 @dataclass
@@ -65,10 +65,9 @@ class ValuesInFlight:
         for indices in by_shape.values():
             part = [values[i] for i in indices]
             losses = torch.stack([v.loss.float() for v in part])
-            target = torch.stack([v.target for v in part]).flatten(1)
-            scored = target != IGNORE_INDEX
-            hits = ((torch.stack([v.predicted for v in part]).flatten(1) == target) & scored).sum(1)
-            self._parts.append((indices, torch.stack((losses, hits.float(), scored.sum(1).float()), 1)))
+            hits, scored = hit_counts(torch.stack([v.predicted for v in part]).flatten(1),
+                                      torch.stack([v.target for v in part]).flatten(1), dim=1)
+            self._parts.append((indices, torch.stack((losses, hits.float(), scored.float()), 1)))
         device = values[0].loss.device if values else torch.device("cpu")
         if device.type == "cuda":
             copied = []
@@ -94,9 +93,3 @@ class ValuesInFlight:
                 out[i] = tuple(row)
         return out
 
-
-def loss_and_correct(values: tuple[float, float, float], per_position: bool, samples: int) -> tuple[float, float]:
-    """``(loss, correct in samples' worth)`` of one step's :meth:`ValuesInFlight.read` entry
-    (:func:`~ddlscope.workloads.step.correct_in_samples`)."""
-    loss, correct, scored = values
-    return loss, correct_in_samples(int(correct), int(scored), per_position, samples)

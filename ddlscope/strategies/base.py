@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ddlscope.measure.step_values import DeviceValues, ValuesInFlight, loss_and_correct
+from ddlscope.measure.step_values import DeviceValues, ValuesInFlight
 from ddlscope.measure.timeline import Lap, Stopwatch
+from ddlscope.workloads.step import correct_in_samples
 
 if TYPE_CHECKING:
     from ddlscope.config import RunConfig
@@ -131,7 +132,9 @@ class BatchResult:
     def take_values(self, values: tuple[float, float, float]) -> None:
         """Set ``loss`` and ``correct`` from this step's ``(loss, correct, scored)`` as read by a
         :class:`~ddlscope.measure.step_values.ValuesInFlight`; the device values are then dropped."""
-        self.loss, self.correct = loss_and_correct(values, self.per_position, self.samples)
+        loss, correct, scored = values
+        self.loss = loss
+        self.correct = correct_in_samples(int(correct), int(scored), self.per_position, self.samples)
         self.device_values = None
 
 

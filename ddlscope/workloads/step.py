@@ -66,8 +66,17 @@ def prediction_counts(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tens
     scored (positions whose target is not :data:`IGNORE_INDEX`), over class or per-position
     logits (see :func:`flatten_sequence`). Tensors, so reading them is the caller's sync."""
     logits, y = flatten_sequence(logits, y)
-    scored = y != IGNORE_INDEX
-    return ((logits.argmax(-1) == y) & scored).sum(), scored.sum()
+    return hit_counts(logits.argmax(-1), y)
+
+
+def hit_counts(predicted: torch.Tensor, target: torch.Tensor, dim: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(correct, scored)``: top-1 hits of ``predicted`` classes against ``target`` (same shape) and
+    the positions scored (target not :data:`IGNORE_INDEX`), summed over everything (int64 0-dim
+    tensors) or along ``dim`` (e.g. ``[steps, n]`` -> ``[steps]`` each)."""
+    scored = target != IGNORE_INDEX
+    hits = (predicted == target) & scored
+    return (hits.sum(), scored.sum()) if dim is None else (hits.sum(dim), scored.sum(dim))
 
 
 def correct_samples(logits: torch.Tensor, y: torch.Tensor) -> float:
