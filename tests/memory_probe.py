@@ -3,8 +3,7 @@
 Run as ``python tests/memory_probe.py '<json args>'`` once per worker; for ddp/fsdp the usual
 torch.distributed variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) are set by
 the test. Prints one JSON line: ``baseline_bytes`` (VmRSS after imports, process-group set-up
-and the warm-up that the profile's ``runtime_bytes`` includes, before the model and the batch
-exist), ``peak_bytes`` (VmHWM over the measured steps, the high-water mark having been reset
+and two steps of ``tiny_cnn``, before the model and the batch exist), ``peak_bytes`` (VmHWM over the measured steps, the high-water mark having been reset
 after the warm-up steps), their difference ``training_bytes``, and the strategy's details.
 
 Run it with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then maps every allocation of 64 KiB or more
@@ -51,11 +50,14 @@ def main() -> None:
     spec = input_spec(args["family"])
     loss_fn = loss_function()
     b = args["batch_size"]
-    from ddlscope.modeling.profile import OptimizerSetting
-    from ddlscope.profiling.profile import _warm_up_runtime
-
-    # what the profile's runtime_bytes includes: lazy imports, kernel code
-    _warm_up_runtime(args["family"], OptimizerSetting.of_config(cfg))
+    # the lazy imports and kernel code of a first training step, outside the measured steps
+    tiny = build_model("tiny_cnn", args["family"])
+    tiny_optimizer = optimizer_for(cfg, tiny.parameters())
+    for _ in range(2):
+        loss_fn(tiny(torch.randn(2, spec.channels, spec.height, spec.width)),
+                torch.randint(0, spec.num_classes, (2,))).backward()
+        tiny_optimizer.step()
+    del tiny, tiny_optimizer
     gc.collect()
     baseline = status("VmRSS")
     x = torch.randn(b, spec.channels, spec.height, spec.width)  # the input batch counts as activation memory

@@ -30,13 +30,27 @@ def test_the_measured_split_comes_from_the_memory_events(tmp_path):
     with ResultsStore(tmp_path / "r.db") as store:
         run = store.create_run("x", "ddp", {"strategy": "ddp"})
         assert memory_split(store, run) == (None, None)  # nothing recorded: unknown, not 0
-        # CPU workers: the resident peak during training less the resident set at its start
+        # CPU workers stored before 2026-12-04: the resident peak during training less the resident set at its start
         store.add_event(run, 0, "memory", rss_at_train_start_bytes=400, train_peak_rss_bytes=1000)
         store.add_event(run, 1, "memory", rss_at_train_start_bytes=300, train_peak_rss_bytes=1200)
         assert memory_split(store, run) == (900, 300)  # worker 1 allocated more
+        # since: less the resident set before the model existed (the model is part of what training added)
+        store.add_event(run, 3, "memory", rss_at_train_start_bytes=400, train_peak_rss_bytes=1400,
+                        rss_before_model_bytes=250)
+        assert memory_split(store, run) == (1150, 250)
         # a GPU worker records the allocator's peak and the runtime directly
         store.add_event(run, 2, "memory", allocator_peak_bytes=5000, runtime_bytes=700)
         assert memory_split(store, run) == (5000, 700)
+
+
+def test_the_resident_set_before_the_model_includes_what_building_an_optimizer_imports():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from ddlscope.measure.memory import rss_before_model_bytes; "
+            "before = rss_before_model_bytes(); print(before > 0 and 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr[-500:]
 
 
 def test_outcomes_compare_each_part_with_its_measurement():

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import time
+
 import pytest
 import torch
 
@@ -74,8 +76,9 @@ def test_tiny_profile_measures_every_layer_at_every_batch_size(tiny):
     for s in p.steps:
         assert s.step_s == pytest.approx(s.forward_s + s.backward_s + s.optimizer_s)
         assert s.measured_activation_peak_bytes is not None
-    # the heap glibc keeps: measured at the largest batch only (in a forked child of the probe), unknown elsewhere
-    assert [s.retained_bytes is None for s in p.steps] == [True, True, True, False]
+    # what a worker keeps beyond its live tensors: measured at the smallest and the largest batch (in fresh
+    # processes), unknown elsewhere
+    assert [s.retained_bytes is None for s in p.steps] == [False, True, True, False]
     assert p.retained_share() is not None and p.retained_share() >= 0
     fake = [s.activation_peak_bytes for s in p.steps]
     assert fake == sorted(fake) and fake[-1] > fake[0] > 0
@@ -278,3 +281,14 @@ def test_a_failing_memory_probe_says_why_and_a_cancelled_one_ends():
     probe.cancel()  # at once: it is still importing torch
     assert probe._process.returncode is not None
     probe.cancel()  # twice: nothing more
+
+
+def test_a_growth_process_that_fails_measures_nothing_and_a_cancelled_one_ends():
+    sgd = prof.optimizer_setting("sgd")
+    failing = prof._GrowthProcesses("no_such_network", "mnist", [1, 2], sgd, 1, 1, None)
+    assert failing.result() is None  # both processes failed: unknown, not 0 bytes
+    growth = prof._GrowthProcesses("tiny_cnn", "mnist", [1, 8], sgd, 1, 1, None)
+    time.sleep(0.5)
+    child = growth._current
+    growth.cancel()  # while the first one imports torch
+    assert child is not None and child.returncode is not None and growth.result() is None

@@ -90,13 +90,14 @@ def test_the_printed_profile_says_which_batches_were_extrapolated(capped):
     print_profile(p, console=console)
     text = console.export_text()
     assert note in text and "16*" in text and "32*" in text and "8*" not in text
-    # the heap glibc keeps is measured at the largest batch that ran, not at one extrapolated; where the
-    # probe could not measure it (seen once, on a GPU host with torch 2.11+cu130) it is shown as unknown
+    # what a worker keeps is measured at the smallest and the largest batch that ran, not at one
+    # extrapolated; where the probe could not measure it (seen once, on a GPU host with torch 2.11+cu130,
+    # when a forked child measured it) it is shown as unknown
     assert all(s.retained_bytes is None for s in p.steps if s.extrapolated)
     if p.retained_step is not None:
-        assert "freed heap kept resident (glibc's defaults, batch 8): " in text
+        assert "kept beyond the live tensors (glibc's defaults, batch 1, 8): " in text
     else:
-        assert "freed heap kept resident (glibc's defaults): - (not measured" in text
+        assert "kept beyond the live tensors (glibc's defaults): - (not measured" in text
 
 
 def test_an_uncapped_profile_records_no_fit(capped):

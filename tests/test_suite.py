@@ -99,6 +99,10 @@ def test_tiny_suite_runs_stores_failures_and_skips_finished_cells(tmp_path):
         assert ddp.scaling_efficiency == pytest.approx(ddp.speedup / 2)
         assert ddp.comm_bytes_per_step > 0 and ddp.breakdown_s["comm_wait_s"] >= 0
         assert results["fsdp"].comm_s > 0 and results["fsdp"].peak_memory_bytes > 0
+        # CPU workers' memory split: the model and what training added, on top of the runtime before the model
+        run_id = next(r["run_id"] for r in store.runs("t") if r["strategy"] == "ddp")
+        for e in (json.loads(e["detail_json"]) for e in store.rows("events", run_id) if e["kind"] == "memory"):
+            assert 0 < e["rss_before_model_bytes"] <= e["rss_at_train_start_bytes"] <= e["train_peak_rss_bytes"]
         completed_before = sum(1 for r in store.runs("t") if r["status"] == "completed")
     second = run_suite(spec, db, data_root=tmp_path / "data", progress=False)
     with ResultsStore(db) as store:

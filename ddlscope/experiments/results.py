@@ -46,9 +46,10 @@ class Measurement:
         allocator_peak_bytes / runtime_bytes: the worker with the largest training peak, split
             as :func:`ddlscope.modeling.memory.peak_split_bytes` predicts it: what training
             allocated (GPU: ``max_memory_allocated``; CPU: resident peak during training less the
-            resident set at its start) and the process's memory before training (GPU: device
-            memory in use beyond torch's allocator, the CUDA context; CPU: the resident set at
-            the start of training). None where the run did not record them.
+            resident set before the model existed, :func:`ddlscope.measure.memory.rss_before_model_bytes`)
+            and the process's memory without the model (GPU: device memory in use beyond torch's
+            allocator, the CUDA context; CPU: that resident set; runs stored before 2026-12-04: the
+            resident set at the start of training). None where the run did not record them.
         averaging_rounds_failed: averaging rounds that failed among the measured steps (a round
             given up after ``averaging_timeout_s``: the swarm stalled that long), the most any worker
             recorded; 0 for models without averaging rounds.
@@ -81,7 +82,9 @@ def memory_split(store: ResultsStore, run_id: str) -> tuple[int | None, int | No
         d = json.loads(e["detail_json"] or "{}")
         if d.get("allocator_peak_bytes") is not None:
             pair = (int(d["allocator_peak_bytes"]), d.get("runtime_bytes"))
-        elif d.get("train_peak_rss_bytes") is not None and d.get("rss_at_train_start_bytes") is not None:
+        elif d.get("train_peak_rss_bytes") is not None and d.get("rss_before_model_bytes") is not None:
+            pair = (int(d["train_peak_rss_bytes"]) - int(d["rss_before_model_bytes"]), int(d["rss_before_model_bytes"]))
+        elif d.get("train_peak_rss_bytes") is not None and d.get("rss_at_train_start_bytes") is not None:  # before 2026-12-04
             pair = (int(d["train_peak_rss_bytes"]) - int(d["rss_at_train_start_bytes"]), int(d["rss_at_train_start_bytes"]))
         else:
             continue

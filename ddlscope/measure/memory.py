@@ -8,7 +8,9 @@ Two figures on CPU (Linux):
   resident high-water mark (``echo 5 > /proc/self/clear_refs``), and :func:`peak_rss_bytes`
   (VmHWM) read at the end is the peak during training only, comparable with the predicted
   per-worker totals of :mod:`ddlscope.modeling.memory`. Resetting does not lower what
-  :func:`peak_memory_bytes` reports: the lifetime peak before the reset is remembered.
+  :func:`peak_memory_bytes` reports: the lifetime peak before the reset is remembered. The
+  training peak less :func:`rss_before_model_bytes` is what the model, its distribution model
+  and training added (the predicted allocator part), and that figure the runtime.
 """
 
 from __future__ import annotations
@@ -60,6 +62,18 @@ def _status_bytes(key: str) -> int | None:
 def rss_bytes() -> int | None:
     """Resident set size of this process now (VmRSS), bytes; None where /proc is missing."""
     return _status_bytes("VmRSS")
+
+
+def rss_before_model_bytes() -> int | None:
+    """A worker's resident set before its model exists (VmRSS, bytes; None where /proc is missing):
+    the runtime part of its memory, as the profile's ``runtime_bytes`` measures it.
+
+    Building an optimizer imports ``torch._dynamo`` and friends (69 MiB resident, 2026-12-04); the
+    profile's probe counts them in the runtime (``_import_as_a_worker`` in
+    :mod:`ddlscope.profiling.profile`), so one is built and dropped here first, on one scalar.
+    """
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
+    return rss_bytes()
 
 
 def peak_rss_bytes() -> int | None:

@@ -24,11 +24,14 @@ Notation (bytes; the profile's fields):
   saved / saved-input / output bytes per sample (:class:`LayerProfile`);
 * ``R`` runtime: the resident memory of a worker process before any model
   (:attr:`DeviceProfile.runtime_bytes`), the same for every worker;
-* ``K`` (CPU profiles) retained heap: glibc keeps memory a process has freed, so a worker's resident
-  set grows beyond its live tensors. The profile measures it with glibc's defaults at one batch
-  size (:attr:`StepProfile.retained_bytes`) as a share ``k`` of what a step allocates and frees
-  (gradients and activations, :meth:`WorkloadProfile.retained_share`); every worker of every model
-  gets ``K = k (grads + activations)`` of its own estimate (:func:`setting_memory`).
+* ``K`` (CPU profiles) what a worker's resident set keeps beyond its live tensors. glibc keeps
+  memory a process has freed, and a process's first training steps add memory whatever the batch
+  (kernels' code pages, JIT-compiled kernels, the libraries' caches). The profile measures both,
+  with glibc's defaults, in fresh processes at its smallest and largest batch
+  (:attr:`StepProfile.retained_bytes`) and fits ``F + k (P + A(b))``
+  (:meth:`WorkloadProfile.retained_fit`); every worker of every model gets
+  ``K = F + k (grads + activations)`` of its own estimate (:func:`setting_memory`): ``F`` once per
+  process, ``k`` of what its own steps allocate and free.
 
 Every figure is a peak during training steps (steady state); one-off peaks before training
 (DDP's initial broadcast of the parameters, hivemind's first state download) are not included,
@@ -59,8 +62,10 @@ class MemoryEstimate(BaseModel):
     ``params_bytes`` includes the buffers the worker holds; ``comm_buffers_bytes`` is memory the
     distribution model adds for communication (DDP buckets, FSDP's gathered parameters and
     reduce-scatter buffers, pipeline send/receive buffers, hivemind's averaging copies);
-    ``retained_bytes`` (CPU profiles) the freed heap memory glibc keeps resident (``K`` in the module
-    docstring), None where the profile did not measure it (GPU profiles, older profiles).
+    ``retained_bytes`` (CPU profiles) the freed heap memory glibc keeps resident (``k (grads +
+    activations)`` of ``K`` in the module docstring) and ``first_training_bytes`` what a process's
+    first training steps add whatever the batch (``F``), each None where the profile did not
+    measure it (GPU profiles, older profiles; ``F`` also where the profile could not separate it).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -73,6 +78,7 @@ class MemoryEstimate(BaseModel):
     comm_buffers_bytes: int = Field(ge=0)
     runtime_bytes: int = Field(ge=0)
     retained_bytes: int | None = Field(None, ge=0)
+    first_training_bytes: int | None = Field(None, ge=0)
     notes: str = ""
 
     @computed_field  # type: ignore[prop-decorator]
@@ -80,7 +86,8 @@ class MemoryEstimate(BaseModel):
     def total_bytes(self) -> int:
         """Sum of all parts: the predicted peak resident memory of the worker."""
         return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.comm_buffers_bytes + (self.retained_bytes or 0) + self.runtime_bytes)
+                + self.comm_buffers_bytes + (self.retained_bytes or 0) + (self.first_training_bytes or 0)
+                + self.runtime_bytes)
 
     @property
     def training_bytes(self) -> int:
@@ -107,8 +114,8 @@ def replicas(profile: WorkloadProfile, setting: Setting, comm_buffers_bytes: int
 def setting_memory(profile: WorkloadProfile, setting: Setting) -> list[MemoryEstimate]:
     """Peak memory of every worker of a setting, from its model's memory model (the registry's
     ``memory_model``; each formula is documented there), plus, for a CPU profile that measured it,
-    the retained heap ``K = k (grads + activations)`` of each worker's estimate
-    (:meth:`WorkloadProfile.retained_share`).
+    what each worker keeps beyond its live tensors, ``K = F + k (grads + activations)`` of its own
+    estimate (:meth:`WorkloadProfile.retained_fit`; ``F`` where the profile separated it).
 
     Returns:
         one :class:`MemoryEstimate` per worker (pipelines: per stage, in stage order).
@@ -124,11 +131,11 @@ def setting_memory(profile: WorkloadProfile, setting: Setting) -> list[MemoryEst
         known = [m.name for m in distribution.all_models() if m.memory_model is not None]
         raise UserError(f"ddlscope has no memory model for {model.name!r}; allowed: {', '.join(known)}")
     estimates = model.memory_model(profile, setting)
-    share = profile.retained_share()
+    share, fixed = profile.retained_share(), profile.first_training_bytes()
     if share is None:
         return estimates
-    return [e.model_copy(update={"retained_bytes": round(share * (e.grads_bytes + e.activations_bytes))})
-            for e in estimates]
+    return [e.model_copy(update={"retained_bytes": round(share * (e.grads_bytes + e.activations_bytes)),
+                                 "first_training_bytes": fixed}) for e in estimates]
 
 
 def peak_memory_bytes(profile: WorkloadProfile, setting: Setting) -> int:

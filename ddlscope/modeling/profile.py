@@ -85,10 +85,12 @@ class StepProfile(BaseModel):
     extrapolated: bool = Field(False, description="not run (the batch does not fit the device): times extrapolated "
                                                   "from the measured batch sizes")
     retained_bytes: int | None = Field(
-        None, ge=0, description="CPU: how far a process's resident set grew over its first training steps at glibc's "
-                                "default allocator settings beyond the memory the steps held live (freed heap memory "
-                                "that glibc keeps); measured at the largest measured batch size only, None elsewhere, "
-                                "on GPUs and where it could not be measured")
+        None, ge=0, description="CPU: how far a fresh process's resident set grew over its first training steps at "
+                                "glibc's default allocator settings beyond the memory the steps held live and the "
+                                "optimizer's state (freed heap memory that glibc keeps, and what first steps add "
+                                "whatever the batch); measured at the smallest and the largest measured batch size "
+                                "(before 2026-12-04: the largest only), None elsewhere, on GPUs and where it could "
+                                "not be measured")
 
     @property
     def activation_bytes(self) -> int:
@@ -239,20 +241,46 @@ class WorkloadProfile(BaseModel):
                            measured_activation_peak_bytes=measured,
                            extrapolated=len(ran) < len(self.steps) and bool(ran) and batch_size > ran[-1])
 
-    def retained_share(self) -> float | None:
-        """CPU: the resident memory glibc keeps beyond the live tensors, as a share of what a training
-        step allocates and frees (the gradients ``G = P`` and the activations ``A(b)``), at the batch
-        size where the profile measured it (:attr:`StepProfile.retained_bytes`): ``retained / (P + A(b))``.
-        None where it was not measured (GPU profiles, profiles written before it was measured)."""
-        step = self.retained_step
-        if step is None:
+    def retained_fit(self) -> tuple[float | None, float] | None:
+        """CPU: what a worker's resident set keeps beyond its live tensors, as ``(F, k)``: ``F``
+        bytes whatever the batch (what a process's first training steps add: kernels' code pages,
+        JIT-compiled kernels, the libraries' caches) plus a share ``k`` of what a training step
+        allocates and frees (the gradients ``G = P`` and the activations ``A(b)``: the freed heap
+        that glibc keeps), so that ``retained(b) = F + k (P + A(b))``.
+
+        From the steps where the profile measured :attr:`StepProfile.retained_bytes`: through the
+        smallest and the largest such batch, ``k = (R_l - R_s) / (A_l - A_s)`` (at least 0) and
+        ``F = R_l - k (P + A_l)``; where that ``F`` would be negative, or one batch was measured
+        (profiles written before 2026-12-04), ``F`` is not separated (None) and ``k = R / (P + A)``
+        at the largest. None where nothing was measured (GPU profiles, older profiles).
+        """
+        steps = [s for s in self.steps if s.retained_bytes is not None]
+        if not steps:
             return None
-        moved = self.param_bytes + step.activation_bytes
-        return step.retained_bytes / moved if moved > 0 else None
+        small, large = steps[0], steps[-1]
+        moved_small, moved_large = self.param_bytes + small.activation_bytes, self.param_bytes + large.activation_bytes
+        if moved_large <= 0:
+            return None
+        if moved_large > moved_small:
+            k = max(0.0, (large.retained_bytes - small.retained_bytes) / (moved_large - moved_small))
+            fixed = large.retained_bytes - k * moved_large
+            if fixed >= 0:
+                return fixed, k
+        return None, large.retained_bytes / moved_large
+
+    def retained_share(self) -> float | None:
+        """CPU: ``k`` of :meth:`retained_fit` (None where nothing was measured)."""
+        fit = self.retained_fit()
+        return None if fit is None else fit[1]
+
+    def first_training_bytes(self) -> int | None:
+        """CPU: ``F`` of :meth:`retained_fit`, bytes (None where it was not separated or measured)."""
+        fit = self.retained_fit()
+        return None if fit is None or fit[0] is None else round(fit[0])
 
     @property
     def retained_step(self) -> StepProfile | None:
-        """CPU: the step at whose batch size the profile measured the heap glibc keeps
+        """CPU: the largest batch's step where the profile measured the memory a worker keeps
         (:attr:`StepProfile.retained_bytes`); None where it was not measured."""
         return next((s for s in reversed(self.steps) if s.retained_bytes is not None), None)
 

@@ -76,14 +76,15 @@ def print_profile(profile, path: Path | None = None, console=None) -> None:
         console.print(f"{profile.fit_note()} (* above)", markup=False)
     console.print(f"model: {profile.param_count:,} parameters, {profile.param_bytes / 1e6:.1f} MB; buffers "
                   f"{profile.buffer_bytes / 1e6:.2f} MB; optimizer state {profile.optimizer_state_bytes / 1e6:.1f} MB")
-    kept = profile.retained_step
-    if kept is not None:  # CPU: what glibc keeps of the freed heap, added to every worker's predicted peak
-        console.print(f"freed heap kept resident (glibc's defaults, batch {kept.batch_size}): "
-                      f"{kept.retained_bytes / 1e6:.1f} MB, {profile.retained_share():.2f} of the gradients and "
-                      "activations", markup=False)
-    elif profile.device.type == "cpu":  # unknown, not none: the probe's measurement failed (or fork is missing)
-        console.print("freed heap kept resident (glibc's defaults): - (not measured: the memory probe's child "
-                      "process gave no result; the memory model adds none)", markup=False)
+    kept, fixed = profile.retained_step, profile.first_training_bytes()
+    if kept is not None:  # CPU: what a worker keeps beyond its live tensors, added to every worker's predicted peak
+        measured_at = sorted({s.batch_size for s in profile.steps if s.retained_bytes is not None})
+        console.print(f"kept beyond the live tensors (glibc's defaults, batch {', '.join(map(str, measured_at))}): "
+                      + (f"{fixed / 1e6:.1f} MB per process whatever the batch + " if fixed is not None else "")
+                      + f"{profile.retained_share():.2f} of the gradients and activations", markup=False)
+    elif profile.device.type == "cpu":  # unknown, not none: the probe's measurement failed
+        console.print("kept beyond the live tensors (glibc's defaults): - (not measured: the memory probe's growth "
+                      "processes gave no result; the memory model adds none)", markup=False)
     for d in profile.data_loading:
         console.print(f"data loading, {d.loader_workers} loader worker(s): {d.samples_per_s:,.0f} samples/s",
                       markup=False)

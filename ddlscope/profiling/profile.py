@@ -8,6 +8,7 @@ stays cheap.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -51,8 +52,9 @@ MMAP_THRESHOLD_BYTES = 65536
 from 64 KiB up are mmap'd and unmapped on free, so the process's resident memory follows its live
 tensors."""
 RETAINED_STEPS = 3
-"""Training steps the memory probe runs with glibc's default allocator settings, as a worker does,
-to measure how far the resident set grows beyond the live tensors (:func:`_probe_resident_growth`)."""
+"""Training steps each of the memory probe's growth processes runs with glibc's default allocator
+settings, as a worker does, to measure how far the resident set grows beyond the live tensors
+(:func:`_probe_resident_growth`)."""
 
 
 def profile_batch_sizes(batch_size: int) -> list[int]:
@@ -394,8 +396,8 @@ def _memory_capacity_bytes(device, threads: int) -> int:
 # ---------------------------------------------------------------- real memory: the probe process
 
 
-_PROBE_SCRIPT = """
-import gc, json, sys
+_SCRIPT_HEAD = """
+import gc, json, os, signal, sys
 def status(key):
     with open("/proc/self/status") as f:
         for line in f:
@@ -406,42 +408,49 @@ import torch, torch.distributed, ddlscope.train.loop
 args = json.loads(sys.argv[1])
 torch.set_num_threads(args["threads"])
 from ddlscope.modeling.profile import OptimizerSetting
-from ddlscope.profiling.profile import _probe_steps, _warm_up_runtime
-from ddlscope.profiling.profile import _fix_mmap_threshold, _resident_growth_in_child
 optimizer = OptimizerSetting(**args["optimizer"])
-_warm_up_runtime(args["family"], optimizer)
+"""
+"""What the memory probe and its growth processes start with: what a worker imports, one torch
+thread per core, ``status(key)`` (a ``/proc/self/status`` field in bytes), ``args`` and ``optimizer``."""
+
+_PROBE_SCRIPT = _SCRIPT_HEAD + """
+from ddlscope.profiling.profile import _probe_steps, _fix_mmap_threshold, _GrowthProcesses, _import_as_a_worker
+_import_as_a_worker(args["family"], optimizer)
 gc.collect()
 runtime = status("VmRSS")
 batch_sizes = json.loads(sys.stdin.readline())  # sent once the profile knows which batch sizes fit
-growth = _resident_growth_in_child(args["network"], args["family"], max(batch_sizes), optimizer, status,
-                                   args["retained_steps"])  # glibc's defaults, as in a worker
+growth = _GrowthProcesses(args["network"], args["family"], sorted({min(batch_sizes), max(batch_sizes)}), optimizer,
+                          args["threads"], args["retained_steps"], args["growth_cores"])
 if not _fix_mmap_threshold(args["mmap_threshold"]):  # not glibc: the live steps are not live memory only
-    growth = None
+    growth.cancel()
 peaks = _probe_steps(args["network"], args["family"], batch_sizes, optimizer, status)
-print(json.dumps({"runtime_bytes": runtime, "peaks": peaks, "growth": growth}))
+print(json.dumps({"runtime_bytes": runtime, "peaks": peaks, "growth": growth.result()}))
+"""
+
+_GROWTH_SCRIPT = _SCRIPT_HEAD + """
+from ddlscope.launch.processes import die_with_parent
+die_with_parent(signal.SIGKILL)  # no orphan when the probe is ended
+if os.getppid() != args["parent_pid"]:
+    sys.exit(1)
+from ddlscope.profiling.profile import _probe_resident_growth
+gc.collect()
+print(json.dumps(_probe_resident_growth(args["network"], args["family"], args["batch_size"], optimizer, status,
+                                        args["steps"])))
 """
 
 
-def _warm_up_runtime(family: str, optimizer: OptimizerSetting | None = None) -> None:
-    """Two training steps of ``tiny_cnn`` on a batch of 2 with ``optimizer`` (default: SGD with
-    the run config's hyperparameters), then everything is dropped.
-
-    A worker's fixed memory grows when it first trains: the optimizer's first use imports more
-    of torch (``torch._dynamo`` and friends), kernels' code pages and thread pools become
-    resident. Running a tiny step first makes ``runtime_bytes`` include that growth.
+def _import_as_a_worker(family: str, optimizer: OptimizerSetting) -> None:
+    """What a worker has imported when its training starts: ``tiny_cnn`` and its optimizer are
+    built and dropped, nothing is trained. Building an optimizer imports ``torch._dynamo`` and
+    friends (69 MiB of resident memory, 2026-12-04); a worker builds its own before training, so
+    the resident set at its start includes them. What the first training steps add (kernels' code,
+    JIT-compiled kernels, caches: 18 MiB for tiny_cnn) is left to the growth that
+    :func:`_probe_resident_growth` measures, as a run counts it in the training's growth.
     """
-    import torch
+    from ddlscope.workloads.models import build_model
 
-    from ddlscope.workloads.models import build_model, input_spec
-    from ddlscope.workloads.step import train_step
-
-    spec = input_spec(family)
     model = build_model("tiny_cnn", family)
-    opt = _build_optimizer(optimizer or optimizer_setting(), model.parameters())
-    x = torch.randn(2, spec.channels, spec.height, spec.width)
-    y = torch.randint(0, spec.num_classes, (2,))
-    for _ in range(2):
-        train_step(model, opt, x, y)
+    _build_optimizer(optimizer, model.parameters())
 
 
 def _step_bytes(network: str, family: str, batch_sizes: list[int], optimizer: OptimizerSetting, device,
@@ -507,18 +516,19 @@ def _tensor_bytes(model, optimizer, *tensors) -> int:
 
 def _probe_resident_growth(network: str, family: str, batch_size: int, optimizer: OptimizerSetting, status,
                            steps: int) -> dict | None:
-    """In the probe process, with glibc's default allocator settings (as a worker runs): how far the
-    resident set grows over the first ``steps`` training steps at ``batch_size`` (:func:`_train_steps`),
-    measured as a run measures it (:func:`ddlscope.train.loop.run_worker`: from the resident set once
-    the model, the optimizer and the batch exist, before the first step, to the high-water mark
-    after the last).
+    """How far this process's resident set grows over its first ``steps`` training steps at
+    ``batch_size`` (:func:`_train_steps`), measured as a run measures a worker
+    (:func:`ddlscope.train.loop.run_worker`: from the resident set once the model, the optimizer and
+    the batch exist, before the first step, to the high-water mark after the last).
 
-    Returns ``{"batch_size", "growth_bytes"}`` (the growth includes the optimizer's state, which the
-    first step creates), or None when the high-water mark cannot be reset. The probe runs it in a
-    child process (:func:`_resident_growth_in_child`). MobileNetV2/MNIST on one thread grew by 622
-    and 1,259 MiB over 3 steps at batch 32 and 64, and by 626 and 1,286 over 12; with the mmap
-    threshold fixed, the same steps' live peaks were 497 and 958 MiB (2026-12-02, this project's
-    2-core machine).
+    Run in a fresh process (:class:`_GrowthProcesses`) with glibc's default allocator settings, as a
+    worker has them, the growth holds the step's live memory, the optimizer's state (which the first
+    step creates), the freed heap glibc keeps, and what a process's first training step adds
+    whatever the batch: kernels' code pages, JIT-compiled kernels, the libraries' caches.
+
+    Returns ``{"batch_size", "growth_bytes"}``, or None when the high-water mark cannot be reset.
+    MobileNetV2/MNIST on one thread, in fresh processes: 69 and 646 MiB at batch 2 and 32; moe_cnn:
+    28 and 46 MiB at batch 2 and 64 (2026-12-04, this project's 2-core machine).
     """
     import torch
 
@@ -530,37 +540,69 @@ def _probe_resident_growth(network: str, family: str, batch_size: int, optimizer
     return {"batch_size": batch_size, "growth_bytes": max(0, status("VmHWM") - start[0])}
 
 
-def _resident_growth_in_child(network: str, family: str, batch_size: int, optimizer: OptimizerSetting, status,
-                              steps: int) -> dict | None:
-    """:func:`_probe_resident_growth` in a forked child of the probe, which sends its result back
-    through a pipe and ends. The probe's own heap stays as it was: freed heap chunks that a
-    process keeps are reused by its later allocations even after glibc's mmap threshold is fixed,
-    so the live steps measured after a growth phase in the same process read too little (13 MiB
-    instead of 116 for MobileNetV2 at batch 8). None where the child fails or ``fork`` is missing.
-    The probe runs one torch thread, so the child inherits no thread pool it could wait on.
-    """
-    import json
+class _GrowthProcesses:
+    """:func:`_probe_resident_growth` at each of ``batch_sizes``, each in a fresh Python process of
+    its own that imports what a worker imports (run one after the other, in the background, pinned
+    to ``cores``). A fresh process, not a child forked from the probe: a forked child maps the
+    libraries' code anew and faults in every page it runs, which read 25-35 MiB more than a worker's
+    first steps (tiny_cnn: 25 MiB at batch 16 where a worker's steps add almost none).
 
-    if not hasattr(os, "fork"):
-        return None
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: measure, send, end without running the parent's exit handlers
-        code = 1
-        try:
-            os.close(read_fd)
-            os.write(write_fd, json.dumps(_probe_resident_growth(network, family, batch_size, optimizer, status,
-                                                                 steps)).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as pipe:
-        data = pipe.read()
-    _, wait_status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(wait_status) != 0 or not data:
-        return None
-    return json.loads(data)
+    :meth:`result` waits and returns ``[{"batch_size", "growth_bytes"}, ...]`` for the batch sizes
+    that were measured (a failed process leaves its batch out), None when none was. :meth:`cancel`
+    ends them (nothing is measured then).
+    """
+
+    def __init__(self, network: str, family: str, batch_sizes: list[int], optimizer: OptimizerSetting,
+                 threads: int, steps: int, cores: list[int] | None) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._current = None
+        self._results: list[dict] = []
+        self._thread = threading.Thread(target=self._run_all, name="ddlscope-growth-probes", daemon=True,
+                                        args=(network, family, batch_sizes, optimizer, threads, steps, cores))
+        self._thread.start()
+
+    def _run_all(self, network, family, batch_sizes, optimizer, threads, steps, cores) -> None:
+        import json
+        import subprocess
+        import sys
+
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        env.pop("MALLOC_MMAP_THRESHOLD_", None)  # glibc's defaults, as a worker runs
+        for b in batch_sizes:
+            args = json.dumps(dict(network=network, family=family, batch_size=b, threads=threads, steps=steps,
+                                   optimizer=optimizer.model_dump(), parent_pid=os.getpid()))
+            with self._lock:
+                if self._cancelled:
+                    return
+                try:
+                    self._current = proc = subprocess.Popen([sys.executable, "-c", _GROWTH_SCRIPT, args], env=env,
+                                                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                                            text=True)
+                except OSError:
+                    return
+            if cores:
+                with contextlib.suppress(OSError):  # it ended already, or the cores are not ours
+                    os.sched_setaffinity(proc.pid, cores)
+            out, _ = proc.communicate()
+            with contextlib.suppress(ValueError, IndexError, TypeError, KeyError):
+                found = json.loads(out.strip().splitlines()[-1])
+                if proc.returncode == 0 and found is not None:
+                    self._results.append({"batch_size": int(found["batch_size"]),
+                                          "growth_bytes": int(found["growth_bytes"])})
+
+    def result(self) -> list[dict] | None:
+        self._thread.join()
+        return None if self._cancelled or not self._results else list(self._results)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self._current is not None and self._current.poll() is None:
+                self._current.kill()
+        self._thread.join()
 
 
 def _fix_mmap_threshold(threshold_bytes: int) -> bool:
@@ -658,39 +700,46 @@ def spare_cores(cores: set[int] | list[int], used: int) -> list[int]:
 
 
 class CpuMemoryProbe:
-    """The CPU memory probe: a fresh Python process that imports torch and ddlscope's training
-    loop and runs :func:`_warm_up_runtime`; its resident set (VmRSS) then is ``runtime_bytes``
-    (interpreter, libraries, lazily imported modules, kernel code; no model). With glibc's default
-    allocator settings, as a worker has them, a forked child of it then trains :data:`RETAINED_STEPS`
-    steps at the largest batch and measures how far its resident set grows (:func:`_probe_resident_growth`):
-    glibc keeps freed heap memory, so a run's resident set grows beyond its live tensors. Then it
-    fixes glibc's mmap threshold at 64 KiB (:func:`_fix_mmap_threshold`) and runs
+    """The CPU memory probe: a fresh Python process that imports what a worker has imported when its
+    training starts (torch, ddlscope's training loop, what building an optimizer imports:
+    :func:`_import_as_a_worker`); its resident set (VmRSS) then is ``runtime_bytes`` (interpreter,
+    libraries; no model, nothing trained: what a run's worker holds when its training starts, less
+    its model). Once it knows the batch sizes that fit, it starts :class:`_GrowthProcesses` at the
+    smallest and the largest: fresh processes with glibc's default allocator settings, as a worker
+    has them, that measure how far a worker's resident set grows over its first
+    :data:`RETAINED_STEPS` steps (:func:`_probe_resident_growth`). glibc keeps freed heap memory and a
+    process's first steps add memory whatever the batch, so a run's resident set grows beyond its
+    live tensors; two batch sizes tell the two apart (:meth:`WorkloadProfile.retained_fit`).
+    Meanwhile it fixes its own glibc mmap threshold at 64 KiB (:func:`_fix_mmap_threshold`) and runs
     :func:`_probe_steps`: freed tensors now leave the resident set at once and the high-water mark
     counts live memory only, including the kernels' internal work buffers that fake tensors do not
     see (e.g. convolution workspaces).
 
     It starts at construction and runs in the background, with ``threads`` torch threads, pinned
-    to ``cores`` (default: this process's cores beyond its first ``threads``, :func:`spare_cores`).
-    It times nothing and its counters are its own, so the profile starts it before its fake-tensor
-    analysis: the imports and the warm-up run beside the analysis, and the steps wait for
-    :meth:`result`, which sends the batch sizes that fit (a step at one that does not could take
-    more memory than the host has) and waits for it, before anything is timed. ResNet-18/CIFAR-10
-    at batch 64 took 14.8 s in the probe and 7.4 s in the analysis on this 2-core machine
-    (2026-11-29), one after the other before. :meth:`cancel` ends it (also on a failed profile).
+    to ``cores`` (default: this process's cores beyond its first ``threads``, :func:`spare_cores`);
+    the growth processes run on ``growth_cores`` (default: this process's first ``threads`` cores,
+    idle while the profile waits for :meth:`result`). It times nothing and its counters are its own,
+    so the profile starts it before its fake-tensor analysis: the imports run beside the analysis,
+    and the steps wait for :meth:`result`, which sends the batch sizes that fit (a step at one that
+    does not could take more memory than the host has) and waits for it, before anything is timed.
+    ResNet-18/CIFAR-10 at batch 64 took 14.8 s in the probe and 7.4 s in the analysis on this
+    2-core machine (2026-11-29), one after the other before. :meth:`cancel` ends it (also on a
+    failed profile).
     """
 
     def __init__(self, network: str, family: str, threads: int, optimizer: OptimizerSetting,
-                 cores: list[int] | None = None) -> None:
+                 cores: list[int] | None = None, growth_cores: list[int] | None = None) -> None:
         import json
         import subprocess
         import sys
 
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        env.pop("MALLOC_MMAP_THRESHOLD_", None)  # the growth is measured at glibc's defaults, as a worker runs
+        env.pop("MALLOC_MMAP_THRESHOLD_", None)  # its growth processes measure at glibc's defaults, as a worker runs
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         args = json.dumps(dict(network=network, family=family, threads=threads, optimizer=optimizer.model_dump(),
-                               retained_steps=RETAINED_STEPS, mmap_threshold=MMAP_THRESHOLD_BYTES))
+                               retained_steps=RETAINED_STEPS, mmap_threshold=MMAP_THRESHOLD_BYTES,
+                               growth_cores=growth_cores or sorted(os.sched_getaffinity(0))[:threads]))
         try:
             self._process = subprocess.Popen([sys.executable, "-c", _PROBE_SCRIPT, args], env=env, stdin=subprocess.PIPE,
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -702,13 +751,14 @@ class CpuMemoryProbe:
             pass
 
     def result(self, batch_sizes: list[int], timeout_s: float = 600.0) \
-            -> tuple[int, dict[int, int] | None, tuple[int, int] | None]:
+            -> tuple[int, dict[int, int] | None, dict[int, int] | None]:
         """Let the probe train at ``batch_sizes`` and wait for it: ``(runtime_bytes, step bytes per
         batch size, growth)``; step bytes None where /proc cannot reset the high-water mark.
 
-        ``growth`` is ``(batch size, bytes)``: at the largest batch size, how far the resident set
-        grew with glibc's defaults over :data:`RETAINED_STEPS` steps (:func:`_probe_resident_growth`);
-        None where it was not measured or the C library is not glibc.
+        ``growth`` maps the smallest and the largest batch size to how far a fresh worker's resident
+        set grew with glibc's defaults over :data:`RETAINED_STEPS` steps there, bytes
+        (:func:`_probe_resident_growth`); a batch size whose process failed is missing; None where
+        nothing was measured or the C library is not glibc.
 
         Raises:
             RuntimeError: the probe failed or ran longer than ``timeout_s`` (then it is ended).
@@ -729,8 +779,8 @@ class CpuMemoryProbe:
         except (ValueError, IndexError) as exc:
             raise RuntimeError(f"the memory probe process printed no result: {exc}") from exc
         peaks = None if result["peaks"] is None else {int(k): int(v) for k, v in result["peaks"].items()}
-        growth = result.get("growth")
-        return int(result["runtime_bytes"] or 0), peaks, growth and (growth["batch_size"], growth["growth_bytes"])
+        growth = {int(g["batch_size"]): int(g["growth_bytes"]) for g in result.get("growth") or []}
+        return int(result["runtime_bytes"] or 0), peaks, growth or None
 
     def cancel(self) -> None:
         """End the probe now (nothing when it has ended)."""
@@ -1114,8 +1164,8 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
             if real_steps is not None and b in real_steps:
                 # the probe's step bytes exclude the input batch (resident before) and include the gradients
                 measured = max(0, real_steps[b] + b * (input_bytes + 8) - fake["param_bytes"])
-                if growth is not None and growth[0] == b:  # the growth less the optimizer's state and the live step
-                    retained = max(0, growth[1] - fake["optimizer_state_bytes"] - real_steps[b])
+                if growth is not None and b in growth:  # the growth less the optimizer's state and the live step
+                    retained = max(0, growth[b] - fake["optimizer_state_bytes"] - real_steps[b])
             steps.append(StepProfile(batch_size=b, forward_s=f, backward_s=bk, optimizer_s=o, step_s=f + bk + o,
                                      activation_peak_bytes=fake["activation_peak_bytes"][b],
                                      measured_activation_peak_bytes=measured,

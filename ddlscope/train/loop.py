@@ -36,7 +36,8 @@ from torch.utils.data import DataLoader
 
 from ddlscope.config import RunConfig
 from ddlscope.measure.host import UNKNOWN_EVENT, HostSampler
-from ddlscope.measure.memory import cuda_runtime_bytes, peak_memory_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
+from ddlscope.measure.memory import (cuda_runtime_bytes, peak_memory_bytes, peak_rss_bytes, reset_peak_rss,
+                                     rss_before_model_bytes, rss_bytes)
 from ddlscope.measure.step_values import ValuesInFlight
 from ddlscope.measure.timeline import Stopwatch
 from ddlscope.measure.torch_profile import StepProfiler, profile_dir, record_profile
@@ -161,6 +162,7 @@ def run_worker(cfg: RunConfig, ctx: WorkerContext, store: ResultsStore) -> str:
     profiler = StepProfiler(cfg.profile_steps, profile_dir(store.path, run_id), wi, cfg.device)
     try:
         own_builder = type(strategy).build_model is not Strategy.build_model  # e.g. dmoe's remote experts
+        rss_before_model = rss_before_model_bytes() if cfg.device == "cpu" else None  # the runtime part, see _train
         wl = build_workload(cfg, wi, ctx.local_rank, strategy.build_model if own_builder else None)
         model = strategy.setup(wl.model, wl.optimizer)
         sampler = HostSampler(store.host_sample_writer(run_id, wi), cfg.host_sample_interval_s,
@@ -172,7 +174,7 @@ def run_worker(cfg: RunConfig, ctx: WorkerContext, store: ResultsStore) -> str:
                 reason = strategy.assist()
                 store.upsert_worker(run_id, wi, train_end_time=time.time())
                 return reason
-            return _train(cfg, ctx, store, wl, model, strategy, profiler)
+            return _train(cfg, ctx, store, wl, model, strategy, profiler, rss_before_model)
     except BaseException as exc:
         # when it failed, before closing connections: the peers it takes down fail after it
         store.upsert_worker(run_id, wi, failed_at=time.time())
@@ -215,7 +217,8 @@ class _EvalClock:
         return acc
 
 
-def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfiler) -> str:
+def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfiler,
+           rss_before_model: int | None = None) -> str:
     """Train to the stop condition; returns why it stopped.
 
     The steps' rows go through a :class:`~ddlscope.store.db.BatchedWriter` (committed every
@@ -225,6 +228,9 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfile
     are :class:`~ddlscope.measure.timeline.Lap` s (on a GPU, CUDA events) and its loss and hits stay on
     the device; both are read for a group of steps once the device is past them (:class:`_StepRows`),
     so neither the timer nor the values make the training wait for the device.
+
+    On CPU the ``memory`` event holds the resident set before the model existed
+    (``rss_before_model``, the runtime part), at the start of training, and its peak during training.
     """
     run_id, wi, gas = ctx.run_id, ctx.worker_index, cfg.gradient_accumulation_steps
     max_steps = cfg.max_steps_per_peer()
@@ -304,7 +310,8 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfile
     record_profile(store, run_id, wi, profiler)  # writes the trace, outside the training time
     if rss_peak_reset:
         store.add_event(run_id, wi, "memory", rss_at_train_start_bytes=train_rss,
-                        train_peak_rss_bytes=peak_rss_bytes())
+                        train_peak_rss_bytes=peak_rss_bytes(),
+                        rss_before_model_bytes=rss_before_model)
     if cuda_runtime is not None:
         store.add_event(run_id, wi, "memory", allocator_peak_bytes=int(torch.cuda.max_memory_allocated(wl.device)),
                         runtime_bytes=cuda_runtime)
