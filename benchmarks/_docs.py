@@ -353,8 +353,9 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
                  _pct((runtime.get(name) or {}).get("median_error"), signed=True)]
                 for name, m in memory.items() if m.get("count")]
     if mem_rows:
-        lines += ["", "Peak memory of the largest worker, predicted against measured (CPU: what training added to the "
-                  "resident set, and the resident set at its start):", "",
+        lines += ["", "Peak memory of the largest worker, predicted against measured (CPU: what the model and its "
+                  "training added to the resident set, and the resident set before the model; runs stored before "
+                  "2026-12-04: from the start of training):", "",
                   markdown_table(["distribution model", "runs", "allocator part: median error", "max abs error",
                                   "runtime part: median error"], mem_rows)]
     return "\n".join(lines)

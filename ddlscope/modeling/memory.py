@@ -147,7 +147,7 @@ def peak_split_bytes(profile: WorkloadProfile, setting: Setting) -> tuple[int, i
     """The worker with the largest predicted peak, split as a measurement sees it: ``(allocator
     bytes, runtime bytes)``. The allocator part (:attr:`MemoryEstimate.training_bytes`) is what
     training allocates: on a GPU it compares with ``torch.cuda.max_memory_allocated``, on CPU with
-    the resident peak during training less the resident set at its start. The runtime part is the
+    the resident peak during training less the resident set before the model. The runtime part is the
     process's memory before any model (CUDA context and libraries on a GPU, interpreter and
     libraries on CPU), which the allocator's peak does not contain.
 
