@@ -467,6 +467,10 @@ def test_memory_keeps_the_experts_off_the_trainers():
     assert one_server > server_memory_bytes(profile, setting(servers=2)) > profile.device.runtime_bytes
     assert server_memory_bytes(profile, setting(placement="local")) == 0
     assert predict(profile, make_cluster(make_fit()), setting(servers=1)).inputs["server_memory_bytes"] == one_server
+    # trainers and servers import hivemind: their runtime holds what the profile measured that import adds
+    profile.device.hivemind_runtime_bytes = 53 * MIB
+    assert setting_memory(profile, setting(workers=3))[0].runtime_bytes == profile.device.runtime_bytes + 53 * MIB
+    assert server_memory_bytes(profile, setting(servers=1)) == one_server + 53 * MIB
 
 
 # ------------------------------------------------------------------------------------ zoo networks

@@ -172,6 +172,11 @@ def test_collaborative_adds_hivemind_buffers():
     assert grads.comm_buffers_bytes == 10 * MB + 2 * 10 * MB + work  # parameter copy, accumulators, averaged grads
     assert lu.comm_buffers_bytes == 2 * 10 * MB + work  # parameter copy and the delta rule's old copy
     assert grads.total_bytes - single.total_bytes == grads.comm_buffers_bytes
+    # a peer imports hivemind: its runtime holds what the profile measured that import adds
+    prof = hand_profile()
+    prof.device.hivemind_runtime_bytes = 53 * MB
+    peer = predict_memory(prof, "collaborative", 2, 8)[0]
+    assert peer.runtime_bytes == 300 * MB + 53 * MB and predict_memory(prof, "ddp", 2, 8)[0].runtime_bytes == 300 * MB
 
 
 @pytest.mark.parametrize("args, kwargs, words", [

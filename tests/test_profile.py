@@ -86,6 +86,7 @@ def test_tiny_profile_measures_every_layer_at_every_batch_size(tiny):
     dev = p.device
     assert dev.type == "cpu" and dev.threads == 1 and dev.peak_tflops > 0 and dev.memory_bandwidth_gb_per_s > 0
     assert 0 < dev.memory_bytes and dev.runtime_bytes > 50 * 2**20  # an interpreter with torch loaded
+    assert dev.hivemind_runtime_bytes > 10 * 2**20  # what importing hivemind adds (53 MiB, 2026-12-04)
     assert p.torch_version == torch.__version__ and p.profile_s > 0
 
 

@@ -18,7 +18,7 @@ from ddlscope.distribution import DistributionModel, register
 from ddlscope.errors import UserError
 from ddlscope.modeling.cluster import ClusterSpec, HivemindFit
 from ddlscope.modeling.collectives import butterfly_allreduce_s, contention, serial_comm
-from ddlscope.modeling.memory import MemoryEstimate, replicas
+from ddlscope.modeling.memory import MemoryEstimate, hivemind_runtime_bytes, replicas
 from ddlscope.modeling.prediction import Prediction, Setting, make_prediction, split_compute
 from ddlscope.modeling.profile import WorkloadProfile
 from ddlscope.modeling.progress import (
@@ -898,15 +898,18 @@ def memory_collaborative(profile: WorkloadProfile, s: Setting) -> list[MemoryEst
     all-reduce's working set: the largest layer's parameter bytes plus one
     :data:`HIVEMIND_PART_SIZE_BYTES` part in flight. So ``comm = P + 2G + w`` (default) or
     ``2P + w`` (local updates), ``w = max p_l + 512 KiB``. The DHT and averager processes' own
-    interpreters are not counted (forked; their private memory is not profiled).
+    interpreters are not counted (forked; their private memory is not profiled). The runtime is a
+    hivemind peer's (:func:`~ddlscope.modeling.memory.hivemind_runtime_bytes`).
     """
     p = profile.param_bytes
     work = max(layer.param_bytes for layer in profile.layers) + HIVEMIND_PART_SIZE_BYTES
     if s.use_local_updates:
-        return replicas(profile, s, 2 * p + work,
-                        "replica + state averager's parameter copy + delta-rule copy (local updates)")
-    return replicas(profile, s, p + 2 * p + work,
-                    "replica + state averager's parameter copy + gradient accumulators + averaged gradients")
+        peers = replicas(profile, s, 2 * p + work,
+                         "replica + state averager's parameter copy + delta-rule copy (local updates)")
+    else:
+        peers = replicas(profile, s, p + 2 * p + work,
+                         "replica + state averager's parameter copy + gradient accumulators + averaged gradients")
+    return [e.model_copy(update={"runtime_bytes": hivemind_runtime_bytes(profile)}) for e in peers]
 
 
 MODEL = register(DistributionModel(

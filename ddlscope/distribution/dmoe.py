@@ -701,13 +701,16 @@ def server_memory_bytes(profile: "WorkloadProfile", setting: "Setting") -> int:
     one batch's activations, ``min(max_batch_size, T b k / E) x s_e`` (hivemind's Runtime runs one
     batch at a time; ``s_e`` one expert's saved bytes per sample, from the profiled mixture layer,
     twice: the backward re-runs the forward), plus the input and output of that batch (``2 h``
-    per sample), plus the worker runtime ``R`` (the interpreter and libraries; hivemind's task
-    pools, connection handler, DHT and ``p2pd`` are processes of their own and not counted).
+    per sample), plus the runtime of a worker that imports hivemind ``R``
+    (:func:`~ddlscope.modeling.memory.hivemind_runtime_bytes`; hivemind's task pools, connection
+    handler, DHT and ``p2pd`` are processes of their own and not counted).
     0 for placements other than ``remote``.
 
     Raises:
         UserError: as :func:`check_setting`.
     """
+    from ddlscope.modeling.memory import hivemind_runtime_bytes
+
     check_setting(profile, setting)
     d = options_of(setting, profile)
     if d.placement != "remote":
@@ -717,7 +720,7 @@ def server_memory_bytes(profile: "WorkloadProfile", setting: "Setting") -> int:
     state = profile.optimizer_state_bytes / profile.param_bytes if profile.param_bytes else 0.0
     per_expert_batch = min(d.max_batch_size, setting.workers * setting.batch_size * d.k_best / d.num_experts)
     activations = per_expert_batch * (2 * ex["expert_saved_bytes_per_sample"] + 2 * ex["hidden_bytes_per_sample"])
-    return int(hosted * ex["expert_param_bytes"] * (2 + state) + activations + profile.device.runtime_bytes)
+    return int(hosted * ex["expert_param_bytes"] * (2 + state) + activations + hivemind_runtime_bytes(profile))
 
 
 def memory_dmoe(profile: "WorkloadProfile", setting: "Setting") -> list["MemoryEstimate"]:
@@ -730,14 +733,14 @@ def memory_dmoe(profile: "WorkloadProfile", setting: "Setting") -> list["MemoryE
     ``optimizer = O x P_t / P``; ``activations = A(b) - b s_L + b (k + 1) h`` (the experts' saved
     activations live on the servers; ``_RemoteCallMany`` keeps the layer's input, ``b h``, and the
     weighted sum keeps the ``b k`` expert outputs, ``h`` bytes each); ``comm_buffers = 3 b k h``
-    (the serialized requests and answers of a backward round in flight, the largest round).
-    hivemind's DHT process and ``p2pd`` are processes of their own and not counted. The busiest
+    (the serialized requests and answers of a backward round in flight, the largest round); the
+    runtime is that of a worker that imports hivemind. hivemind's DHT process and ``p2pd`` are processes of their own and not counted. The busiest
     server's memory (:func:`server_memory_bytes`) is in the notes: servers are not trainers.
 
     Raises:
         UserError: as :func:`check_setting`.
     """
-    from ddlscope.modeling.memory import MemoryEstimate, activation_bytes, replicas
+    from ddlscope.modeling.memory import MemoryEstimate, activation_bytes, hivemind_runtime_bytes, replicas
 
     check_setting(profile, setting)
     d = options_of(setting, profile)
@@ -754,7 +757,7 @@ def memory_dmoe(profile: "WorkloadProfile", setting: "Setting") -> list["MemoryE
             f"{server / 2**20:.1f} MiB")
     return [MemoryEstimate(worker=w, params_bytes=trunk + max(0, profile.buffer_bytes - layer.buffer_bytes),
                            grads_bytes=trunk, optimizer_bytes=int(state), activations_bytes=int(acts),
-                           comm_buffers_bytes=int(3 * b * k * h), runtime_bytes=profile.device.runtime_bytes,
+                           comm_buffers_bytes=int(3 * b * k * h), runtime_bytes=hivemind_runtime_bytes(profile),
                            notes=note)
             for w in range(setting.workers)]
 

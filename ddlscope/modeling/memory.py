@@ -23,7 +23,8 @@ Notation (bytes; the profile's fields):
 * per layer ``l``: ``p_l`` parameter bytes, ``bf_l`` buffer bytes, ``s_l`` / ``i_l`` / ``o_l``
   saved / saved-input / output bytes per sample (:class:`LayerProfile`);
 * ``R`` runtime: the resident memory of a worker process before any model
-  (:attr:`DeviceProfile.runtime_bytes`), the same for every worker;
+  (:attr:`DeviceProfile.runtime_bytes`), the same for every worker; a worker that imports hivemind
+  adds what that import adds (:func:`hivemind_runtime_bytes`);
 * ``K`` (CPU profiles) what a worker's resident set keeps beyond its live tensors. glibc keeps
   memory a process has freed, and a process's first training steps add memory whatever the batch
   (kernels' code pages, JIT-compiled kernels, the libraries' caches). The profile measures both,
@@ -109,6 +110,13 @@ def replicas(profile: WorkloadProfile, setting: Setting, comm_buffers_bytes: int
                            activations_bytes=activation_bytes(profile, setting.batch_size),
                            comm_buffers_bytes=comm_buffers_bytes, runtime_bytes=profile.device.runtime_bytes,
                            notes=note) for w in range(setting.workers)]
+
+
+def hivemind_runtime_bytes(profile: WorkloadProfile) -> int:
+    """``R`` of a worker that imports hivemind (a collaborative peer, a dmoe trainer or expert
+    server): :attr:`DeviceProfile.runtime_bytes` plus what importing hivemind adds
+    (:attr:`DeviceProfile.hivemind_runtime_bytes`, 53 MiB on CPU; nothing where not measured)."""
+    return profile.device.runtime_bytes + (profile.device.hivemind_runtime_bytes or 0)
 
 
 def setting_memory(profile: WorkloadProfile, setting: Setting) -> list[MemoryEstimate]:

@@ -125,6 +125,9 @@ class DeviceProfile(BaseModel):
     memory_bandwidth_gb_per_s: float = Field(gt=0, description="measured copy bandwidth, 1e9 bytes/s")
     memory_bytes: int = Field(gt=0, description="capacity of one device (CPU: host memory / cores * threads)")
     runtime_bytes: int = Field(ge=0, description="memory a worker process uses before any model (interpreter, libraries; CUDA context)")
+    hivemind_runtime_bytes: int | None = Field(
+        None, ge=0, description="CPU: what importing hivemind adds to runtime_bytes (the workers of collaborative and "
+                                "dmoe run it); None on GPUs, without hivemind and in profiles before 2026-12-04")
 
 
 class OptimizerSetting(BaseModel):

@@ -418,13 +418,20 @@ from ddlscope.profiling.profile import _probe_steps, _fix_mmap_threshold, _Growt
 _import_as_a_worker(args["family"], optimizer)
 gc.collect()
 runtime = status("VmRSS")
+try:  # what a hivemind peer or a dmoe trainer imports on top
+    import hivemind
+    gc.collect()
+    hivemind_bytes = max(0, status("VmRSS") - runtime)
+except ImportError:
+    hivemind_bytes = None
 batch_sizes = json.loads(sys.stdin.readline())  # sent once the profile knows which batch sizes fit
 growth = _GrowthProcesses(args["network"], args["family"], sorted({min(batch_sizes), max(batch_sizes)}), optimizer,
                           args["threads"], args["retained_steps"], args["growth_cores"])
 if not _fix_mmap_threshold(args["mmap_threshold"]):  # not glibc: the live steps are not live memory only
     growth.cancel()
 peaks = _probe_steps(args["network"], args["family"], batch_sizes, optimizer, status)
-print(json.dumps({"runtime_bytes": runtime, "peaks": peaks, "growth": growth.result()}))
+print(json.dumps({"runtime_bytes": runtime, "hivemind_bytes": hivemind_bytes, "peaks": peaks,
+                  "growth": growth.result()}))
 """
 
 _GROWTH_SCRIPT = _SCRIPT_HEAD + """
@@ -704,7 +711,7 @@ class CpuMemoryProbe:
     training starts (torch, ddlscope's training loop, what building an optimizer imports:
     :func:`_import_as_a_worker`); its resident set (VmRSS) then is ``runtime_bytes`` (interpreter,
     libraries; no model, nothing trained: what a run's worker holds when its training starts, less
-    its model). Once it knows the batch sizes that fit, it starts :class:`_GrowthProcesses` at the
+    its model), and what importing hivemind adds to it (a hivemind peer's or a dmoe trainer's). Once it knows the batch sizes that fit, it starts :class:`_GrowthProcesses` at the
     smallest and the largest: fresh processes with glibc's default allocator settings, as a worker
     has them, that measure how far a worker's resident set grows over its first
     :data:`RETAINED_STEPS` steps (:func:`_probe_resident_growth`). glibc keeps freed heap memory and a
@@ -751,9 +758,11 @@ class CpuMemoryProbe:
             pass
 
     def result(self, batch_sizes: list[int], timeout_s: float = 600.0) \
-            -> tuple[int, dict[int, int] | None, dict[int, int] | None]:
+            -> tuple[int, dict[int, int] | None, dict[int, int] | None, int | None]:
         """Let the probe train at ``batch_sizes`` and wait for it: ``(runtime_bytes, step bytes per
-        batch size, growth)``; step bytes None where /proc cannot reset the high-water mark.
+        batch size, growth, hivemind bytes)``; step bytes None where /proc cannot reset the
+        high-water mark; hivemind bytes: what importing hivemind added to the runtime, None where
+        hivemind is not installed.
 
         ``growth`` maps the smallest and the largest batch size to how far a fresh worker's resident
         set grew with glibc's defaults over :data:`RETAINED_STEPS` steps there, bytes
@@ -780,7 +789,8 @@ class CpuMemoryProbe:
             raise RuntimeError(f"the memory probe process printed no result: {exc}") from exc
         peaks = None if result["peaks"] is None else {int(k): int(v) for k, v in result["peaks"].items()}
         growth = {int(g["batch_size"]): int(g["growth_bytes"]) for g in result.get("growth") or []}
-        return int(result["runtime_bytes"] or 0), peaks, growth or None
+        hivemind = result.get("hivemind_bytes")
+        return int(result["runtime_bytes"] or 0), peaks, growth or None, None if hivemind is None else int(hivemind)
 
     def cancel(self) -> None:
         """End the probe now (nothing when it has ended)."""
@@ -1138,8 +1148,8 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
             say(f"batch {batch_size} does not fit; measuring batches {sizes[0]}..{fitting}, extrapolating "
                 f"{', '.join(map(str, beyond))}")
         say("memory of a worker process and of real training steps")
-        runtime_bytes, real_steps, growth = probe.result(sizes) if probe else \
-            (*_measure_cuda_memory(network, family, sizes, dev, optimizer), None)
+        runtime_bytes, real_steps, growth, hivemind_bytes = probe.result(sizes) if probe else \
+            (*_measure_cuda_memory(network, family, sizes, dev, optimizer), None, None)
         torch.manual_seed(0)
         model = build_model(network, family).to(dev)
         model.train()
@@ -1178,7 +1188,8 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
         say("device microbenchmarks")
         dev_profile = DeviceProfile(type=dev.type, name=device_name(device), threads=threads,
                                     peak_tflops=_peak_tflops(dev), memory_bandwidth_gb_per_s=_bandwidth_gb_per_s(dev),
-                                    memory_bytes=_memory_capacity_bytes(dev, threads), runtime_bytes=runtime_bytes)
+                                    memory_bytes=_memory_capacity_bytes(dev, threads), runtime_bytes=runtime_bytes,
+                                    hivemind_runtime_bytes=hivemind_bytes)
     except torch.OutOfMemoryError as exc:  # the search found the batch fitting, a later measurement did not
         raise UserError(f"{out_of_memory_message(exc, dev)} while profiling {network} at batches up to {fitting}; "
                         "try --memory-limit-gib below the device's memory, or a smaller --batch-size") from None
