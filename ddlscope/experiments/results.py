@@ -46,7 +46,7 @@ class Measurement:
         allocator_peak_bytes / runtime_bytes: the worker with the largest training peak, split
             as :func:`ddlscope.modeling.memory.peak_split_bytes` predicts it: what training
             allocated (GPU: ``max_memory_allocated``; CPU: resident peak during training less the
-            resident set before the model existed, :func:`ddlscope.measure.memory.rss_before_model_bytes`)
+            resident set without the model before its set-up, :func:`ddlscope.measure.memory.rss_without_model_bytes`)
             and the process's memory without the model (GPU: device memory in use beyond torch's
             allocator, the CUDA context; CPU: that resident set; runs stored before 2026-12-04: the
             resident set at the start of training). None where the run did not record them.

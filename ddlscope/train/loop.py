@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 from ddlscope.config import RunConfig
 from ddlscope.measure.host import UNKNOWN_EVENT, HostSampler
 from ddlscope.measure.memory import (cuda_runtime_bytes, peak_memory_bytes, peak_rss_bytes, reset_peak_rss,
-                                     rss_before_model_bytes, rss_bytes)
+                                     rss_bytes, rss_without_model_bytes)
 from ddlscope.measure.step_values import ValuesInFlight
 from ddlscope.measure.timeline import Stopwatch
 from ddlscope.measure.torch_profile import StepProfiler, profile_dir, record_profile
@@ -162,8 +162,8 @@ def run_worker(cfg: RunConfig, ctx: WorkerContext, store: ResultsStore) -> str:
     profiler = StepProfiler(cfg.profile_steps, profile_dir(store.path, run_id), wi, cfg.device)
     try:
         own_builder = type(strategy).build_model is not Strategy.build_model  # e.g. dmoe's remote experts
-        rss_before_model = rss_before_model_bytes() if cfg.device == "cpu" else None  # the runtime part, see _train
         wl = build_workload(cfg, wi, ctx.local_rank, strategy.build_model if own_builder else None)
+        rss_before_model = rss_without_model_bytes(wl.model) if cfg.device == "cpu" else None  # the runtime part
         model = strategy.setup(wl.model, wl.optimizer)
         sampler = HostSampler(store.host_sample_writer(run_id, wi), cfg.host_sample_interval_s,
                               network=strategy.uses_network,
@@ -229,8 +229,10 @@ def _train(cfg, ctx, store, wl: Workload, model, strategy, profiler: StepProfile
     the device; both are read for a group of steps once the device is past them (:class:`_StepRows`),
     so neither the timer nor the values make the training wait for the device.
 
-    On CPU the ``memory`` event holds the resident set before the model existed
-    (``rss_before_model``, the runtime part), at the start of training, and its peak during training.
+    On CPU the ``memory`` event holds the resident set without the model before the distribution
+    model set it up (``rss_before_model``, the runtime part,
+    :func:`~ddlscope.measure.memory.rss_without_model_bytes`), the resident set at the start of
+    training, and its peak during training.
     """
     run_id, wi, gas = ctx.run_id, ctx.worker_index, cfg.gradient_accumulation_steps
     max_steps = cfg.max_steps_per_peer()
