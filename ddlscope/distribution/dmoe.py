@@ -734,8 +734,9 @@ def memory_dmoe(profile: "WorkloadProfile", setting: "Setting") -> list["MemoryE
     activations live on the servers; ``_RemoteCallMany`` keeps the layer's input, ``b h``, and the
     weighted sum keeps the ``b k`` expert outputs, ``h`` bytes each); ``comm_buffers = 3 b k h``
     (the serialized requests and answers of a backward round in flight, the largest round); the
-    runtime is that of a worker that imports hivemind. hivemind's DHT process and ``p2pd`` are processes of their own and not counted. The busiest
-    server's memory (:func:`server_memory_bytes`) is in the notes: servers are not trainers.
+    runtime is that of a worker that imports hivemind. hivemind's DHT process and ``p2pd`` are
+    processes of their own and not counted. The busiest server's memory
+    (:func:`server_memory_bytes`) is in the notes: servers are not trainers.
 
     Raises:
         UserError: as :func:`check_setting`.

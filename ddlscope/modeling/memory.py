@@ -139,11 +139,13 @@ def setting_memory(profile: WorkloadProfile, setting: Setting) -> list[MemoryEst
         known = [m.name for m in distribution.all_models() if m.memory_model is not None]
         raise UserError(f"ddlscope has no memory model for {model.name!r}; allowed: {', '.join(known)}")
     estimates = model.memory_model(profile, setting)
-    share, fixed = profile.retained_share(), profile.first_training_bytes()
-    if share is None:
+    fit = profile.retained_fit()
+    if fit is None:
         return estimates
+    fixed, share = fit
     return [e.model_copy(update={"retained_bytes": round(share * (e.grads_bytes + e.activations_bytes)),
-                                 "first_training_bytes": fixed}) for e in estimates]
+                                 "first_training_bytes": None if fixed is None else round(fixed)})
+            for e in estimates]
 
 
 def peak_memory_bytes(profile: WorkloadProfile, setting: Setting) -> int:
@@ -155,7 +157,7 @@ def peak_split_bytes(profile: WorkloadProfile, setting: Setting) -> tuple[int, i
     """The worker with the largest predicted peak, split as a measurement sees it: ``(allocator
     bytes, runtime bytes)``. The allocator part (:attr:`MemoryEstimate.training_bytes`) is what
     training allocates: on a GPU it compares with ``torch.cuda.max_memory_allocated``, on CPU with
-    the resident peak during training less the resident set before the model. The runtime part is the
+    the resident peak during training less the resident set without the model. The runtime part is the
     process's memory before any model (CUDA context and libraries on a GPU, interpreter and
     libraries on CPU), which the allocator's peak does not contain.
 
