@@ -285,13 +285,14 @@ def test_transfers_lengthen_the_pipeline():
 
 
 def test_pipeline_transfers_wait_for_the_receiver_and_take_turns_on_the_link():
-    """gloo's send/recv are rendezvous (a transfer starts once the receiver has posted its receive) and a
-    link carries one transfer at a time (measured on an emulated link, stop 42)."""
+    """gloo's send/recv are rendezvous (a transfer starts once the receiver's ready-to-receive notice has
+    reached the sender) and a direction carries one transfer at a time (measured on an emulated link, stop 42)."""
     # GPipe, 2 stages, 2 micro-batches, forward 1 s, backward 1 s, transfers 3 s: the link is the bottleneck
     span, _ = simulate_pipeline("gpipe", [1.0, 1.0], [1.0, 1.0], [3.0], 2)
-    # activation 0 at 1..4, F(1,0) 4..5; activation 1 sent at 2, but the link is busy until 4 and stage 1
-    # posts its receive at 5 (after F(1,0)): 5..8, F(1,1) 8..9; B(1,0) 9..10, gradient 0 10..13, B(1,1)
-    # 10..11, gradient 1 waits for the link (13) and for stage 0's B(0,0) 13..14: 14..17, B(0,1) 17..18
+    # activation 0 at 1..4, F(1,0) 4..5; activation 1 posted at 2, but stage 1 posts its receive at 5 (after
+    # F(1,0)): 5..8, F(1,1) 8..9; B(1,0) 9..10, gradient 0 10..13 (stage 0's notice, posted at 5, came
+    # behind activation 1 at 8), B(1,1) 10..11, gradient 1 waits for its direction (13) and for stage 0's
+    # receive after B(0,0) 13..14: 14..17, B(0,1) 17..18
     assert span == pytest.approx(18.0)
     # free transfers: (M + S - 1) slots of forward and backward
     assert simulate_pipeline("gpipe", [1.0, 1.0], [1.0, 1.0], [0.0], 2)[0] == pytest.approx(6.0)
@@ -317,18 +318,48 @@ def test_stage_programs_run_the_schedule_and_pair_every_send_with_a_receive(sche
 
 def test_1f1b_waits_for_each_send_like_torchs_schedule():
     """torch's Schedule1F1B posts a forward's send with the next backward's receive and waits for both: with
-    rendezvous transfers a stage cannot compute ahead of its neighbour's receive, and the boundary carries
-    one transfer at a time in either direction (1F1B's runs over emulated links, stop 43)."""
+    rendezvous transfers a stage cannot compute ahead of its neighbour's receive, and a stage's
+    ready-to-receive notice, posted after its own send, travels behind that send's data, so the two
+    directions take turns (1F1B's runs over emulated links, stops 43 and 62)."""
     # 2 stages, 2 micro-batches, forward 1 s, backward 1 s, transfers 3 s. Stage 0: F0 0..1, activation 0
-    # 1..4 (stage 1 posted its receive at 0); F1 1..2, then waits for send 0 (4); posts send F1 and receive
-    # B0 at 4. Stage 1: F0 4..5, B0 5..6, posts send B0, then receive F1, at 6: gradient 0 6..9, then
-    # activation 1 9..12 (one transfer at a time). Stage 0 B0 12..13, posts receive B1 at 13; stage 1 F1
-    # 12..13, B1 13..14, gradient 1 14..17; stage 0 B1 17..18.
+    # 1..4 (stage 1 posted its receive at 0; stage 0's send is done once handed over, at 1); F1 1..2; posts
+    # send F1 and receive B0 at 2 (that notice reaches stage 1 behind activation 0, at 4). Stage 1: F0 4..5,
+    # B0 5..6, posts send B0 (gradient 0 6..9), then receive F1, whose notice follows gradient 0: activation
+    # 1 9..12; stage 0's send F1 is handed over at 9, when gradient 0 arrives: B0 9..10, posts receive B1 at
+    # 10 (its notice behind activation 1, at 12). Stage 1 F1 12..13, B1 13..14, gradient 1 14..17; stage 0
+    # B1 17..18.
     span, busy = simulate_pipeline("1f1b", [1.0, 1.0], [1.0, 1.0], [3.0], 2)
     assert span == pytest.approx(18.0) and busy == [4.0, 4.0]
     # a sender's own time per send lengthens the op that produces it
     assert simulate_pipeline("1f1b", [1.0, 1.0], [1.0, 1.0], [0.0], 2, [0.5])[0] > \
         simulate_pipeline("1f1b", [1.0, 1.0], [1.0, 1.0], [0.0], 2)[0]
+
+
+def test_an_idle_streams_token_bucket_lets_a_transfer_through_at_once():
+    """tc tbf's bucket (emulated links): an idle direction passes up to ``bucket_s`` of wire time at once and
+    refills one second per second of idleness (benchmarks/p2p_links.py, docs/validation.md stop 62)."""
+    # GPipe, 2 stages, 2 micro-batches, forward = backward = 1 s, transfers 3 s, bucket 3 s. Activation 0
+    # at 1 passes at once (full bucket); activation 1 at 2 has 1 s of bucket: 2..4; F(1,1) 4..5, B(1,0)
+    # 5..6; gradient 0 at 6 on the idle backward direction passes at once, B(1,1) 6..7, gradient 1 at 7
+    # (stage 0 posts its receive after B(0,0) 6..7) has 1 s: 7..9; B(0,1) 9..10
+    assert simulate_pipeline("gpipe", [1.0, 1.0], [1.0, 1.0], [3.0], 2, bucket_s=[3.0])[0] == pytest.approx(10.0)
+    assert simulate_pipeline("gpipe", [1.0, 1.0], [1.0, 1.0], [3.0], 2, bucket_s=[0.0])[0] == pytest.approx(18.0)
+    # one micro-batch: F 0..1, activation, F 1 s, B 1 s, gradient, B 1 s; a full bucket takes a transfer's
+    # wire time but not its fixed part
+    one = [simulate_pipeline("gpipe", [1.0, 1.0], [1.0, 1.0], [3.0], 1, bucket_s=bucket, fixed_s=fixed)[0]
+           for bucket, fixed in (([0.0], [0.0]), ([3.0], [0.0]), ([3.0], [1.0]))]
+    assert one == pytest.approx([10.0, 4.0, 6.0])
+
+
+def test_notices_that_cross_before_any_data_let_both_directions_move_at_once():
+    """Three 1F1B stages: where a stage's notice went out before its neighbour's data, the two directions
+    overlap (an exchange took one transfer time, not two: benchmarks/p2p_links.py), so the step is shorter
+    than with one transfer at a time per boundary, and never shorter than with no transfers."""
+    f, b, tr = [1.0] * 3, [1.0] * 3, [1.0] * 2
+    span = simulate_pipeline("1f1b", f, b, tr, 3)[0]
+    # one transfer at a time per boundary, in either direction, gave 20 s
+    assert span == pytest.approx(18.0)
+    assert simulate_pipeline("1f1b", f, b, [0.0, 0.0], 3)[0] < span
 
 
 def test_pipeline_prediction_and_its_eq6_reference():

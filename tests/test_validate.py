@@ -14,6 +14,7 @@ from ddlscope import distribution
 from ddlscope.errors import UserError
 from ddlscope.distribution.collaborative import DEFAULT_MATCHMAKING_TIME_S
 from ddlscope.modeling.links import over_links
+from ddlscope.network.emulated import BUCKET_MIN_BYTES
 from ddlscope.experiments.validate import ValidationGrid, load_grid, predicted_models, run_validation, validation_cell
 from ddlscope.modeling.prediction import Setting
 from ddlscope.store.db import ResultsStore
@@ -354,6 +355,14 @@ def test_uneven_links_give_each_worker_its_rate_and_loopback_can_be_left_out(tmp
     assert gloo.fsdp_link.bandwidth_gb_per_s == pytest.approx(7 / 8e3) and busy.fsdp_link is None
     with pytest.raises(ValueError, match="fsdp_share = 0"):
         over_links(make_cluster(), 10.0, 2, fsdp_share=0.0)
+    # the pipelines' link keeps tbf's bucket: bucket_ms at the slower rate (10 ms at 10 Mbit/s: 12,500 bytes), at
+    # least the smallest bucket tbf is given; the collectives' links do not (their shares are measured on the links)
+    assert busy.p2p_link.burst_bytes == pytest.approx(12_500) and busy.p2p_link.burst_s == pytest.approx(0.010)
+    assert busy.intra_node.burst_bytes == 0
+    assert over_links(make_cluster(), 10.0, 2, bucket_ms=0.1).p2p_link.burst_bytes == BUCKET_MIN_BYTES
+    assert over_links(make_cluster(), 10.0, 2, bucket_ms=None).p2p_link.burst_bytes == 0
+    with pytest.raises(ValueError, match="bucket_ms = 0"):
+        over_links(make_cluster(), 10.0, 2, bucket_ms=0.0)
     with pytest.raises(ValueError, match="one rate per worker"):
         ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], workers=2, bandwidths_mbit_per_s=[[1.0, 2.0, 3.0]])
     with pytest.raises(ValueError, match="leaves no cell"):

@@ -248,8 +248,9 @@ def stage_program(schedule: str, stage: int, stages: int, microbatches: int) -> 
 
 
 def simulate_pipeline(schedule: str, fwd_s: list[float], bwd_s: list[float], transfer_s: list[float],
-                      microbatches: int, send_block_s: list[float] | None = None) -> tuple[float, list[float]]:
-    """Event simulation of one pipeline step.
+                      microbatches: int, send_block_s: list[float] | None = None,
+                      bucket_s: list[float] | None = None, fixed_s: list[float] | None = None) -> tuple[float, list[float]]:
+    """Event simulation of one pipeline step, with point-to-point transfers as gloo makes them.
 
     Args:
         fwd_s / bwd_s: forward / backward seconds of one micro-batch on each stage (length S).
@@ -257,67 +258,102 @@ def simulate_pipeline(schedule: str, fwd_s: list[float], bwd_s: list[float], tra
             (backward) across the boundary after stage s (length S - 1).
         send_block_s: seconds of the *sending* stage's own time per send (default 0), added to the
             op that produces it.
+        bucket_s: the boundary's token bucket, in seconds of its wire time (default 0: none): a
+            stream idle that long lets that much of a transfer through at once (tc ``tbf``'s burst
+            on emulated links, :attr:`~ddlscope.modeling.cluster.LinkSpec.burst_s`).
+        fixed_s: the part of each boundary's ``transfer_s`` that a bucket cannot shorten (latency and
+            per-message costs; default 0).
 
     Returns:
         ``(step_s, busy_s per stage)``: the time the last stage finishes, and each stage's compute.
 
-    Each stage runs its :func:`stage_program`. Transfers are rendezvous: one starts once the
-    sender has posted it *and* the receiver has posted its receive, and a boundary carries one
-    transfer at a time, in either direction, in the order they became ready. Measured with torch's
-    gloo send/recv over an emulated 50 Mbit/s link (docs/validation.md, stop 42): four 400 KB sends
-    posted at once to a receiver that computed 50 ms before each receive arrived one transfer time
-    (57 ms) after each receive was posted, not while it computed. Opposite directions do not
-    overlap either: 1F1B's runs over a 200/20 Mbit/s pair took 1.90-1.95 s per step, its compute
-    plus every transfer one after another, where a link per direction predicted 1.49 s (stop 43).
+    Each stage runs its :func:`stage_program`. A boundary is two byte streams, one per direction
+    (gloo's TCP connection between the two stages), each carrying what is written to it in order.
+    gloo's send/recv is a rendezvous: posting a receive writes a ready-to-receive notice to the
+    sender into the *reverse* stream, and a send's data is written once the sender has posted it and
+    holds that notice. So the data starts at ``max(send posted, notice arrived)``, after the data
+    already in its stream, and takes ``transfer_s``; the receiver's wait ends when it has arrived,
+    the sender's when it was handed to the connection (its socket buffers hold it). A stream's bucket
+    refills at one second of wire time per second while the stream is idle, up to ``bucket_s``, and
+    a transfer uses what it holds (tbf; over 200 and 50 Mbit/s links with a 10 ms bucket this took
+    15-20 % off 1F1B's and GPipe's predicted steps at the runs' own compute). A notice posted
+    while the reverse stream carries data arrives behind that data. Measured with torch's gloo over
+    emulated links on one core per stage (``benchmarks/p2p_links.py``, docs/validation.md, stop 62):
+    a send waits for the receive to be posted, not for the wire; an exchange whose two receives
+    were both posted before any data moved took one transfer time, not two; and under 1F1B, whose
+    stages post a send before the receive that goes with it, a stage's notice follows the data its
+    neighbour is sending, so the two directions take turns (stop 43 saw 1F1B take its compute plus
+    every transfer one after another over 200/20 Mbit/s).
 
     Raises:
         RuntimeError: the programs deadlock (cannot happen for torch's schedules).
     """
     n = len(fwd_s)
     send_block_s = send_block_s or [0.0] * max(0, n - 1)
+    bucket_s, fixed_s = bucket_s or [0.0] * max(0, n - 1), fixed_s or [0.0] * max(0, n - 1)
     programs = [stage_program(schedule, s, n, microbatches) for s in range(n)]
     pc, clock = [0] * n, [0.0] * n
-    posted: dict[tuple[str, int, int], float] = {}  # transfer -> when its first end posted it
-    arrived: dict[tuple[str, int, int], float] = {}
-    link_free = [0.0] * max(0, n - 1)
+    stream_free: dict[tuple[int, str], float] = {}  # (boundary, direction of its data) -> when its bytes are through
+    tokens: dict[tuple[int, str], float] = {}  # stream -> its bucket (wire seconds) when its last transfer ended
+    send_posted: dict[tuple[str, int, int], float] = {}  # transfer -> when its sender posted it
+    notice_at: dict[tuple[str, int, int], float] = {}  # transfer -> when the receiver's notice reached the sender
+    done: dict[tuple[int, tuple[str, int, int]], float] = {}  # (stage, transfer) -> when that stage's end completed
     blocked: dict[int, list[tuple[str, int, int]]] = {}  # stage -> the transfers its wait needs
-    # a discrete-event simulation: stages resume in time order, so a boundary serves its transfers in the
-    # order they became ready (both ends posted), one at a time in either direction
     events = [(0.0, s, s) for s in range(n)]
     heapq.heapify(events)
     seq = n
+
+    def resume(stage: int, at: float) -> None:
+        nonlocal seq
+        heapq.heappush(events, (at, seq, stage))
+        seq += 1
+
+    def write_data(t: tuple[str, int, int]) -> None:
+        """Both ends have posted and the notice has arrived: the data goes into its stream."""
+        kind, boundary, _ = t
+        sender, receiver = (boundary, boundary + 1) if kind == "F" else (boundary + 1, boundary)
+        handed = max(send_posted[t], notice_at[t])
+        stream = (boundary, kind)
+        start = max(handed, stream_free.get(stream, 0.0))
+        idle = start - stream_free.get(stream, -math.inf)
+        held = min(bucket_s[boundary], tokens.get(stream, 0.0) + idle)
+        wire = max(0.0, transfer_s[boundary] - fixed_s[boundary])
+        tokens[stream] = held - min(held, wire)
+        stream_free[stream] = done[(receiver, t)] = start + transfer_s[boundary] - min(held, wire)
+        done[(sender, t)] = handed
+        for other, needs in list(blocked.items()):
+            if all((other, x) in done for x in needs):
+                del blocked[other]
+                resume(other, max([clock[other], *(done[(other, x)] for x in needs)]))
+
+    # a discrete-event simulation: stages resume in time order, so each stream carries its writes in time order
     while events:
         t, _, s = heapq.heappop(events)
         clock[s] = max(clock[s], t)
         while pc[s] < len(programs[s]):
             op, arg = programs[s][pc[s]]
-            if op in ("send", "recv"):
-                if arg in posted:  # the other end posted first: the transfer is ready now
-                    start = max(clock[s], link_free[arg[1]])
-                    link_free[arg[1]] = arrived[arg] = start + transfer_s[arg[1]]
-                    for other, needs in list(blocked.items()):
-                        if all(x in arrived for x in needs):
-                            del blocked[other]
-                            heapq.heappush(events, (max([clock[other], *(arrived[x] for x in needs)]), seq, other))
-                            seq += 1
-                else:
-                    posted[arg] = clock[s]
+            if op == "send":
+                send_posted[arg] = clock[s]
+                if arg in notice_at:
+                    write_data(arg)
+            elif op == "recv":  # the notice travels back behind the data already in the reverse stream
+                notice_at[arg] = max(clock[s], stream_free.get((arg[1], "B" if arg[0] == "F" else "F"), 0.0))
+                if arg in send_posted:
+                    write_data(arg)
             elif op == "wait":
-                if not all(x in arrived for x in arg):
+                if not all((s, x) in done for x in arg):
                     blocked[s] = list(arg)
                     break
-                done = max([clock[s], *(arrived[x] for x in arg)])
-                if done > clock[s]:  # resume when the last of them has arrived, after what happens before
+                until = max([clock[s], *(done[(s, x)] for x in arg)])
+                if until > clock[s]:  # resume when the last of them has completed, after what happens before
                     pc[s] += 1
-                    heapq.heappush(events, (done, seq, s))
-                    seq += 1
+                    resume(s, until)
                     break
             else:
                 step = (fwd_s[s] + (send_block_s[s] if s < n - 1 else 0.0)) if op == "F" \
                     else (bwd_s[s] + (send_block_s[s - 1] if s > 0 else 0.0))
                 pc[s] += 1
-                heapq.heappush(events, (clock[s] + step, seq, s))  # the op runs; others act meanwhile
-                seq += 1
+                resume(s, clock[s] + step)  # the op runs; others act meanwhile
                 break
             pc[s] += 1
     if blocked or any(pc[s] < len(programs[s]) for s in range(n)):
@@ -334,13 +370,13 @@ def predict_pipeline(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting,
     ``stage_bounds``); a stage's micro-batch forward/backward time is the sum of its layers'
     profiled times at the micro-batch size (times contention). Each boundary moves ``microbatch *
     output_bytes_per_sample`` bytes per micro-batch each way at ``p2p_fixed_s + latency + bytes /
-    bandwidth``, rendezvous and one at a time, each stage running torch's schedule with its waits
-    (:func:`stage_program`, :func:`simulate_pipeline`); the sender spends ``p2p_fixed_s`` of its
-    own time per send. Over emulated links of 200, 50 and 200/20 Mbit/s (2 one-core stages, 4
-    micro-batches of MobileNetV2) this predicted gpipe within 1.9-5.8 % and 1f1b within 0.6-3.9 %
-    (median per link; every run within -2.4 to +8.3 %) in a pass run after the model was set
-    (docs/validation.md, stop 43); the previous model, a link per direction, had 1f1b 25 % fast on
-    the uneven pair.
+    bandwidth``, as gloo's rendezvous moves them over one stream per direction, less what the link's
+    token bucket lets through at once (``LinkSpec.burst_bytes``: emulated links), each stage running
+    torch's schedule with its waits (:func:`stage_program`, :func:`simulate_pipeline`); the sender
+    spends ``p2p_fixed_s`` of its own time per send. Over emulated links of 200, 50 and 200/20
+    Mbit/s (2 one-core stages, 4 micro-batches of MobileNetV2) the simulation with the runs' own
+    per-stage compute came within -4.0 to +2.6 % of all 18 runs' steps, where the previous one (one
+    transfer at a time per boundary, no bucket) was +0.9 to +19.8 % (docs/validation.md, stop 62).
     The step ends when the slowest stage has run its :func:`pipeline_ops`, then every stage steps
     its optimizer on its share of the parameters. ``forward_s`` and ``backward_s`` are the busiest
     stage's own micro-batch forwards and backwards (its profiled split), ``bubble_s`` the step
@@ -353,14 +389,16 @@ def predict_pipeline(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting,
     fwd, bwd = profile.layer_times_s(mb)
     f_stage = [sum(fwd[a:b]) * slow for a, b in zip(bounds, bounds[1:])]
     b_stage = [sum(bwd[a:b]) * slow for a, b in zip(bounds, bounds[1:])]
-    transfer, block = [], []
+    transfer, block, bucket, fixed = [], [], [], []
     for k in range(w - 1):
         nbytes = mb * profile.layers[bounds[k + 1] - 1].output_bytes_per_sample
         link = boundary_link(cluster, k)
         wire = link.transfer_s(nbytes) - link.latency_s
         transfer.append(cluster.p2p_fixed_s + link.latency_s + wire)
         block.append(cluster.p2p_fixed_s)
-    span, busy = simulate_pipeline(s.strategy, f_stage, b_stage, transfer, m, block)
+        bucket.append(link.burst_s)
+        fixed.append(cluster.p2p_fixed_s + link.latency_s)
+    span, busy = simulate_pipeline(s.strategy, f_stage, b_stage, transfer, m, block, bucket, fixed)
     step = profile.step_at(s.batch_size)
     stage_params = [sum(layer.param_bytes for layer in profile.layers[a:b]) for a, b in zip(bounds, bounds[1:])]
     opt = max(step.optimizer_s * slow * p / max(1, profile.param_bytes) for p in stage_params)
@@ -371,7 +409,8 @@ def predict_pipeline(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting,
     ref = eq_6_epoch_s(profile, cluster, s, bounds, scale)
     return make_prediction(s, parts, s.batch_size, reference_epoch_s={"eq6.1+6.2": ref},
                            inputs={"stage_bounds": bounds, "stage_forward_s": f_stage, "stage_backward_s": b_stage,
-                                   "transfer_s": transfer, "microbatch": mb, "busiest_stage": busiest,
+                                   "transfer_s": transfer, "bucket_s": bucket, "microbatch": mb,
+                                   "busiest_stage": busiest,
                                    "contention": slow / scale, "compute_scale": scale})
 
 

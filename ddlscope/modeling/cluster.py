@@ -38,10 +38,18 @@ class LinkSpec(BaseModel):
 
     bandwidth_gb_per_s: float = Field(gt=0, description="1e9 bytes per second")
     latency_s: float = Field(ge=0, le=MAX_LATENCY_S)
+    burst_bytes: float = Field(0.0, ge=0, le=1e12, description=(
+        "a token bucket's depth: bytes a link idle long enough lets through at once (emulated links, tc tbf, "
+        "have one; a real link has none). The pipelines' simulation takes it into account"))
 
     def transfer_s(self, nbytes: float) -> float:
         """Seconds to send ``nbytes`` bytes over this link (Hockney's alpha-beta model)."""
         return self.latency_s + nbytes / (self.bandwidth_gb_per_s * 1e9)
+
+    @property
+    def burst_s(self) -> float:
+        """:attr:`burst_bytes` in seconds of wire time at the link's rate."""
+        return self.burst_bytes / (self.bandwidth_gb_per_s * 1e9)
 
 
 class DeviceSpec(BaseModel):

@@ -16,19 +16,22 @@ import sys
 from ddlscope.errors import UserError
 from ddlscope.modeling.cluster import ClusterSpec, LinkSpec, PeerSpec
 from ddlscope.modeling.collectives import contention
-from ddlscope.network.emulated import BUCKET_MS
+from ddlscope.network.emulated import BUCKET_MIN_BYTES, BUCKET_MS
 
 
 def over_links(cluster: ClusterSpec, rates_mbit_per_s: float | list[float], workers: int,
                both_ways: float = 1.0, averaging_share: float | None = None,
-               fsdp_share: float | None = None) -> ClusterSpec:
+               fsdp_share: float | None = None, bucket_ms: float | None = BUCKET_MS) -> ClusterSpec:
     """``cluster`` as an emulated network of ``workers`` workers puts it: each worker a peer with a
     link of its rate (a list: worker i's at the i-th; latency as calibrated) and the devices' links
     at the slowest rate (a ring is as fast as its slowest link), for predicting a cell run on
     emulated links. Collectives send both ways at once, so the ring's and the peers' links carry
     ``both_ways`` of their rate each way (:func:`ddlscope.network.duplex.measure_duplex_goodput`);
     the pipelines' point-to-point link keeps the full rate (their activations and gradients take
-    turns). The peers keep the cluster's listed compute shares; where the cluster lists none they
+    turns) and the links' token bucket: ``bucket_ms`` at the slowest rate, at least
+    :data:`~ddlscope.network.emulated.BUCKET_MIN_BYTES` (``LinkSpec.burst_bytes``, as
+    :mod:`ddlscope.network.emulated` sizes tbf's bucket; of two buckets in a row, the slower link's
+    binds); None: no bucket. The peers keep the cluster's listed compute shares; where the cluster lists none they
     share this machine's cores, so each computes at ``1 / contention`` of a device alone
     (:func:`ddlscope.modeling.collectives.contention`). ``averaging_share``: the share of the rate
     that hivemind's averaging rounds reach on these links (:func:`averaging_goodput`); the
@@ -39,15 +42,18 @@ def over_links(cluster: ClusterSpec, rates_mbit_per_s: float | list[float], work
     ``ClusterSpec.fsdp_link`` at it; None keeps the cluster's ``fsdp_link``.
 
     Raises:
-        ValueError: ``both_ways``, ``averaging_share`` or ``fsdp_share`` outside (0, 1].
+        ValueError: ``both_ways``, ``averaging_share`` or ``fsdp_share`` outside (0, 1], or ``bucket_ms`` <= 0.
     """
+    if bucket_ms is not None and not bucket_ms > 0:
+        raise ValueError(f"bucket_ms = {bucket_ms}; allowed: milliseconds > 0, or None for links without a bucket")
     if not 0 < both_ways <= 1 or not all(x is None or 0 < x <= 1 for x in (averaging_share, fsdp_share)):
         raise ValueError(f"both_ways = {both_ways}, averaging_share = {averaging_share}, fsdp_share = {fsdp_share}; "
                          "allowed: a share of the link's rate in (0, 1]")
     rates = rates_mbit_per_s if isinstance(rates_mbit_per_s, list) else [rates_mbit_per_s] * workers
     latency = cluster.intra_node.latency_s
     link = LinkSpec(bandwidth_gb_per_s=min(rates) * both_ways / 8e3, latency_s=latency)
-    p2p = LinkSpec(bandwidth_gb_per_s=min(rates) / 8e3, latency_s=latency)
+    burst = 0.0 if bucket_ms is None else max(BUCKET_MIN_BYTES, min(rates) * 1e6 / 8 * bucket_ms / 1e3)
+    p2p = LinkSpec(bandwidth_gb_per_s=min(rates) / 8e3, latency_s=latency, burst_bytes=burst)
     shared = 1.0 / contention(cluster, min(workers, cluster.devices_per_node))
     shares = [p.compute_share for p in cluster.peers[:workers]] if len(cluster.peers) >= workers else [shared] * workers
     peers = [PeerSpec(compute_share=c, bandwidth_gb_per_s=r * both_ways / 8e3, latency_s=latency)

@@ -295,7 +295,8 @@ def register(app: typer.Typer) -> None:
             gloo_share = fsdp_goodput(emulated_rates, n, [layer.param_bytes for layer in profile.layers]) \
                 if profile.device.type == "cpu" and any(distribution.get(s.strategy).gathers_units for s in settings) \
                 else None
-            spec = over_links(spec, emulated_rates, n, links_goodput(emulated_rates, n), rounds_share, gloo_share)
+            spec = over_links(spec, emulated_rates, n, links_goodput(emulated_rates, n, swarm_cfg.network.bucket_ms),
+                              rounds_share, gloo_share, bucket_ms=swarm_cfg.network.bucket_ms)
         scale = compute_scale(profile, batch_size, spec.device.kind)
         rec = recommend(profile, spec, settings, scale.factor, (scale.low, scale.high))
         if spec.device.kind != "local":
