@@ -283,7 +283,8 @@ def simulate_pipeline(schedule: str, fwd_s: list[float], bwd_s: list[float], tra
     were both posted before any data moved took one transfer time, not two; and under 1F1B, whose
     stages post a send before the receive that goes with it, a stage's notice follows the data its
     neighbour is sending, so the two directions take turns (stop 43 saw 1F1B take its compute plus
-    every transfer one after another over 200/20 Mbit/s).
+    every transfer one after another over 200/20 Mbit/s). These rules are gloo's over TCP; NCCL's
+    point-to-point between GPUs follows the same schedule but was not measured (no multi-GPU host).
 
     Raises:
         RuntimeError: the programs deadlock (cannot happen for torch's schedules).
