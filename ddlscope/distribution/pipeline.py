@@ -275,8 +275,9 @@ def simulate_pipeline(schedule: str, fwd_s: list[float], bwd_s: list[float], tra
     already in its stream, and takes ``transfer_s``; the receiver's wait ends when it has arrived,
     the sender's when it was handed to the connection (its socket buffers hold it). A stream's bucket
     refills at one second of wire time per second while the stream is idle, up to ``bucket_s``, and
-    a transfer uses what it holds (tbf; over 200 and 50 Mbit/s links with a 10 ms bucket this took
-    15-20 % off 1F1B's and GPipe's predicted steps at the runs' own compute). A notice posted
+    a transfer uses what it holds (tbf; with a 10 ms bucket this took 14-18 % of the measured step
+    off 1F1B's and GPipe's simulated steps at 200 Mbit/s and 8-10 % at 50 Mbit/s, at the runs' own
+    compute). A notice posted
     while the reverse stream carries data arrives behind that data. Measured with torch's gloo over
     emulated links on one core per stage (``benchmarks/p2p_links.py``, docs/validation.md, stop 62):
     a send waits for the receive to be posted, not for the wire; an exchange whose two receives
