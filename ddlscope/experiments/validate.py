@@ -661,7 +661,7 @@ def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Pa
                     and any(distribution.get(s.strategy).gathers_units for s in here) else None
                 t1 = time.perf_counter()
                 over = None if mbit is None else over_links(cluster, mbit, grid.workers, goodput, averaging, gloo,
-                                                                 bucket_ms=grid.bucket_ms)
+                                                            bucket_ms=grid.bucket_ms)
                 rec = recommend(profile, cluster if mbit is None else over, here)
                 link = None if mbit is None else link_label(mbit)
                 stored_link = None if mbit is None else {"link": link, "network": net, "dataset": ds,

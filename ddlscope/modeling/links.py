@@ -16,7 +16,7 @@ import sys
 from ddlscope.errors import UserError
 from ddlscope.modeling.cluster import ClusterSpec, LinkSpec, PeerSpec
 from ddlscope.modeling.collectives import contention
-from ddlscope.network.emulated import BUCKET_MIN_BYTES, BUCKET_MS
+from ddlscope.network.emulated import BUCKET_MS, bucket_bytes
 
 
 def over_links(cluster: ClusterSpec, rates_mbit_per_s: float | list[float], workers: int,
@@ -52,7 +52,7 @@ def over_links(cluster: ClusterSpec, rates_mbit_per_s: float | list[float], work
     rates = rates_mbit_per_s if isinstance(rates_mbit_per_s, list) else [rates_mbit_per_s] * workers
     latency = cluster.intra_node.latency_s
     link = LinkSpec(bandwidth_gb_per_s=min(rates) * both_ways / 8e3, latency_s=latency)
-    burst = 0.0 if bucket_ms is None else max(BUCKET_MIN_BYTES, min(rates) * 1e6 / 8 * bucket_ms / 1e3)
+    burst = 0.0 if bucket_ms is None else bucket_bytes(min(rates), bucket_ms)
     p2p = LinkSpec(bandwidth_gb_per_s=min(rates) / 8e3, latency_s=latency, burst_bytes=burst)
     shared = 1.0 / contention(cluster, min(workers, cluster.devices_per_node))
     shares = [p.compute_share for p in cluster.peers[:workers]] if len(cluster.peers) >= workers else [shared] * workers

@@ -463,6 +463,12 @@ def _ip(*args: str) -> None:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip() or f'exit code {done.returncode}'}")
 
 
+def bucket_bytes(rate_mbit_per_s: float, bucket_ms: float) -> int:
+    """tbf's bucket on a link of ``rate_mbit_per_s``: ``bucket_ms`` at the rate, in bytes, at least
+    :data:`BUCKET_MIN_BYTES`."""
+    return max(BUCKET_MIN_BYTES, int(rate_mbit_per_s * 1e6 / 8 * bucket_ms / 1e3))
+
+
 def _shape(tc: list[str], dev: str, rate_mbit_per_s: float | None, latency_ms: float | None,
            bucket_ms: float) -> None:
     """Limit ``dev``'s egress: a tbf rate limit, or with a latency netem's delay and rate together.
@@ -474,10 +480,8 @@ def _shape(tc: list[str], dev: str, rate_mbit_per_s: float | None, latency_ms: f
         rate = ["rate", f"{rate_mbit_per_s * 1000:.0f}kbit"] if rate_mbit_per_s is not None else []
         cmd = [*tc, "qdisc", "replace", "dev", dev, "root", "netem", "delay", f"{latency_ms:g}ms", *rate, "limit", "1000"]
     else:
-        rate_bytes_per_s = rate_mbit_per_s * 1e6 / 8
-        burst_bytes = max(BUCKET_MIN_BYTES, int(rate_bytes_per_s * bucket_ms / 1e3))
         cmd = [*tc, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit_per_s * 1000:.0f}kbit",
-               "burst", str(burst_bytes), "latency", f"{QUEUE_LATENCY_MS}ms"]
+               "burst", str(bucket_bytes(rate_mbit_per_s, bucket_ms)), "latency", f"{QUEUE_LATENCY_MS}ms"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
