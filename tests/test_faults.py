@@ -207,10 +207,10 @@ def _assert_clean(run: Launched, record: dict) -> None:
     assert sorted(os.listdir(run.tmp)) == []
 
 
-def _log_tails(run: Launched) -> dict[str, str]:
-    """The last lines of each log of the run (what a failed case shows)."""
+def _log_tails(run: Launched, lines: int = 15) -> dict[str, str]:
+    """The last ``lines`` lines of each log of the run (what a failed case shows)."""
     logs = sorted((run.db.parent / "logs" / run.run_id).glob("*.log"))
-    return {p.name: "\n".join(p.read_text(errors="replace").splitlines()[-15:]) for p in logs}
+    return {p.name: "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) for p in logs}
 
 
 def _socket_files(run: Launched) -> list[str]:
@@ -322,7 +322,72 @@ def test_ctrl_c_stops_every_peer_at_its_next_step(launched, tmp_path):
     assert run.popen.returncode == 130
     assert record["reason"] == "interrupted by the user (Ctrl-C)"
     reasons = [w["reason"] for w in record["workers"]]
-    assert reasons == ["stopped by SIGTERM", "stopped by SIGTERM"], reasons  # not "... (forced after grace period)"
+    # not "... (forced after grace period)"; a forced peer's log says where its main thread was
+    assert reasons == ["stopped by SIGTERM", "stopped by SIGTERM"], (reasons, _log_tails(run, 40))
+
+
+def test_a_stop_ends_hivemind_s_state_download_instead_of_being_retried():
+    """hivemind 1.1.12's ``Optimizer.load_state_from_peers`` retries on every exception but ``KeyboardInterrupt``:
+    the worker's stop must be one, or a peer stopped while it downloads the swarm's state waits out its grace
+    period (in CI: "stopped by SIGTERM (forced after grace period)"). Runs hivemind's own method on stand-ins."""
+    import contextlib
+    import logging
+    from types import SimpleNamespace
+
+    from hivemind.optim.optimizer import Optimizer
+
+    from ddlscope.train.worker import Interrupted
+
+    calls = []
+
+    def load_state_from_peers(**kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:
+            raise Interrupted("SIGTERM")  # what the worker's handler raises in the main thread, waiting here
+
+    opt = SimpleNamespace(scheduled_grads=None, grad_averager=None, load_state_timeout=1.0, local_epoch=0,
+                          client_mode=True, use_gradient_averaging=False, status_loglevel=logging.DEBUG,
+                          state_averager=SimpleNamespace(step=lambda **kwargs: None,
+                                                         load_state_from_peers=load_state_from_peers),
+                          tracker=SimpleNamespace(pause_updates=contextlib.nullcontext, global_epoch=0,
+                                                  report_local_progress=lambda **kwargs: None))
+    with pytest.raises(Interrupted):
+        Optimizer.load_state_from_peers(opt)
+    assert len(calls) == 1  # not retried
+
+
+STUCK_WORKER = """
+import os, signal, sys, time
+import ddlscope.train.worker as worker
+
+worker.GRACE_S = 0.5
+signal.signal(signal.SIGTERM, worker._stop_handler(lambda: print("recorded", flush=True)))
+
+def a_library_that_swallows_every_exception():
+    while True:
+        try:
+            time.sleep(10)
+        except BaseException:
+            continue
+
+print("ready", flush=True)
+a_library_that_swallows_every_exception()
+"""
+
+
+def test_a_worker_that_ignores_its_stop_says_where_it_was_and_is_killed():
+    proc = subprocess.Popen([sys.executable, "-c", STUCK_WORKER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # the backstop SIGKILLs its own process group
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert out.strip() == "recorded"  # the status is recorded before the kill
+    assert "did not stop within 0.5 s of SIGTERM; its main thread was at:" in err, err
+    assert err.rstrip().splitlines()[-1].endswith("in a_library_that_swallows_every_exception"), err  # innermost last
 
 
 @slow

@@ -26,7 +26,7 @@ from tests.conftest import tiny_run
 pytestmark = pytest.mark.slow
 
 # Hivemind's progress tracker needs global epochs of a few seconds to gather peers; the tiny CNN
-# takes ~10 ms a step, so a global epoch is 2400 samples (~75 steps of each peer), 8 of them.
+# takes ~10 ms a step, so a global epoch is 2400 samples (~75 steps of each peer).
 COLLAB = dict(strategy="collaborative", peers=2, vcpus_per_peer=1,
               collaborative=dict(target_batch_size=2400, matchmaking_time_s=1.0, averaging_timeout_s=20.0,
                                  join_timeout_s=30.0))
@@ -85,9 +85,12 @@ def assert_no_new_shm_segments(before: set[str], timeout_s: float = 20.0) -> Non
 
 
 def test_collaborative_run_averages_with_both_peers(env_data, db_path):
-    # 15 s of training (a time limit): a budget of 4 rounds (300 steps each) lasted ~15 s on a slow day, and on a
-    # fast one (2026-11-28) 3 s, too short for hivemind's progress trackers to see each other: every round went alone
-    cfg = validate_config(tiny_run(sample_budget=10_000_000, time_limit_s=15.0, **COLLAB))
+    # 16 global epochs (1,200 steps of each peer), however fast the machine: a budget of 4 (300 steps each) took 3 s on
+    # a fast day (2026-11-28), too short for hivemind's progress trackers to see each other (every round went alone);
+    # 15 s of training instead (a time limit) held 1-2 epochs on a slow one (CI, 2026-12-05), too few for each peer
+    # to reach a parameter round: one that joins an epoch late loads the swarm's state instead. The time limit only
+    # keeps a stuck run from holding the suite.
+    cfg = validate_config(tiny_run(sample_budget=38_400, time_limit_s=600.0, **COLLAB))
     segments = shm_segments()
     run_id = run_local(cfg, db_path, progress=False)
     with ResultsStore(db_path) as store:

@@ -43,8 +43,15 @@ CLEANUP_WAIT_S = 10.0
 """Seconds the worker that cleans up after a dead launcher waits for the run's other workers to end."""
 
 
-class Interrupted(BaseException):
-    """Raised in the main thread when the worker is asked to stop (SIGTERM or SIGINT)."""
+class Interrupted(KeyboardInterrupt):
+    """Raised in the main thread when the worker is asked to stop (SIGTERM, SIGINT or SIGHUP).
+
+    A ``KeyboardInterrupt``, as Ctrl-C would raise: hivemind 1.1.12's ``Optimizer.load_state_from_peers``
+    retries its download of the swarm's state on every other exception (read in its source), so a
+    stop that landed there was swallowed and retried until the grace period ran out (a peer "forced
+    after grace period" in CI). Its other loops catch even this one; the strategy then stops at the
+    end of the step (:meth:`Strategy.check_stop`).
+    """
 
 
 def _stop_handler(on_deadline):
@@ -53,15 +60,17 @@ def _stop_handler(on_deadline):
     Only the first signal raises; later ones are ignored, so that they cannot break the stop.
     Libraries may swallow the exception (hivemind catches BaseException around averaging
     rounds; the strategy then stops at its next step, :meth:`Strategy.check_stop`) or block in C
-    code; so the first signal also arms a timer that, after ``GRACE_S``, calls ``on_deadline``
-    (records the status) and SIGKILLs this worker's own process group — hivemind's averager
-    processes and p2pd daemon included.
+    code; so the first signal also arms a timer that, after ``GRACE_S``, writes where the main
+    thread is to the worker's log, calls ``on_deadline`` (records the status) and SIGKILLs this
+    worker's own process group — hivemind's averager processes and p2pd daemon included.
     """
     fired = threading.Event()
     owner_pid = os.getpid()
 
     def _deadline():
         try:
+            _say(f"the worker did not stop within {GRACE_S:g} s of {handler.signal_name}; its main thread was at:\n"
+                 + main_thread_stack())
             on_deadline()
         finally:
             os.killpg(os.getpgrp(), signal.SIGKILL)
@@ -123,6 +132,13 @@ class LauncherWatch:
         """The run's reason when the launcher is gone."""
         return (f"launcher (pid {self.pid}) died without stopping the run (killed by SIGKILL, or it crashed); "
                 f"its workers stopped themselves")
+
+
+def main_thread_stack() -> str:
+    """The main thread's stack as ``traceback`` formats it, innermost call last ("" when it is gone): where a
+    worker that ignores its stop is stuck, written to its log before the grace period's SIGKILL."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    return "".join(traceback.format_stack(frame)).rstrip() if frame is not None else ""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
