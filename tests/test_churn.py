@@ -285,6 +285,32 @@ def test_failed_rounds_are_counted_per_peer_with_their_seconds_and_explained(tmp
     assert "Failed rounds" not in swarm_markdown(clean)
 
 
+def test_a_failed_round_that_waited_through_another_peer_s_state_download_is_named(tmp_path):
+    """The CI stall of 2026-12-05: peer 1's gradient round failed after 20 s while peer 0, two epochs behind,
+    downloaded the swarm's state for 20 s."""
+    from tests.conftest import stored_swarm_run
+
+    def step(t, peer):
+        if (t, peer) == (3, 1):  # the held round: the step's last 20 s, [3.5, 23.5] s
+            return dict(averaging_succeeded=0, averaging_s=20.0, step_s=20.5)
+        if (t, peer) == (1, 0):  # a failed round of 0.5 s, [1.5, 2.0] s, overlapped by a download for 0.2 s only
+            return dict(averaging_succeeded=0, averaging_s=0.5)
+        return dict(averaging_succeeded=1 if t % 2 else None, averaging_s=0.1 if t % 2 else None)
+
+    with ResultsStore(tmp_path / "r.db") as store:
+        run_id = stored_swarm_run(store, peers=2, step=step)
+        store.add_event(run_id, 0, "state_loaded", seconds=20.0, epoch_before=1, epoch_after=3, at=1e6 + 23.6)
+        store.add_event(run_id, 1, "state_loaded", seconds=20.0, epoch_before=1, epoch_after=3, at=1e6 + 23.5)  # its own
+        store.add_event(run_id, 1, "state_loaded", seconds=0.4, epoch_before=0, epoch_after=1, at=1e6 + 2.2)
+        store.add_event(run_id, 0, "state_loaded", seconds=30.0, epoch_before=0, epoch_after=0, at=1e6 + 30.0,
+                        abandoned_for_leave=True)  # cut short by a leave: not a download that held anything
+        analysis = analyze_swarm(store, run_id)
+    assert analysis.held_rounds == [dict(peer=1, at=3.5, round_s=20.0, loading_peer=0, load_s=20.0)]
+    text = swarm_markdown(analysis)
+    assert ("Held while another peer downloaded the swarm's state: peer 1's round at 3.5 s (20.0 s; peer 0 loading "
+            "for 20.0 s).") in text
+
+
 def test_hivemind_cpu_is_split_between_training_steps_and_round_steps(tmp_path):
     with ResultsStore(tmp_path / "r.db") as store:
         run_id = store.create_run("swarm", "collaborative", {"strategy": "collaborative", "batch_size": 32})

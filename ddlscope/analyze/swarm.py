@@ -173,6 +173,8 @@ class SwarmAnalysis:
         progress_expiration_s: how long hivemind kept a departed peer's progress record (the run's
             ``collaborative.progress_expiration_s``; hivemind's default, 60 s, for a run from before
             the setting existed).
+        held_rounds: failed averaging rounds that waited while another peer downloaded the swarm's
+            state (:func:`rounds_held_by_state_loads`), their ``at_s`` counted from ``origin``.
     """
 
     run_id: str
@@ -186,6 +188,7 @@ class SwarmAnalysis:
     epoch_rule: EpochRuleCheck | None = None
     next_chunk_timeout_s: float | None = None
     progress_expiration_s: float = METADATA_EXPIRATION_S
+    held_rounds: list[dict] = field(default_factory=list)
 
     @property
     def has_churn(self) -> bool:
@@ -350,6 +353,52 @@ def state_rounds(events: list[dict], peer: int) -> dict[str, Any]:
     return {"state_round_s": seconds if seconds or skipped else None, "state_rounds_skipped": skipped}
 
 
+HELD_SHARE = 0.5
+"""Share of a failed round's seconds that another peer's state download must overlap for
+:func:`rounds_held_by_state_loads` to count the round as held by it."""
+
+
+def rounds_held_by_state_loads(steps: list[dict], events: list[dict]) -> list[dict]:
+    """The failed averaging rounds of a run that waited while another peer downloaded the swarm's state.
+
+    A peer one epoch or more behind the swarm downloads its state (hivemind's ``load_state_from_peers``)
+    instead of averaging. In a CI run of the 2-peer integration test (2026-12-05) peer 0 fell two epochs
+    behind at the start; its download took 20.0 s while peer 1's gradient round found no group and failed
+    after 20.0 s (its ``averaging_timeout_s``), and the pair trained nothing in between. A round counts
+    here when a ``state_loaded`` event of another peer (its ``at`` and ``seconds``: the download's end
+    and length) overlaps at least :data:`HELD_SHARE` of the round's seconds. The round is taken to end
+    with its step (``wall_time`` + ``step_s``: hivemind averages at the end of the step) and to last its
+    ``averaging_s``.
+
+    Args:
+        steps: the run's step rows (``worker_index``, ``wall_time``, ``step_s``, ``averaging_round``,
+            ``averaging_succeeded``, ``averaging_s``).
+        events: the run's event rows (``worker_index``, ``kind``, ``detail_json``).
+
+    Returns:
+        ``{"peer", "at" (the round's start, Unix s), "round_s", "loading_peer", "load_s"}`` per held
+        round, in time order; a round overlapping several downloads names the longest overlap.
+    """
+    loads = []
+    for e in events:
+        if e["kind"] == "state_loaded" and e["worker_index"] is not None:
+            d = json.loads(e["detail_json"] or "{}")
+            if d.get("seconds") is not None and d.get("at") is not None and not d.get("abandoned_for_leave"):
+                loads.append((int(e["worker_index"]), float(d["at"]) - float(d["seconds"]), float(d["at"])))
+    held = []
+    for s in steps:
+        if not s.get("averaging_round") or s.get("averaging_succeeded") != 0 or not s.get("averaging_s"):
+            continue
+        end = float(s["wall_time"]) + float(s["step_s"])
+        begin = end - float(s["averaging_s"])
+        overlaps = [(min(end, b) - max(begin, a), peer, b - a) for peer, a, b in loads if peer != int(s["worker_index"])]
+        best = max(overlaps, default=None)
+        if best is not None and best[0] >= HELD_SHARE * (end - begin):
+            held.append(dict(peer=int(s["worker_index"]), at=begin, round_s=end - begin, loading_peer=best[1],
+                             load_s=best[2]))
+    return sorted(held, key=lambda h: h["at"])
+
+
 def gradient_prescheduling(events: list[dict], steps: list[dict], peer: int) -> dict[str, list[float]] | None:
     """``peer``'s gradient rounds split by when hivemind started their matchmaking, each as the
     seconds its round step waited (``averaging_s``): ``"early"``, pre-scheduled in a step before
@@ -456,7 +505,8 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
         progress_expiration_s=float(swarm.get("progress_expiration_s") or METADATA_EXPIRATION_S),
         segments={p: [(a - origin, b - origin) for a, b in seg] for p, seg in segments.items()},
         timeline=([t - origin for t in times], sizes), churn=[(p, k, t - origin) for p, k, t in churn], evals=evals,
-        epochs=epochs, epoch_rule=rule)
+        epochs=epochs, epoch_rule=rule,
+        held_rounds=[dict(h, at=h["at"] - origin) for h in rounds_held_by_state_loads(steps, events)])
 
 
 def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
@@ -536,6 +586,13 @@ def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
             "Either way the round's time is spent and the peers' parameters differ until a later round averages "
             "them. A round that fails fast costs less time than one that succeeds; one that a dead peer holds up "
             "lasts until averaging_timeout_s."]
+        if a.held_rounds:
+            lines[-1] += (" Held while another peer downloaded the swarm's state: " + "; ".join(
+                f"peer {h['peer']}'s round at {h['at']:.1f} s ({h['round_s']:.1f} s; peer {h['loading_peer']} "
+                f"loading for {h['load_s']:.1f} s)" for h in a.held_rounds)
+                + f". A peer an epoch or more behind downloads the state instead of averaging (hivemind's "
+                f"load_state_from_peers); a failed round is listed here when such a download overlaps at least "
+                f"{HELD_SHARE:.0%} of it.")
     partial = [p for p in a.peers if p.partial_rounds]
     if partial:
         timeout = f"{a.next_chunk_timeout_s:g} s" if a.next_chunk_timeout_s else "its value"
