@@ -48,9 +48,9 @@ class Interrupted(KeyboardInterrupt):
 
     A ``KeyboardInterrupt``, as Ctrl-C would raise: hivemind 1.1.12's ``Optimizer.load_state_from_peers``
     retries its download of the swarm's state on every other exception (read in its source), so a
-    stop that landed there was swallowed and retried until the grace period ran out (a peer "forced
-    after grace period" in CI). Its other loops catch even this one; the strategy then stops at the
-    end of the step (:meth:`Strategy.check_stop`).
+    stop that landed there was swallowed and retried until the grace period ran out (one way a peer
+    is "forced after grace period"). Its other loops catch even this one; the strategy then stops at
+    the end of the step (:meth:`Strategy.check_stop`).
     """
 
 
