@@ -226,7 +226,7 @@ def _train(store, run_id: str, worker_index: int, num_workers: int, cores: list[
     try:
         reason = run_worker(cfg, ctx, store)
         return _record(store, db, run_id, worker_index, "completed", reason, 0, watch)
-    except (Interrupted, KeyboardInterrupt, StopRequested):
+    except (KeyboardInterrupt, StopRequested):  # Interrupted, the stop signals' exception, is a KeyboardInterrupt
         return _record(store, db, run_id, worker_index, "interrupted", _stop_reason(handler, watch), 130, watch)
     except UserError as e:
         _say(f"error: {e}")
