@@ -293,3 +293,25 @@ def test_a_growth_process_that_fails_measures_nothing_and_a_cancelled_one_ends()
     child = growth._current
     growth.cancel()  # while the first one imports torch
     assert child is not None and child.returncode is not None and growth.result() is None
+
+
+def test_cpu_steps_are_timed_in_a_fresh_process_per_batch_size():
+    """As a run's worker trains at one batch size in a process of its own: each batch size's steps in a child
+    of a clean process, one after the other, pinned to the cores asked for."""
+    sgd = prof.optimizer_setting("sgd")
+    timer = prof.FreshStepTimer("tiny_cnn", "mnist", 1, sgd, [0])
+    times = timer.result([2, 4], [0])
+    assert sorted(times) == [2, 4]
+    assert all(f > 0 and b > 0 and o > 0 and n == prof.STEP_TIMING["cpu"].timed_steps for f, b, o, n in times.values())
+    assert len(set(timer.child_pids)) == 2 and timer._process.pid not in timer.child_pids
+    assert timer._process.returncode == 0
+    timer.cancel()  # ended already: nothing more
+
+
+def test_a_failing_step_timer_says_why_and_a_cancelled_one_ends():
+    sgd = prof.optimizer_setting("sgd")
+    with pytest.raises(RuntimeError, match=r"failed at batch 1 .*no_such_network"):
+        prof.FreshStepTimer("no_such_network", "mnist", 1, sgd).result([1, 2], [0])
+    timer = prof.FreshStepTimer("tiny_cnn", "mnist", 1, sgd)
+    timer.cancel()  # at once: it is still importing torch
+    assert timer._process.returncode is not None

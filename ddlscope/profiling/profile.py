@@ -445,6 +445,142 @@ print(json.dumps(_probe_resident_growth(args["network"], args["family"], args["b
                                         args["steps"])))
 """
 
+_TIMING_SCRIPT = _SCRIPT_HEAD + """
+from ddlscope.launch.processes import die_with_parent
+die_with_parent(signal.SIGKILL)  # no orphan when the profile is ended
+if os.getppid() != args["parent_pid"]:
+    sys.exit(1)
+from ddlscope.profiling.profile import _fresh_step_times
+for line in sys.stdin:  # a batch size per line; each timed in a child forked from this clean process
+    batch_size, me = int(line), os.getpid()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        die_with_parent(signal.SIGKILL)
+        code = 1
+        try:
+            if os.getppid() == me:
+                times = _fresh_step_times(args["network"], args["family"], batch_size, optimizer)
+                os.write(write_end, json.dumps([*times, os.getpid()]).encode())
+                code = 0
+        except BaseException as exc:  # said here: os._exit below prints no traceback
+            sys.stderr.write(f"batch {batch_size}: {type(exc).__name__}: {exc}\\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as reader:
+        found = reader.read()
+    os.waitpid(pid, 0)
+    print(found or "null", flush=True)
+"""
+
+
+def _fresh_step_times(network: str, family: str, batch_size: int, optimizer: OptimizerSetting) -> list[float]:
+    """In a fresh process: :func:`_time_steps` of a freshly built model (seeded as the profile's)
+    training on CPU at ``batch_size``; ``[forward_s, backward_s, optimizer_s, timed steps]``."""
+    import torch
+
+    from ddlscope.workloads.models import build_model, input_spec
+
+    spec = input_spec(family)
+    torch.manual_seed(0)
+    model = build_model(network, family)
+    model.train()
+    opt = _build_optimizer(optimizer, model.parameters())
+    x = torch.randn(batch_size, spec.channels, spec.height, spec.width)
+    y = torch.randint(0, spec.num_classes, (batch_size,))
+    return list(_time_steps(model, opt, x, y))
+
+
+def _worker_env(threads: int) -> dict[str, str]:
+    """The environment of a process started to measure as a worker runs: ``threads`` OpenMP
+    threads, glibc's default allocator settings (no ``MALLOC_MMAP_THRESHOLD_``) and this copy of
+    ddlscope importable."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+class FreshStepTimer:
+    """CPU: :func:`_time_steps` at each batch size in a fresh process that trains at that batch size
+    only, as a run's worker does: a clean process started at once (it imports what a worker imports,
+    ``threads`` torch threads, glibc's default allocator settings; pinned to ``cores`` meanwhile, so
+    that its start-up overlaps the profile's other work) forks a child per batch size, one after the
+    other, when :meth:`result` asks.
+
+    Why not in the profile's own process: how fast a CPU step runs depends on what the process's
+    heap has held before. After the layer timings at every batch size, a MobileNetV2/MNIST step at
+    batch 16 took no page fault; in a fresh process it took 15,000-18,000 per step, as a worker's
+    do. Three profiles timed in one process read batch 16's step per sample at 0.75 of batch 32's,
+    single-size processes 1.04-1.09, and the runs' pipeline stages (micro-batch 16) computed per
+    sample what ddp's workers (batch 32) did, so the pipelines' stage compute was 22-27 %
+    under-predicted (docs/validation.md, stop 64).
+    """
+
+    def __init__(self, network: str, family: str, threads: int, optimizer: OptimizerSetting,
+                 cores: list[int] | None = None) -> None:
+        import json
+        import subprocess
+        import sys
+
+        env = _worker_env(threads)
+        args = json.dumps(dict(network=network, family=family, threads=threads, optimizer=optimizer.model_dump(),
+                               parent_pid=os.getpid()))
+        try:
+            self._process = subprocess.Popen([sys.executable, "-c", _TIMING_SCRIPT, args], env=env,
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                             text=True)
+        except OSError as exc:
+            raise RuntimeError(f"the step-timing process failed to start: {exc}") from exc
+        with contextlib.suppress(OSError):  # it already ended (its result says why), or the cores are not ours
+            os.sched_setaffinity(self._process.pid, cores or spare_cores(os.sched_getaffinity(0), threads))
+        self.child_pids: list[int] = []
+        """The processes that timed the batch sizes, after :meth:`result` (one per batch size)."""
+
+    def result(self, batch_sizes: list[int], cores: list[int], timeout_s: float = 600.0) \
+            -> dict[int, tuple[float, float, float, int]]:
+        """Time the steps at ``batch_sizes``, the children pinned to ``cores`` (the profile's, which
+        waits meanwhile): ``{batch_size: (forward_s, backward_s, optimizer_s, timed steps)}``.
+
+        Raises:
+            RuntimeError: the process failed, printed no time for a batch size, or ran longer than
+                ``timeout_s`` (it is ended; the message has the last lines of its error output).
+        """
+        import json
+        import subprocess
+
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(self._process.pid, cores)  # the children inherit it
+        try:
+            out, err = self._process.communicate("".join(f"{b}\n" for b in batch_sizes), timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.cancel()
+            raise RuntimeError(f"timing the training steps in fresh processes took longer than {timeout_s:g} s") \
+                from None
+        lines = out.strip().splitlines()
+        try:
+            found = [json.loads(line) for line in lines]
+            times = {b: (float(t[0]), float(t[1]), float(t[2]), int(t[3])) for b, t in zip(batch_sizes, found)}
+            self.child_pids = [int(t[4]) for t in found]
+        except (ValueError, TypeError, IndexError):
+            times = {}
+        if self._process.returncode != 0 or len(times) != len(batch_sizes):
+            missing = [b for b in batch_sizes if b not in times]
+            tail = " | ".join(err.strip().splitlines()[-3:])
+            raise RuntimeError(f"timing the training steps in fresh processes failed at batch "
+                               f"{missing[0] if missing else '?'} (exit {self._process.returncode}): {tail}")
+        return times
+
+    def cancel(self) -> None:
+        """End the process now (nothing when it has ended)."""
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.communicate()
+
 
 def _import_as_a_worker(family: str, optimizer: OptimizerSetting) -> None:
     """What a worker has imported when its training starts: ``tiny_cnn`` and its optimizer are
@@ -576,8 +712,7 @@ class _GrowthProcesses:
         import subprocess
         import sys
 
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        env.pop("MALLOC_MMAP_THRESHOLD_", None)  # glibc's defaults, as a worker runs
+        env = _worker_env(threads)
         for b in batch_sizes:
             args = json.dumps(dict(network=network, family=family, batch_size=b, threads=threads, steps=steps,
                                    optimizer=optimizer.model_dump(), parent_pid=os.getpid()))
@@ -740,10 +875,7 @@ class CpuMemoryProbe:
         import subprocess
         import sys
 
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        env.pop("MALLOC_MMAP_THRESHOLD_", None)  # its growth processes measure at glibc's defaults, as a worker runs
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env = _worker_env(threads)  # its growth processes measure at glibc's defaults, as a worker runs
         args = json.dumps(dict(network=network, family=family, threads=threads, optimizer=optimizer.model_dump(),
                                retained_steps=RETAINED_STEPS, mmap_threshold=MMAP_THRESHOLD_BYTES,
                                growth_cores=growth_cores or sorted(os.sched_getaffinity(0))[:threads]))
@@ -1071,8 +1203,9 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
     * per batch size a whole training step as the training loop runs it
       (:func:`ddlscope.workloads.step.train_step`: cross-entropy, ``optimizer``,
       ``zero_grad(set_to_none=True)``): the median of the timed steps after a warm-up, as many
-      as the device's :data:`STEP_TIMING` says (CPU: 5 after 1; CUDA: at least 1 s of steps after
-      0.5 s);
+      as the device's :data:`STEP_TIMING` says (CPU: 5 after 1, each batch size in a fresh process
+      of its own, as a worker trains: :class:`FreshStepTimer`; CUDA: at least 1 s of
+      steps after 0.5 s, in this process);
       activation peak from fake tensors, and the same quantity measured with real tensors
       (``measured_activation_peak_bytes``, :class:`CpuMemoryProbe`, :func:`_measure_cuda_memory`);
     * the optimizer's state bytes after a step (:func:`_fake_analysis`);
@@ -1136,6 +1269,9 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
     # its steps wait for the batch sizes that fit
     probe = CpuMemoryProbe(network, family, threads, optimizer, spare_cores(old_cores, threads)) \
         if dev.type == "cpu" else None
+    # so does the clean process the steps are timed in (each batch size in a child of its own)
+    timer = FreshStepTimer(network, family, threads, optimizer, spare_cores(old_cores, threads)) \
+        if dev.type == "cpu" else None
     try:
         say("fake-tensor analysis (bytes, FLOPs)" + (", memory probe beside it" if probe else ""))
         fake = _fake_analysis(network, family, profile_batch_sizes(batch_size), optimizer)
@@ -1162,14 +1298,24 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
             for i, (f, bk) in enumerate(zip(f_s, b_s)):
                 fwd[i].append(f)
                 bwd[i].append(bk)
-        opt = _build_optimizer(optimizer, model.parameters())
         steps = []
         input_bytes = spec.channels * spec.height * spec.width * 4
+        fresh = None
+        if dev.type == "cpu":  # a step's time depends on the heap the process had: each batch size as a worker runs it
+            say(f"training steps at batches {', '.join(map(str, sizes))}, each in a fresh process")
+            del model
+            fresh = timer.result(sizes, sorted(os.sched_getaffinity(0)))
+        else:
+            opt = _build_optimizer(optimizer, model.parameters())
         for b in sizes:
-            say(f"training steps at batch {b}")
-            x = torch.randn(b, spec.channels, spec.height, spec.width, device=dev)
-            y = torch.randint(0, spec.num_classes, (b,), device=dev)
-            f, bk, o, _ = _time_steps(model, opt, x, y)
+            if fresh is not None:
+                f, bk, o, _ = fresh[b]
+            else:
+                say(f"training steps at batch {b}")
+                x = torch.randn(b, spec.channels, spec.height, spec.width, device=dev)
+                y = torch.randint(0, spec.num_classes, (b,), device=dev)
+                f, bk, o, _ = _time_steps(model, opt, x, y)
+                del x, y
             measured = retained = None
             if real_steps is not None and b in real_steps:
                 # the probe's step bytes exclude the input batch (resident before) and include the gradients
@@ -1180,7 +1326,8 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
                                      activation_peak_bytes=fake["activation_peak_bytes"][b],
                                      measured_activation_peak_bytes=measured,
                                      retained_bytes=retained))
-        del model, opt, x, y
+        if fresh is None:
+            del model, opt
         loading = []
         if loader_workers:
             say(f"data loading with {', '.join(map(str, sorted(set(loader_workers))))} loader workers")
@@ -1196,6 +1343,8 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
     finally:
         if probe is not None:
             probe.cancel()  # ended already, unless the profile failed before it was read
+        if timer is not None:
+            timer.cancel()
         torch.set_num_threads(old_threads)
         os.sched_setaffinity(0, old_cores)
     if beyond:
