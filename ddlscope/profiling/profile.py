@@ -482,16 +482,8 @@ def _fresh_step_times(network: str, family: str, batch_size: int, optimizer: Opt
     training on CPU at ``batch_size``; ``[forward_s, backward_s, optimizer_s, timed steps]``."""
     import torch
 
-    from ddlscope.workloads.models import build_model, input_spec
-
-    spec = input_spec(family)
     torch.manual_seed(0)
-    model = build_model(network, family)
-    model.train()
-    opt = _build_optimizer(optimizer, model.parameters())
-    x = torch.randn(batch_size, spec.channels, spec.height, spec.width)
-    y = torch.randint(0, spec.num_classes, (batch_size,))
-    return list(_time_steps(model, opt, x, y))
+    return list(_time_steps(*_fresh_training(network, family, optimizer, torch.device("cpu"), batch_size)))
 
 
 def _worker_env(threads: int) -> dict[str, str]:
@@ -1028,22 +1020,29 @@ def _add_activation_peaks(fake: dict, batch_sizes, network: str, family: str, op
         fake["activation_peak_bytes"].update(more["activation_peak_bytes"])
 
 
-def _train_steps(network: str, family: str, optimizer: OptimizerSetting, device, batch_size: int,
-                 steps: int = 2, before=None) -> None:
-    """``steps`` training steps of a fresh model at ``batch_size`` on ``device`` (by default two: the
-    second with the optimizer's state, as the profile's steps run); ``before()``, when given, is
-    called once the model, the optimizer and the batch exist, before the first step. Everything is
-    dropped on return."""
+def _fresh_training(network: str, family: str, optimizer: OptimizerSetting, device, batch_size: int) -> tuple:
+    """A freshly built model on ``device``, its optimizer and a random batch ``(x [b, C, H, W], y [b])``."""
     import torch
 
     from ddlscope.workloads.models import build_model, input_spec
-    from ddlscope.workloads.step import train_step
 
     spec = input_spec(family)
     model = build_model(network, family).to(device)
     opt = _build_optimizer(optimizer, model.parameters())
     x = torch.randn(batch_size, spec.channels, spec.height, spec.width, device=device)
     y = torch.randint(0, spec.num_classes, (batch_size,), device=device)
+    return model, opt, x, y
+
+
+def _train_steps(network: str, family: str, optimizer: OptimizerSetting, device, batch_size: int,
+                 steps: int = 2, before=None) -> None:
+    """``steps`` training steps of a fresh model at ``batch_size`` on ``device`` (by default two: the
+    second with the optimizer's state, as the profile's steps run); ``before()``, when given, is
+    called once the model, the optimizer and the batch exist, before the first step. Everything is
+    dropped on return."""
+    from ddlscope.workloads.step import train_step
+
+    model, opt, x, y = _fresh_training(network, family, optimizer, device, batch_size)
     if before is not None:
         before()
     for _ in range(steps):
@@ -1298,24 +1297,20 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
             for i, (f, bk) in enumerate(zip(f_s, b_s)):
                 fwd[i].append(f)
                 bwd[i].append(bk)
-        steps = []
-        input_bytes = spec.channels * spec.height * spec.width * 4
-        fresh = None
-        if dev.type == "cpu":  # a step's time depends on the heap the process had: each batch size as a worker runs it
-            say(f"training steps at batches {', '.join(map(str, sizes))}, each in a fresh process")
-            del model
-            fresh = timer.result(sizes, sorted(os.sched_getaffinity(0)))
+        say(f"training steps at batches {', '.join(map(str, sizes))}"
+            + (", each in a fresh process" if timer else ""))
+        if timer:  # a CPU step's time depends on the heap the process had: each batch size as a worker runs it
+            timed = timer.result(sizes, sorted(os.sched_getaffinity(0)))
         else:
             opt = _build_optimizer(optimizer, model.parameters())
+            timed = {b: _time_steps(model, opt, torch.randn(b, spec.channels, spec.height, spec.width, device=dev),
+                                    torch.randint(0, spec.num_classes, (b,), device=dev)) for b in sizes}
+            del opt
+        del model
+        steps = []
+        input_bytes = spec.channels * spec.height * spec.width * 4
         for b in sizes:
-            if fresh is not None:
-                f, bk, o, _ = fresh[b]
-            else:
-                say(f"training steps at batch {b}")
-                x = torch.randn(b, spec.channels, spec.height, spec.width, device=dev)
-                y = torch.randint(0, spec.num_classes, (b,), device=dev)
-                f, bk, o, _ = _time_steps(model, opt, x, y)
-                del x, y
+            f, bk, o, _ = timed[b]
             measured = retained = None
             if real_steps is not None and b in real_steps:
                 # the probe's step bytes exclude the input batch (resident before) and include the gradients
@@ -1326,8 +1321,6 @@ def profile_workload(network: str, dataset: str, batch_size: int, device: str = 
                                      activation_peak_bytes=fake["activation_peak_bytes"][b],
                                      measured_activation_peak_bytes=measured,
                                      retained_bytes=retained))
-        if fresh is None:
-            del model, opt
         loading = []
         if loader_workers:
             say(f"data loading with {', '.join(map(str, sorted(set(loader_workers))))} loader workers")
