@@ -364,13 +364,16 @@ worker.GRACE_S = 0.5
 signal.signal(signal.SIGTERM, worker._stop_handler(lambda: print("recorded", flush=True)))
 
 def a_library_that_swallows_every_exception():
+    ready = False
     while True:
         try:
+            if not ready:  # said inside the try: a SIGTERM right after "ready" must meet the swallowing library
+                ready = True  # (said before it, the stop once landed between the print and the call: exit 1, CI)
+                print("ready", flush=True)
             time.sleep(10)
         except BaseException:
             continue
 
-print("ready", flush=True)
 a_library_that_swallows_every_exception()
 """
 
