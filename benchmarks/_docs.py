@@ -321,6 +321,13 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
                               + ("" if o.get("predicted_overshoot_steps") is None
                                  else f" (predicted {o['predicted_overshoot_steps']:.2f})") for label, o in past)
                   + ".", ""]
+    # a repeat that did not complete is left out of its cell's median and spread: say which and why
+    lost = [f"{where(c) if c.get('link') else c.get('network') + ' on ' + str(c.get('dataset'))}, {o.get('strategy')}: "
+            + re.sub(r" \(log: [^)]*\)", "", o["reason"])
+            for c in result.get("cells", []) for o in c.get("outcomes", [])
+            if o.get("status") == "completed" and "repeats did not complete" in (o.get("reason") or "")]
+    if lost:
+        lines += ["Runs that did not complete (left out of their cell's median and spread): " + "; ".join(lost) + ".", ""]
     columns = ["distribution model (@ emulated link)", "cells", "median abs error", "max abs error",
                "median error (signed)", "run-to-run spread (median)", "median abs error at the runs' compute",
                "thesis reference: median abs error", "target", "met"]

@@ -153,6 +153,13 @@ def test_predictor_table_shows_each_model_and_target():
     past = docs.predictor_markdown({**repeated, "cells": [swarm]}, header=HEADER)
     assert "each run against the prediction (the hivemind fit's overshoot): 10 Mbit/s 0.35 / 0.40 (predicted 0.30)." \
         in past
+    # a repeat that did not complete: named with its reason (its log's path left out), beside the cells' medians
+    assert "did not complete" not in past
+    lost = {**swarm, "outcomes": [{**swarm["outcomes"][0], "status": "completed", "reason": "1 of 3 repeats did not "
+                                   "complete: failed: peer 1 killed by SIGSEGV (log: /tmp/x/worker-1.log)"}]}
+    lost_md = docs.predictor_markdown({**repeated, "cells": [lost]}, header=HEADER)
+    assert ("Runs that did not complete (left out of their cell's median and spread): 10 Mbit/s, collaborative: "
+            "1 of 3 repeats did not complete: failed: peer 1 killed by SIGSEGV.") in lost_md
 
 
 def test_default_header_names_script_date_machine_and_commit():

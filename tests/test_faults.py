@@ -284,6 +284,8 @@ MATRIX = [
     ("single", "launcher", "SIGTERM", "interrupted", ["interrupted: the launcher received SIGTERM"]),
     ("single", "launcher", "SIGHUP", "interrupted", ["interrupted: the launcher received SIGHUP"]),
     ("single", "worker0", "SIGKILL", "failed", ["worker 0 killed by SIGKILL"]),
+    # a crash in native code: the worker's log has every thread's Python stack (faulthandler)
+    ("single", "worker0", "SIGSEGV", "failed", ["worker 0 killed by SIGSEGV"]),
     ("single", "worker0", "SIGTERM", "interrupted", ["worker 0 stopped by SIGTERM"]),
     ("ddp", "launcher", "SIGKILL", "interrupted", [LAUNCHER_DIED]),
     ("ddp", "launcher", "SIGTERM", "interrupted", ["interrupted: the launcher received SIGTERM"]),
@@ -309,6 +311,9 @@ def test_a_signal_to_any_process_ends_the_run_with_its_reason_and_leaves_nothing
     _wait_training(run, STRATEGY[strategy]["peers"])
     pid, tmp_dir = _hurt(run, strategy, target, getattr(signal, sig))
     _check_outcome(run, target, pid, tmp_dir, status, fragments)
+    if sig == "SIGSEGV":
+        log = _log_tails(run, 200)[f"{target.replace('worker', 'worker-')}.log"]
+        assert "Fatal Python error: Segmentation fault" in log and "most recent call first" in log, log[-3000:]
 
 
 @slow

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import faulthandler
 import json
 import os
 import signal
@@ -293,6 +294,10 @@ def _store_failed(db: str, err: BaseException, store=None, run_id: str | None = 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # a worker killed by a fatal signal in native code (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL) writes every
+    # thread's Python stack to its log (stderr) first: the run's reason names the signal and the log, the log
+    # says where (a collaborative peer died by SIGSEGV right after a background averaging round: stop 65)
+    faulthandler.enable(all_threads=True)
     if args.die_with_parent:  # SIGTERM when the launcher dies: the worker records its status and stops (no orphans)
         die_with_parent(signal.SIGTERM)
     env = os.environ
