@@ -311,7 +311,10 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
                               f"per global epoch, overshoot {f['overshoot_steps']:.2f} steps"
                               + ("" if f.get("measured") in ("now", "cached") else f" ({f['measured']})")
                               for f in fits) + ".", ""]
-    past = [(where(c) if c.get("link") else f"{c.get('network')} on {c.get('dataset')}", o)
+    def label(c: dict) -> str:  # a cell in a sentence: its link, or its workload on a grid without links
+        return where(c) if c.get("link") else f"{c.get('network')} on {c.get('dataset')}"
+
+    past = [(label(c), o)
             for c in result.get("cells", []) for o in c.get("outcomes", []) if o.get("overshoot_steps_per_run")]
     if past:
         lines += ["How far collaborative peers ran past the target batch, in steps per peer per global epoch "
@@ -322,7 +325,7 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
                                  else f" (predicted {o['predicted_overshoot_steps']:.2f})") for label, o in past)
                   + ".", ""]
     # a repeat that did not complete is left out of its cell's median and spread: say which and why
-    lost = [f"{where(c) if c.get('link') else c.get('network') + ' on ' + str(c.get('dataset'))}, {o.get('strategy')}: "
+    lost = [f"{label(c)}, {o.get('strategy')}: "
             + re.sub(r" \(log: [^)]*\)", "", o["reason"])
             for c in result.get("cells", []) for o in c.get("outcomes", [])
             if o.get("status") == "completed" and "repeats did not complete" in (o.get("reason") or "")]
