@@ -92,6 +92,15 @@ def test_fsdp_shards_the_state_and_gathers_one_unit_at_a_time():
     zero2 = predict_memory(hand_profile(), "fsdp", 2, 8, reshard_after_forward=False)[0]
     assert zero2.comm_buffers_bytes == 10 * MB + 8 * MB + 4 * MB  # all units gathered + 2 p_max + gloo copy
     assert four.training_bytes < two.training_bytes < single.training_bytes + two.comm_buffers_bytes
+    # what a step allocates and frees beyond its gradients and activations (P = 10 MB): per all-gather the output
+    # and the unsharded parameters, in the backward the unsharded gradients and the reduce-scatter input, on CPU
+    # gloo's flat copy per collective; held at no peak
+    assert two.step_transient_bytes == four.step_transient_bytes == (2 * 3 + 3) * 10 * MB
+    assert zero2.step_transient_bytes == (3 + 3) * 10 * MB  # one all-gather per unit
+    assert predict_memory(hand_profile("cuda"), "fsdp", 2, 8)[0].step_transient_bytes == (2 * 2 + 2) * 10 * MB
+    assert single.step_transient_bytes == 0 and two.total_bytes == sum(
+        getattr(two, f) for f in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+                                  "comm_buffers_bytes", "runtime_bytes"))  # no retained heap measured
 
 
 def test_pipelines_hold_micro_batches_in_flight():
@@ -135,6 +144,10 @@ def test_a_cpu_profile_s_retained_heap_is_a_share_of_what_each_worker_s_steps_al
     assert single.total_bytes == 30 * MB + 4000 + 480_000 + single.retained_bytes + 300 * MB
     for stage in predict_memory(prof, "gpipe", 2, 8, microbatches=4):  # each stage: its own gradients and activations
         assert stage.retained_bytes == round(0.5 * (stage.grads_bytes + stage.activations_bytes)) > 0
+    # an fsdp worker's steps also allocate and free the gathered units: the heap keeps the same share of them
+    (fsdp, _) = predict_memory(prof, "fsdp", 2, 8)
+    assert fsdp.step_transient_bytes == 90 * MB
+    assert fsdp.retained_bytes == round(0.5 * (5 * MB + 480_000 + 90 * MB))
 
 
 def test_a_cpu_profile_measured_at_two_batches_separates_what_every_process_keeps_whatever_the_batch():

@@ -31,8 +31,10 @@ Notation (bytes; the profile's fields):
   with glibc's defaults, in fresh processes at its smallest and largest batch
   (:attr:`StepProfile.retained_bytes`) and fits ``F + k (P + A(b))``
   (:meth:`WorkloadProfile.retained_fit`); every worker of every model gets
-  ``K = F + k (grads + activations)`` of its own estimate (:func:`setting_memory`): ``F`` once per
-  process, ``k`` of what its own steps allocate and free.
+  ``K = F + k (grads + activations + transient)`` of its own estimate (:func:`setting_memory`):
+  ``F`` once per process, ``k`` of what its own steps allocate and free. ``transient``
+  (:attr:`MemoryEstimate.step_transient_bytes`) is what a step allocates and frees beyond its
+  gradients and activations: FSDP's gathered units, 0 for the other models.
 
 Every figure is a peak during training steps (steady state); one-off peaks before training
 (DDP's initial broadcast of the parameters, hivemind's first state download) are not included,
@@ -67,6 +69,10 @@ class MemoryEstimate(BaseModel):
     activations)`` of ``K`` in the module docstring) and ``first_training_bytes`` what a process's
     first training steps add whatever the batch (``F``), each None where the profile did not
     measure it (GPU profiles, older profiles; ``F`` also where the profile could not separate it).
+    ``step_transient_bytes`` is what one training step allocates and frees beyond its gradients
+    and activations (FSDP's all-gathered units, their gradients and gloo's flat copies): none of
+    it is held at the peak (``comm_buffers_bytes`` holds what is), but the freed heap that glibc
+    keeps is a share of it as of the rest (:func:`setting_memory`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -80,6 +86,7 @@ class MemoryEstimate(BaseModel):
     runtime_bytes: int = Field(ge=0)
     retained_bytes: int | None = Field(None, ge=0)
     first_training_bytes: int | None = Field(None, ge=0)
+    step_transient_bytes: int = Field(0, ge=0)
     notes: str = ""
 
     @computed_field  # type: ignore[prop-decorator]
@@ -122,8 +129,9 @@ def hivemind_runtime_bytes(profile: WorkloadProfile) -> int:
 def setting_memory(profile: WorkloadProfile, setting: Setting) -> list[MemoryEstimate]:
     """Peak memory of every worker of a setting, from its model's memory model (the registry's
     ``memory_model``; each formula is documented there), plus, for a CPU profile that measured it,
-    what each worker keeps beyond its live tensors, ``K = F + k (grads + activations)`` of its own
-    estimate (:meth:`WorkloadProfile.retained_fit`; ``F`` where the profile separated it).
+    what each worker keeps beyond its live tensors, ``K = F + k (grads + activations + transient)``
+    of its own estimate (:meth:`WorkloadProfile.retained_fit`; ``F`` where the profile separated
+    it; transient: :attr:`MemoryEstimate.step_transient_bytes`).
 
     Returns:
         one :class:`MemoryEstimate` per worker (pipelines: per stage, in stage order).
@@ -143,7 +151,8 @@ def setting_memory(profile: WorkloadProfile, setting: Setting) -> list[MemoryEst
     if fit is None:
         return estimates
     fixed, share = fit
-    return [e.model_copy(update={"retained_bytes": round(share * (e.grads_bytes + e.activations_bytes)),
+    return [e.model_copy(update={"retained_bytes": round(share * (e.grads_bytes + e.activations_bytes
+                                                                    + e.step_transient_bytes)),
                                  "first_training_bytes": None if fixed is None else round(fixed)})
             for e in estimates]
 
