@@ -302,15 +302,31 @@ def predictor_markdown(result: Mapping[str, Any], header: str | None = None) -> 
         lines += ["The share of the slowest link's rate fsdp's unit collectives reached over the same links on gloo, "
                   "each worker on one core (`ddlscope.network.collective_probe`, at the profile's unit sizes; the fsdp "
                   "model's collectives run at it): " + ", ".join(f"{link} {g:.3f}" for link, g in gloo.items()) + ".", ""]
-    fits = next((c["hivemind_fits"] for c in result.get("cells", []) if c.get("hivemind_fits")), [])
-    if fits:
+    every = [f for c in result.get("cells", []) for f in c.get("hivemind_fits") or []]
+    fits = [f for i, f in enumerate(every) if f not in every[:i]]  # a round's fit is listed by each of its cells
+
+    def fit_text(f: dict) -> str:
+        if f.get("epoch_overhead_s") is None:
+            return f"none ({f['measured']})"
+        return (f"{f['epoch_overhead_s']:.3g} s + {f['overhead_steps']:.3g} x step per global epoch"
+                + ("" if f.get("compute_overhead_s") is None else f", {f['compute_overhead_s']:.3g} s of it in the steps")
+                + f", overshoot {f['overshoot_steps']:.2f} steps"
+                + ("" if f.get("measured") in ("now", "cached") else f" ({f['measured']})"))
+
+    rounds = [f for f in fits if not f.get("workload")]
+    if rounds:
         lines += ["hivemind's overhead and overshoot, measured again right before each round (hivemind swarms of the "
                   "grid's network on its workers, `ddlscope.profiling.calibrate.calibrate_hivemind`; the collaborative "
                   "cells of that round are predicted with it): "
-                  + "; ".join(f"round {f['round']} {f['epoch_overhead_s']:.3g} s + {f['overhead_steps']:.3g} x step "
-                              f"per global epoch, overshoot {f['overshoot_steps']:.2f} steps"
-                              + ("" if f.get("measured") in ("now", "cached") else f" ({f['measured']})")
-                              for f in fits) + ".", ""]
+                  + "; ".join(f"round {f['round']} {fit_text(f)}" for f in rounds) + ".", ""]
+    workloads = [f for f in fits if f.get("workload")]
+    if workloads:
+        per_round = any(f["round"] > 1 for f in workloads)
+        lines += ["hivemind's overhead and overshoot, measured for each workload at its batch per peer (hivemind swarms "
+                  "of that network on the grid's workers, `hivemind_per_workload`; its collaborative cells are "
+                  "predicted with it): "
+                  + "; ".join(f"{f['workload']}" + (f" (round {f['round']})" if per_round else "")
+                              + f" {fit_text(f)}" for f in workloads) + ".", ""]
     def label(c: dict) -> str:  # a cell in a sentence: its link, or its workload on a grid without links
         return where(c) if c.get("link") else f"{c.get('network')} on {c.get('dataset')}"
 

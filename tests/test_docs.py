@@ -146,6 +146,16 @@ def test_predictor_table_shows_each_model_and_target():
     assert "run at it): tiny_cnn @ 10 Mbit/s on mnist 0.812, mlp @ 10 Mbit/s on mnist 0.900." in two  # per workload
     assert ("): round 1 1.84 s + 0 x step per global epoch, overshoot 0.30 steps; round 2 9 s + 0.5 x step per "
             "global epoch, overshoot 0.10 steps (kept the cluster's fit: worker 1 failed).") in body
+    # a fit per workload (hivemind_per_workload): each cell lists its own, the block names each once
+    own = [{"round": 1, "workload": f"{net} on mnist", "epoch_overhead_s": e, "overhead_steps": 0.0,
+            "compute_overhead_s": c, "overshoot_steps": o, "measured": "now"}
+           for net, e, c, o in (("vgg11", 1.26, 0.329, 0.55), ("resnet18", 1.9, 0.7, 0.4))]
+    per = docs.predictor_markdown({**repeated, "cells": [{"outcomes": [], "hivemind_fits": [f]} for f in own + own[:1]]},
+                                  header=HEADER)
+    assert "measured again right before each round" not in per
+    assert ("predicted with it): vgg11 on mnist 1.26 s + 0 x step per global epoch, 0.329 s of it in the steps, "
+            "overshoot 0.55 steps; resnet18 on mnist 1.9 s + 0 x step per global epoch, 0.7 s of it in the steps, "
+            "overshoot 0.40 steps.") in per
     # how far collaborative peers ran past the target batch: each run, and the prediction's
     assert "ran past the target batch" not in body
     swarm = {**link, "outcomes": [{"strategy": "collaborative", "overshoot_steps_per_run": [0.35, 0.4],

@@ -392,15 +392,18 @@ def test_validate_tiny_stores_predictions_next_to_real_runs(tmp_path):
     assert conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 3
 
 
-@pytest.mark.parametrize("flag, rerun, each, hivemind", [
-    ([], False, False, False), (["--rerun"], True, False, False), (["links", "--profile-each-repeat"], False, True, False),
-    (["links", "--one-profile"], False, False, False), (["links"], False, True, False),
-    (["links", "--one-hivemind-fit"], False, True, False), (["links", "--hivemind-each-repeat"], False, True, True)])
-def test_validate_cli_hands_rerun_to_the_runs(tmp_path, monkeypatch, flag, rerun, each, hivemind):
+@pytest.mark.parametrize("flag, rerun, each, hivemind, per_workload", [
+    ([], False, False, False, True), (["--rerun"], True, False, False, True),
+    (["links", "--profile-each-repeat"], False, True, False, True), (["links", "--one-profile"], False, False, False, True),
+    (["links"], False, True, False, True), (["links", "--one-hivemind-fit"], False, True, False, True),
+    (["links", "--hivemind-each-repeat"], False, True, True, True), (["--one-hivemind-fit-for-all"], False, False, False, False),
+    (["--hivemind-per-workload"], False, False, False, True)])
+def test_validate_cli_hands_rerun_to_the_runs(tmp_path, monkeypatch, flag, rerun, each, hivemind, per_workload):
     """``--rerun`` reaches :func:`run_validation` (which hands it to ``run_cells``: every cell runs again,
     tests/test_experiments.py); without it, stored runs are reused (the real test above). The grid's
     ``profile_each_repeat`` (the ``links`` preset's True) is overridden by ``--profile-each-repeat`` /
-    ``--one-profile``, its ``hivemind_each_repeat`` by ``--hivemind-each-repeat`` / ``--one-hivemind-fit``."""
+    ``--one-profile``, its ``hivemind_each_repeat`` by ``--hivemind-each-repeat`` / ``--one-hivemind-fit``, its
+    ``hivemind_per_workload`` by ``--hivemind-per-workload`` / ``--one-hivemind-fit-for-all``."""
     from typer.testing import CliRunner
 
     from ddlscope.cli import app
@@ -417,7 +420,7 @@ def test_validate_cli_hands_rerun_to_the_runs(tmp_path, monkeypatch, flag, rerun
                                       str(tmp_path / "r.db"), "--no-progress"])
     assert result.exit_code == 130, result.output
     assert seen["rerun"] is rerun and seen["run_real"] is True and seen["grid"].profile_each_repeat is each
-    assert seen["grid"].hivemind_each_repeat is hivemind
+    assert seen["grid"].hivemind_each_repeat is hivemind and seen["grid"].hivemind_per_workload is per_workload
 
 
 def test_each_round_measures_hivemind_again_and_predicts_its_swarm_cells_with_that_fit(tmp_path, monkeypatch):
@@ -476,6 +479,71 @@ def test_each_round_measures_hivemind_again_and_predicts_its_swarm_cells_with_th
 
 
 @pytest.mark.slow
+def test_a_grid_of_several_workloads_predicts_each_one_s_swarm_cells_from_its_own_hivemind_fit(tmp_path, monkeypatch):
+    """hivemind_per_workload: a fit per network and dataset at the grid's batch per peer, kept with the
+    profiles, read back on a re-render; each workload's collaborative cells predicted with its own fit,
+    the other models untouched; a workload whose swarms fail keeps the cluster's fit and says why."""
+    import ddlscope.profiling.calibrate
+    import ddlscope.profiling.profile
+    from ddlscope.experiments.validate import GRID_SWARM_EPOCHS, fits_per_workload
+    from ddlscope.modeling.cluster import HivemindFit
+    from ddlscope.profiling.calibrate import CalibrationError
+
+    monkeypatch.setattr(ddlscope.profiling.profile, "load_or_profile", lambda *a, **k: make_profile())
+    overhead_s = {"tiny_cnn": 2.0, "mlp": 5.0, "moe_cnn": None}  # moe_cnn's swarms fail
+    calls, kept = [], {}
+
+    def measure(cache_dir, refresh=False, **options):
+        calls.append((cache_dir.name, refresh, options))
+        if cache_dir in kept and not refresh:
+            return kept[cache_dir], True
+        net = options["swarm_reference"][0]
+        if overhead_s[net] is None:
+            raise CalibrationError("calibration worker 1 failed: boom")
+        kept[cache_dir] = HivemindFit(epoch_overhead_s=overhead_s[net], compute_overhead_s=0.1, overshoot_steps=0.3)
+        return kept[cache_dir], False
+
+    monkeypatch.setattr(ddlscope.profiling.calibrate, "load_or_calibrate_hivemind", measure)
+    grid = ValidationGrid(name="v", datasets=["mnist"], networks=["tiny_cnn", "mlp", "moe_cnn"],
+                          strategies=["collaborative", "ddp"], workers=2, batch_size=16, warmup_batches=1,
+                          measured_batches=2, threads_per_device=1, synthetic_train_size=16, target_batch_size=32)
+    assert grid.hivemind_per_workload and fits_per_workload(grid)
+    cluster = make_cluster().model_copy(update={"hivemind": HivemindFit(epoch_overhead_s=9.0)})
+    run, _ = fake_run_fn(step_s=0.5)
+    db = tmp_path / "r.db"
+    cells = run_validation(grid, cluster, db, profile_dir=tmp_path / "profiles", progress=False, run_fn=run)
+    assert [(c[0], c[1]) for c in calls] == [(f"hivemind-{n}-mnist", False) for n in ("tiny_cnn", "mlp", "moe_cnn")]
+    assert all(c[2] == {"workers": 2, "threads": 1, "matchmaking_time_s": grid.matchmaking_time_s,
+                        "swarm_reference": (c[0].split("-")[1], "mnist"), "swarm_batch_sizes": [8],
+                        "swarm_epochs": GRID_SWARM_EPOCHS, "progress": None} for c in calls), calls
+    by_net = {c.network: c for c in cells}
+    assert [(f["workload"], f["epoch_overhead_s"], f["measured"]) for f in by_net["mlp"].hivemind_fits] == \
+        [("mlp on mnist", 5.0, "now")]  # each cell lists its own workload's fit
+    failed = by_net["moe_cnn"].hivemind_fits[0]
+    assert failed["epoch_overhead_s"] == 9.0 and "kept the cluster's fit" in failed["measured"] and "boom" in failed["measured"]
+    with ResultsStore(db) as store:
+        read = {(p["cell_key"].split("-")[1], p["strategy"]): json.loads(p["detail_json"])["inputs"]
+                for p in store.predictions("v")}
+    assert {net: read[(net, "collaborative")]["hivemind_epoch_overhead_s"] for net in overhead_s} == \
+        {"tiny_cnn": 2.0, "mlp": 5.0, "moe_cnn": 9.0}
+    assert read[("tiny_cnn", "ddp")] == read[("mlp", "ddp")]  # the same profile: ddp reads no hivemind fit
+    # a re-render reads the kept fits; --rerun measures them again
+    calls.clear()
+    run_validation(grid, cluster, db, profile_dir=tmp_path / "profiles", progress=False, run_fn=run)
+    assert [c[1] for c in calls] == [False] * 3
+    calls.clear()
+    run_validation(grid, cluster, db, profile_dir=tmp_path / "profiles", progress=False, run_fn=run, rerun=True)
+    assert [c[1] for c in calls] == [True] * 3
+    # off, one workload, no model that averages with hivemind, or no fit in the cluster: nothing measured
+    calls.clear()
+    for other, at in ((grid.model_copy(update={"hivemind_per_workload": False}), cluster),
+                      (grid.model_copy(update={"networks": ["tiny_cnn"]}), cluster),
+                      (grid.model_copy(update={"strategies": ["ddp"]}), cluster), (grid, make_cluster())):
+        run_validation(other, at, tmp_path / "o.db", profile_dir=tmp_path / "o", progress=False, run_fn=run)
+    assert calls == []
+    assert not fits_per_workload(grid.model_copy(update={"networks": ["tiny_cnn"]}))
+
+
 def test_validate_stopped_by_sigterm_says_so_and_leaves_no_process(tmp_path):
     """SIGTERM stops a validation as Ctrl-C does: the running step unwinds (its processes stopped,
     its temporary folders removed), the command says how to resume and exits 130."""

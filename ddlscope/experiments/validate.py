@@ -147,6 +147,13 @@ class ValidationGrid(BaseModel):
                            "serve every round. Off by default: in the one pass that tried it (docs/validation.md, stop "
                            "41) a fit's 10 epochs read overshoots of 0.05-0.35 steps within 30 minutes, noise larger "
                            "than the drift it was meant to follow, and the collaborative cells missed by more")
+    hivemind_per_workload: bool = Field(
+        True, description="a grid of several networks or datasets with a model that averages with hivemind: measure "
+                          "hivemind's fit for each network and dataset at the grid's batch per peer (calibrate "
+                          "--hivemind --swarm-network, a minute or two each, kept with the profiles) and predict each "
+                          "workload's swarm cells from its own fit, as a user calibrates for their workload; off: "
+                          "every workload from the cluster's one fit, of calibrate's reference network (VGG-11 "
+                          "predicted from ResNet-18's fit: +29 and +41 %, docs/validation.md, stop 66)")
 
     @field_validator("bandwidths_mbit_per_s")
     @classmethod
@@ -285,13 +292,29 @@ def calibration_options(grid: ValidationGrid) -> dict[str, Any]:
     models = [distribution.get(name) for name in grid.strategies]
     options: dict[str, Any] = {fit: any(fit in m.calibrations for m in models) for fit in distribution.CALIBRATIONS}
     options["matchmaking_time_s"] = grid.matchmaking_time_s
-    swarm = [m for m in models if m.averages_with_hivemind]
-    if swarm and len(grid.networks) == 1 and len(grid.datasets) == 1:
-        options["swarm_reference"] = (grid.networks[0], grid.datasets[0])
-        options["swarm_batch_sizes"] = sorted({max(1, grid.batch_size // m.data_parallel_size(grid.workers))
-                                               for m in swarm})
-        options["swarm_epochs"] = GRID_SWARM_EPOCHS
+    if any(m.averages_with_hivemind for m in models) and len(grid.networks) == 1 and len(grid.datasets) == 1:
+        options.update(workload_swarm_options(grid, grid.networks[0], grid.datasets[0]))
     return options
+
+
+def workload_swarm_options(grid: ValidationGrid, network: str, dataset: str) -> dict[str, Any]:
+    """The swarm options of :func:`ddlscope.profiling.calibrate.calibrate_hivemind` for a hivemind fit
+    of one workload of ``grid``: ``swarm_reference`` ``(network, dataset)``, ``swarm_batch_sizes`` the
+    batch per peer of the grid's models that average with hivemind, :data:`GRID_SWARM_EPOCHS` global
+    epochs, the grid's matchmaking time."""
+    swarm = [distribution.get(name) for name in grid.strategies if distribution.get(name).averages_with_hivemind]
+    return {"matchmaking_time_s": grid.matchmaking_time_s, "swarm_reference": (network, dataset),
+            "swarm_batch_sizes": sorted({max(1, grid.batch_size // m.data_parallel_size(grid.workers)) for m in swarm}),
+            "swarm_epochs": GRID_SWARM_EPOCHS}
+
+
+def fits_per_workload(grid: ValidationGrid) -> bool:
+    """Whether ``grid`` predicts each workload's swarm cells from a hivemind fit of its own
+    (:attr:`ValidationGrid.hivemind_per_workload`, several networks or datasets, a model that
+    averages with hivemind); a grid of one workload calibrates its cluster's fit on it instead
+    (:func:`calibration_options`)."""
+    return grid.hivemind_per_workload and (len(grid.networks) > 1 or len(grid.datasets) > 1) \
+        and any(distribution.get(name).averages_with_hivemind for name in grid.strategies)
 
 
 def load_grid(path_or_preset: str) -> ValidationGrid:
@@ -441,15 +464,28 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
     runs: dict[str, tuple[str | None, str, str | None]] = {}
     refit = each and grid.hivemind_each_repeat and cluster.hivemind is not None and any("hivemind" in distribution.get(name).calibrations
                                                            for name in grid.strategies)
+    per_workload = fits_per_workload(grid) and cluster.hivemind is not None
     fits: list[dict[str, Any]] = []
     for repeats in rounds:
         here = profile_dir if repeats[0] == 0 else profile_dir / f"repeat-{repeats[0] + 1}"
         at = cluster
-        if refit:
+        if refit and not per_workload:
             fit, row = round_hivemind_fit(grid, cluster, here, repeats[0], refresh=rerun, progress=progress)
             fits.append(row)
             at = cluster.model_copy(update={"hivemind": fit})
-        plans.append(_predict(grid, at, db_path, root, here, repeats, links, progress, refresh=rerun and each))
+        cluster_for = None
+        if per_workload:  # each workload's swarm cells from its own fit: measured once, or before each round
+            fit_dir, remeasure = (here, rerun) if refit else (profile_dir, rerun and repeats[0] == 0)
+
+            def cluster_for(net: str, ds: str, at: ClusterSpec = at, fit_dir: Path = fit_dir,
+                            remeasure: bool = remeasure, first: int = repeats[0]) -> ClusterSpec:
+                fit, row = round_hivemind_fit(grid, at, fit_dir / f"hivemind-{net}-{ds}", first if refit else 0,
+                                              refresh=remeasure, progress=progress, workload=(net, ds))
+                if refit or first == 0:
+                    fits.append(row)
+                return at.model_copy(update={"hivemind": fit})
+        plans.append(_predict(grid, at, db_path, root, here, repeats, links, progress, refresh=rerun and each,
+                              cluster_for=cluster_for))
         if run_real:
             # repeats interleaved: every cell once, then every cell again, so that a drift of the machine
             # (another load, thermal state) spreads over all cells rather than biasing some
@@ -468,7 +504,9 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
         out.append(ValidationCell(dataset=first.dataset, network=first.label, workers=grid.workers, outcomes=outcomes,
                                   predict_s=first.predict_s, link=first.link, link_goodput=first.link_goodput,
                                   averaging_goodput=first.averaging_goodput, fsdp_goodput=first.fsdp_goodput,
-                                  hivemind_fits=fits,
+                                  hivemind_fits=[f for f in fits
+                                                 if f.get("workload") in (None, f"{first.label.split(' @ ')[0]} on "
+                                                                                f"{first.dataset}")],
                                   averaging_goodput_rounds=[plan[i].averaging_goodput for plan in plans]
                                   if len(plans) > 1 and grid.hivemind_each_repeat and first.averaging_goodput is not None
                                   else []))
@@ -476,40 +514,49 @@ def run_validation(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, da
 
 
 def round_hivemind_fit(grid: ValidationGrid, cluster: ClusterSpec, cache_dir: Path, round_index: int,
-                       refresh: bool = False, progress: bool = True) -> tuple[Any, dict[str, Any]]:
-    """The hivemind fit a round of ``grid`` is predicted with: measured right before it on the grid's
-    workers (:func:`ddlscope.profiling.calibrate.load_or_calibrate_hivemind`, the swarm options of
-    :func:`calibration_options`), kept in ``cache_dir`` (the round's profile folder) so that a
-    re-render predicts from the same fit (``refresh``: measured again). Where the swarms fail, the
-    cluster's own fit, with the reason printed and recorded.
+                       refresh: bool = False, progress: bool = True, workload: tuple[str, str] | None = None
+                       ) -> tuple[Any, dict[str, Any]]:
+    """The hivemind fit a round of ``grid`` (or, with ``workload`` ``(network, dataset)``, that
+    workload's cells in it: :attr:`ValidationGrid.hivemind_per_workload`) is predicted with:
+    measured on the grid's workers (:func:`ddlscope.profiling.calibrate.load_or_calibrate_hivemind`,
+    the swarm options of :func:`calibration_options`, or :func:`workload_swarm_options`), kept in
+    ``cache_dir`` so that a re-render predicts from the same fit (``refresh``: measured again).
+    Where the swarms fail, the cluster's own fit, with the reason printed and recorded.
 
     Returns:
-        (the :class:`~ddlscope.modeling.cluster.HivemindFit`, a row for the report: ``round`` (from 1),
-        ``epoch_overhead_s``, ``overhead_steps``, ``overshoot_steps`` and ``measured``: ``"now"``,
-        ``"cached"`` or why the cluster's fit was kept).
+        (the :class:`~ddlscope.modeling.cluster.HivemindFit`, or None where the swarms failed and the
+        cluster has none; a row for the report: ``round`` (from 1), ``workload`` (``"<network> on
+        <dataset>"``, None for the grid's one fit), ``epoch_overhead_s``, ``overhead_steps``,
+        ``compute_overhead_s``, ``overshoot_steps`` (each None without a fit) and ``measured``:
+        ``"now"``, ``"cached"`` or why the cluster's fit was kept).
     """
     from ddlscope.profiling.calibrate import CalibrationError, load_or_calibrate_hivemind
 
-    options = {k: v for k, v in calibration_options(grid).items()
-               if k in ("matchmaking_time_s", "swarm_reference", "swarm_batch_sizes", "swarm_epochs")}
+    options = workload_swarm_options(grid, *workload) if workload else \
+        {k: v for k, v in calibration_options(grid).items()
+         if k in ("matchmaking_time_s", "swarm_reference", "swarm_batch_sizes", "swarm_epochs")}
+    what = f"round {round_index + 1}" + (f", {workload[0]} on {workload[1]}" if workload else "")
 
     def say(line: str) -> None:
         print(f"validate {grid.name}: {line}", file=sys.stderr, flush=True)
 
     if progress:
-        say(f"measuring hivemind's overhead and overshoot before round {round_index + 1} (hivemind swarms)")
+        say(f"measuring hivemind's overhead and overshoot for {what} (hivemind swarms)")
     try:
         fit, cached = load_or_calibrate_hivemind(cache_dir, refresh=refresh, workers=grid.workers,
                                                  threads=grid.threads, progress=say if progress else None, **options)
         measured = "cached" if cached else "now"
     except CalibrationError as e:
         fit, measured = cluster.hivemind, f"kept the cluster's fit: {e}"
-        say(f"round {round_index + 1}: hivemind's fit not measured ({e}); predicting with the cluster's")
-    row = {"round": round_index + 1, "epoch_overhead_s": fit.epoch_overhead_s, "overhead_steps": fit.overhead_steps,
-           "overshoot_steps": fit.overshoot_steps, "measured": measured}
-    if progress:
-        say(f"round {round_index + 1}: hivemind adds {fit.epoch_overhead_s:.3g} s + {fit.overhead_steps:.3g} x step "
-            f"per global epoch, peers overshoot by {fit.overshoot_steps:.3g} steps ({measured})")
+        say(f"{what}: hivemind's fit not measured ({e}); predicting with the cluster's")
+    row = {"round": round_index + 1, "workload": f"{workload[0]} on {workload[1]}" if workload else None,
+           **{k: getattr(fit, k) if fit is not None else None
+              for k in ("epoch_overhead_s", "overhead_steps", "compute_overhead_s", "overshoot_steps")},
+           "measured": measured}
+    if progress and fit is not None:
+        say(f"{what}: hivemind adds {fit.epoch_overhead_s:.3g} s + {fit.overhead_steps:.3g} x step per global "
+            f"epoch, {fit.compute_overhead_s:.3g} s of it in the steps, peers overshoot by "
+            f"{fit.overshoot_steps:.3g} steps ({measured})")
     return fit, row
 
 
@@ -623,10 +670,12 @@ class _Links:
 
 
 def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Path, profile_dir: Path,
-             repeats: list[int], links: _Links, progress: bool, refresh: bool = False) -> list[_Planned]:
+             repeats: list[int], links: _Links, progress: bool, refresh: bool = False,
+             cluster_for: Callable[[str, str], ClusterSpec] | None = None) -> list[_Planned]:
     """Profile every dataset x network (cached in ``profile_dir``; ``refresh``: measured again even so),
     predict every candidate on loopback and on each link entry, store the predictions (under the key
-    of the first of ``repeats``) and plan a cell per repeat in ``repeats``."""
+    of the first of ``repeats``) and plan a cell per repeat in ``repeats``. ``cluster_for(network,
+    dataset)``: the cluster a workload is predicted on (its own hivemind fit), else ``cluster``."""
     from ddlscope.modeling.recommend import candidate_settings, recommend
     from ddlscope.profiling.profile import load_or_profile
     from ddlscope.workloads.datasets import DATASETS
@@ -637,6 +686,7 @@ def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Pa
             if progress:
                 print(f"validate {grid.name}: profiling {net} on {ds} and predicting"
                       + (f" (round {repeats[0] + 1})" if repeats[0] else ""), file=sys.stderr, flush=True)
+            at = cluster_for(net, ds) if cluster_for is not None else cluster  # this workload's
             t0 = time.perf_counter()
             profile = load_or_profile(net, ds, grid.batch_size, grid.device, threads=grid.threads,
                                       loader_workers=(grid.loader_workers,), data_root=root, cache_dir=profile_dir,
@@ -660,9 +710,9 @@ def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Pa
                     if mbit is not None and profile.device.type == "cpu" \
                     and any(distribution.get(s.strategy).gathers_units for s in here) else None
                 t1 = time.perf_counter()
-                over = None if mbit is None else over_links(cluster, mbit, grid.workers, goodput, averaging, gloo,
+                over = None if mbit is None else over_links(at, mbit, grid.workers, goodput, averaging, gloo,
                                                             bucket_ms=grid.bucket_ms)
-                rec = recommend(profile, cluster if mbit is None else over, here)
+                rec = recommend(profile, at if mbit is None else over, here)
                 link = None if mbit is None else link_label(mbit)
                 stored_link = None if mbit is None else {"link": link, "network": net, "dataset": ds,
                                                          "link_goodput": goodput,
@@ -678,7 +728,7 @@ def _predict(grid: ValidationGrid, cluster: ClusterSpec, db_path: Path, root: Pa
                 # the profile's time counts once, with the first cell of this network
                 planned.append(_Planned(ds, net if link is None else f"{net} @ {link}", link,
                                         (t1 - t0 if first else 0.0) + time.perf_counter() - t1, entries, goodput,
-                                        profile, over or cluster, averaging, gloo))
+                                        profile, over or at, averaging, gloo))
                 first = False
     return planned
 

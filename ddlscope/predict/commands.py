@@ -333,6 +333,11 @@ def register(app: typer.Typer) -> None:
             help="with a profile per repeat: measure hivemind's fit and averaging share again before each repeat's "
                  "runs too; --one-hivemind-fit predicts every round from the cluster's fit (default: the grid's "
                  "hivemind_each_repeat, off)"),
+        hivemind_per_workload: Optional[bool] = typer.Option(
+            None, "--hivemind-per-workload/--one-hivemind-fit-for-all",
+            help="a grid of several networks or datasets: measure hivemind's fit for each at the grid's batch per "
+                 "peer and predict its swarm cells from it; --one-hivemind-fit-for-all predicts every workload from "
+                 "the cluster's fit (default: the grid's hivemind_per_workload, on)"),
         as_json: bool = typer.Option(False, "--json", help="print the validation (the report's validation.json and its "
                                                            "path) as JSON on stdout; everything else goes to stderr"),
     ):
@@ -353,6 +358,8 @@ def register(app: typer.Typer) -> None:
             spec = spec.model_copy(update={"profile_each_repeat": profile_each_repeat})
         if hivemind_each_repeat is not None:
             spec = spec.model_copy(update={"hivemind_each_repeat": hivemind_each_repeat})
+        if hivemind_per_workload is not None:
+            spec = spec.model_copy(update={"hivemind_per_workload": hivemind_per_workload})
         if spec.device == "cuda" and cluster is None:
             raise UserError("validate on cuda needs --cluster FILE: calibrating this machine times gloo collectives "
                             "between CPU cores, not nccl between GPUs; allowed: --cluster with kind = \"local\" and "
