@@ -253,6 +253,10 @@ def serve(db: str, run_id: str, index: int, generation: int, cores: list[int], i
         def make():
             made = hivemind.DHT(initial_peers=initial_peers or None, host_maddrs=listen or [f"/ip4/{d.listen_host}/tcp/0"],
                                 start=True, startup_timeout=d.join_timeout_s, **p2p_options(d.nat_traversal))
+            # the peer id as soon as it exists: hivemind's server declares its experts in the DHT before it is ready
+            # (and a start that hangs at its connection handler may get calls until it is killed), so the trainers'
+            # failed calls to a server killed while starting are still its own (CI, stop 67)
+            store.upsert_service(run_id, KIND, index, generation, peer_id=made.peer_id.to_base58())
             hm_server = Server(made, build_backends(cfg, uids, log), num_connection_handlers=1,
                                update_period=d.update_period_s, expiration=2 * d.update_period_s, start=False)
             hm_server.run_in_background(await_ready=False)
