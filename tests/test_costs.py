@@ -791,17 +791,23 @@ def test_collaborative_churn_is_predicted_stretch_by_stretch():
     killed = predict(prof, cl, setting([{"peer": 2, "kill_at_s": 50.0}]))
     assert 0 < killed.inputs["samples_lost_to_kills"] < steady.inputs["samples_per_global_epoch"] / 3
     assert killed.step_s > left.step_s
-    # a rejoining peer trains again after loading the state (parameters + optimizer state over its link)
+    # a rejoining peer trains again after a step whose gradients the state load discards and the load
+    # (parameters + optimizer state over its link)
     back = predict(prof, cl, setting([{"peer": 2, "kill_at_s": 30.0, "rejoin_at_s": 60.0}]))
     load = (prof.param_bytes + prof.optimizer_state_bytes) / 1e9
-    assert back.inputs["state_load_s"][2] == pytest.approx(load)
-    assert [st["from_s"] for st in back.inputs["churn_stretches"]] == pytest.approx([0.0, 30.0, 60.0 + load])
+    first = steady.inputs["peer_step_s"][2]
+    assert back.inputs["state_load_s"][2] == pytest.approx(load) and first > 0
+    assert [st["from_s"] for st in back.inputs["churn_stretches"]] == pytest.approx([0.0, 30.0, 60.0 + first + load])
+    # the load streams at the share of the link hivemind's transfers reach, as its rounds do
+    half = predict(prof, cl.model_copy(update={"averaging_efficiency": 0.5}),
+                   setting([{"peer": 2, "kill_at_s": 30.0, "rejoin_at_s": 60.0}]))
+    assert half.inputs["state_load_s"][2] == pytest.approx(2 * load)
     assert steady.step_s < back.step_s < killed.step_s
     assert any("no hivemind.peer_startup_s" in n for n in back.notes)
     # with the calibrated start-up of a joining peer it trains that much later
     started = predict(prof, cl.model_copy(update={"hivemind": HivemindFit(epoch_overhead_s=0.0, peer_startup_s=5.0)}),
                       setting([{"peer": 2, "kill_at_s": 30.0, "rejoin_at_s": 60.0}]))
-    assert [st["from_s"] for st in started.inputs["churn_stretches"]] == pytest.approx([0.0, 30.0, 65.0 + load])
+    assert [st["from_s"] for st in started.inputs["churn_stretches"]] == pytest.approx([0.0, 30.0, 65.0 + first + load])
     assert started.inputs["peer_startup_s"] == 5.0 and not any("peer_startup_s" in n for n in started.notes)
     with pytest.raises(UserError, match="run_s"):
         predict(prof, cl, setting([{"peer": 2, "leave_at_s": 50.0}], run_s=None))
@@ -819,6 +825,59 @@ def test_collaborative_churn_is_predicted_stretch_by_stretch():
     assert lone["samples"] < (lone["to_s"] - lone["from_s"]) * per_s
     with pytest.raises(UserError, match="allowed: 0..2"):
         predict(prof, cl, setting([{"peer": 5, "leave_at_s": 50.0}]))
+
+
+def test_a_peer_that_finds_its_partner_waiting_alone_in_a_round_trains_alone_through_the_reunion():
+    """The survivor of a pair waits in its round until the rejoined peer's step, the gradient round and the
+    parameter round pending since the kill are done; a survivor that is training when its partner
+    arrives (its round timed out) has no reunion."""
+    import dataclasses
+
+    from ddlscope.distribution.collaborative import lone_peer_waits_at_end
+
+    # half an epoch of 10 s, then a wait of 20 s, then whole epochs between waits
+    assert not lone_peer_waits_at_end(4.0, 10.0, 20.0) and lone_peer_waits_at_end(6.0, 10.0, 20.0)
+    assert lone_peer_waits_at_end(24.0, 10.0, 20.0) and not lone_peer_waits_at_end(26.0, 10.0, 20.0)
+    assert lone_peer_waits_at_end(36.0, 10.0, 20.0) and not lone_peer_waits_at_end(5.0, 10.0, 0.0)
+    prof = make_profile()
+    cl = make_cluster(bw=1.0, peers=[PeerSpec(compute_share=1.0, bandwidth_gb_per_s=1e-3) for _ in range(2)])
+
+    def pair(timeout_s):
+        return predict(prof, cl, Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=256,
+                                         matchmaking_time_s=0.01,
+                                         options={"churn": [{"peer": 1, "kill_at_s": 30.0, "rejoin_at_s": 60.0}],
+                                                  "run_s": 200.0, "averaging_timeout_s": timeout_s}))
+
+    waited = pair(300.0)
+    lone, after = waited.inputs["churn_stretches"][1:]
+    assert lone["waiting_at_end"] and after["peers"] == [0, 1]
+    swarm = predict(prof, cl, Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=256,
+                                      matchmaking_time_s=0.01))
+    step_s, round_s = swarm.inputs["peer_step_s"][1], swarm.breakdown_s["averaging_s"]
+    assert round_s > 0 and after["reunion_s"] == pytest.approx(step_s + 2 * round_s)
+    per_s = swarm.inputs["samples_per_global_epoch"] / swarm.step_s
+    span_s = after["to_s"] - after["from_s"]
+    # the newcomer trains outside the gradient round, here more than an epoch's samples at its pace: capped
+    assert (after["reunion_s"] - round_s) * 8 / step_s > swarm.inputs["samples_per_global_epoch"]
+    assert after["samples"] == pytest.approx(swarm.inputs["samples_per_global_epoch"]
+                                             + (span_s - after["reunion_s"]) * per_s)
+    assert after["samples"] < span_s * per_s
+    # with hivemind's work inside the steps (a fit) the newcomer's step is as long as the swarm's steps are
+    fitted = cl.model_copy(update={"hivemind": HivemindFit(epoch_overhead_s=2.0, compute_overhead_s=1.0)})
+    churned = Setting("collaborative", 2, 8, epoch_samples=3200, target_batch_size=256, matchmaking_time_s=0.01,
+                      options={"churn": [{"peer": 1, "kill_at_s": 30.0, "rejoin_at_s": 60.0}], "run_s": 200.0,
+                               "averaging_timeout_s": 300.0})
+    with_fit = predict(prof, fitted, churned)
+    i = with_fit.inputs
+    assert i["hivemind_in_steps_s"] > 0
+    step_in_swarm = i["peer_step_s"][1] * (i["accumulate_s"] + i["hivemind_in_steps_s"]) / i["accumulate_s"]
+    fit_swarm = predict(prof, fitted, dataclasses.replace(churned, options={}))
+    assert i["churn_stretches"][2]["reunion_s"] == pytest.approx(step_in_swarm + 2 * fit_swarm.breakdown_s["averaging_s"])
+    assert i["churn_stretches"][2]["from_s"] == pytest.approx(60.0 + step_in_swarm + i["state_load_s"][1])
+    # with a round timeout of a microsecond the lone peer is training when peer 1 is back: no reunion
+    trained = pair(1e-6).inputs["churn_stretches"]
+    assert not trained[1]["waiting_at_end"] and trained[2]["reunion_s"] == 0.0
+    assert trained[2]["samples"] == pytest.approx((trained[2]["to_s"] - trained[2]["from_s"]) * per_s)
 
 
 def test_a_kill_inside_a_gradient_round_stalls_the_swarm_until_the_rounds_timeout():

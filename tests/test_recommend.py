@@ -148,12 +148,12 @@ def test_a_swarm_run_config_is_predicted_with_its_roles_links_and_churn():
     assert s.target_batch_size == 256 and s.options["churn"] == opts["churn"]
     p = predict(make_profile(), cluster, s)
     assert p.inputs["trainers"] == 3 and p.inputs["peer_roles"][3] == "auxiliary"
-    # peer 2 joins at 10 s and trains once it loaded the state over its 20 Mbit/s link; peer 1 is killed at 20 s
-    # and trains again at 30 s plus its load
-    load = p.inputs["state_load_s"]
+    # peer 2 joins at 10 s and trains once it computed the step the load discards and loaded the state over its
+    # 20 Mbit/s link; peer 1 is killed at 20 s and trains again at 30 s plus its step and load
+    load, step = p.inputs["state_load_s"], p.inputs["peer_step_s"]
     assert load[2] == pytest.approx(load[1] * 5)
     starts = [st["from_s"] for st in p.inputs["churn_stretches"]]
-    assert starts == pytest.approx(sorted([0.0, 20.0, 10.0 + load[2], 30.0 + load[1]]))
+    assert starts == pytest.approx(sorted([0.0, 20.0, 10.0 + step[2] + load[2], 30.0 + step[1] + load[1]]))
     assert p.inputs["samples_lost_to_kills"] > 0
     stretches = p.inputs["churn_stretches"]
     trained = sum(st["samples"] for st in stretches) - p.inputs["samples_lost_to_kills"]

@@ -466,14 +466,26 @@ def predict_collaborative(profile: WorkloadProfile, cluster: ClusterSpec, s: Set
     leaves, dies or rejoins, and each stretch is predicted for the peers present in it (a global
     epoch of that swarm). A peer that joins or rejoins first starts (its process, hivemind's DHT
     and optimizer: the calibrated ``hivemind.peer_startup_s``, 0 with a note where the cluster file
-    lacks it), then loads the swarm's state (``load_state_from_peers``: parameters and optimizer
-    state over its link, plus the collective's fixed cost) and trains only after both; a killed peer loses on average half of what it
+    lacks it), then computes one step whose gradients hivemind discards when that step loads the
+    swarm's state (``load_state_from_peers``: parameters and optimizer state over its link at the
+    share of its rate hivemind's transfers reach, ``averaging_efficiency``, plus the collective's
+    fixed cost) and trains only after all three; a killed peer loses on average half of what it
     contributes to a global epoch (its samples since the last round). A peer left alone (no other
     peer to average with: hivemind's averager needs a group of at least 2) trains to the end of its
     global epoch, half an epoch of its own on average, and then waits in the round for a partner
     until another peer arrives or the option ``averaging_timeout_s`` (default 300 s) runs out, epoch
     after epoch (:func:`lone_peer_samples`; seen in validation: a survivor of a pair stalled from its
-    next round until the killed peer was back). A kill that lands inside a gradient round the
+    next round until the killed peer was back). A peer that arrives while the one left alone waits
+    (:func:`lone_peer_waits_at_end`) ends that wait only after a *reunion*: the newcomer's step,
+    the gradient round, then the waiting peer's parameter round, pending since the kill, which
+    needs the newcomer too; so for ``reunion_s = newcomer's step + 2 x the swarm's averaging_s``
+    the waiting peer trains nothing and the newcomer trains outside its gradient round, at most
+    the swarm's samples of a global epoch (it then waits in its next round too). Measured
+    in the churn validation (stop 66, a MobileNetV2 pair on a 2-core Xeon): from the newcomer's
+    first kept step to the waiting peer's next, 2.3-4.3 s on loopback and 5.7-5.9 s at 50 Mbit/s,
+    where this gives 2.6 and 6.4 s; the rejoining peer's state load took 0.4-0.5 s on loopback
+    (hivemind's serialization, not modelled) and 4.7 s at 50 Mbit/s (4.0 s here, 3.1 s at the
+    link's both-ways share). A kill that lands inside a gradient round the
     killed peer takes part in stalls the swarm until that round's ``averaging_timeout_s``
     (:func:`kill_in_round_risk`): the prediction is the more likely of the two outcomes (the stall
     where its probability is at least 1/2; with several kills, the stalled outcome has every kill
@@ -693,18 +705,30 @@ def _predict_churn(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     timeout_s = float(s.options.get("averaging_timeout_s") or DEFAULT_AVERAGING_TIMEOUT_S)
     state_bytes = float(profile.param_bytes + profile.optimizer_state_bytes)
     events = {e.peer: e for e in churn}
-    # when each peer trains: [start, end) spans, a (re)join's start moved past its start-up and state load
+    full = _predict_swarm(profile, cluster, s, scale, list(range(s.workers)))
+    trainers_all = [j for j in range(s.workers) if roles[j] != "auxiliary"]
+
+    def own_step_s(i: int) -> float:
+        """A trainer's step in the whole swarm, with hivemind's work inside the steps (0 for an auxiliary peer)."""
+        if roles[i] == "auxiliary":
+            return 0.0
+        acc = full.inputs["accumulate_s"]
+        stretch = (acc + full.inputs["hivemind_in_steps_s"]) / acc if acc > 0 else 1.0
+        return full.inputs["peer_step_s"][trainers_all.index(i)] * stretch
+
+    # when each peer trains: [start, end) spans, a (re)join's start moved past its start-up, the step whose
+    # gradients the state load discards, and the load itself
     startup_s = cluster.hivemind.peer_startup_s if cluster.hivemind is not None else None
     spans: dict[int, list[tuple[float, float]]] = {}
     load_s: list[float] = []
     kills: list[tuple[float, int]] = []
     for i in range(s.workers):
         e = events.get(i)
-        load_s.append(cluster.collective_fixed_s + state_bytes / (bws[i] * 1e9))
+        load_s.append(cluster.collective_fixed_s + state_bytes / (bws[i] * cluster.averaging_efficiency * 1e9))
         if e is None:
             spans[i] = [(0.0, run_s)]
             continue
-        ready_s = (startup_s or 0.0) + load_s[i]
+        ready_s = (startup_s or 0.0) + own_step_s(i) + load_s[i]
         mine = [(e.join_at_s + (ready_s if e.join_at_s > 0 else 0.0), e.gone_at_s if e.gone_at_s is not None else run_s)]
         if e.rejoin_at_s is not None:
             mine.append((e.rejoin_at_s + ready_s, run_s))
@@ -720,12 +744,27 @@ def _predict_churn(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
             else None
         per_s = p.inputs["samples_per_global_epoch"] / p.step_s if p else 0.0
         swarms.append(p)
+        reunion_s = 0.0
         if p is not None and len(present) < 2:  # nobody to average with: the round waits
             samples = lone_peer_samples(b - a, per_s, p.step_s, timeout_s)
         else:
             samples = (b - a) * per_s
+            before = stretches[-1] if stretches else None
+            arrivals = [i for i in present if before is not None and i not in before["peers"]
+                        and roles[i] != "auxiliary"]
+            if p is not None and arrivals and before["alone"] and before["waiting_at_end"]:
+                # the peer left alone waits in its round until the newcomer ends a step and the gradient round,
+                # then in its parameter round, pending since the kill, which needs the newcomer too; the newcomer
+                # trains outside the gradient round, at most the next epoch's samples (then its round waits too)
+                round_s = p.breakdown_s.get("averaging_s", 0.0)
+                reunion_s = min(b - a, max(own_step_s(i) for i in arrivals) + 2 * round_s)
+                newcomers = min(p.inputs["samples_per_global_epoch"],
+                                max(0.0, reunion_s - round_s) * sum(s.batch_size / own_step_s(i) for i in arrivals))
+                samples = newcomers + (b - a - reunion_s) * per_s
+        waiting = p is not None and len(present) < 2 and lone_peer_waits_at_end(b - a, p.step_s, timeout_s)
         stretches.append({"from_s": a, "to_s": b, "peers": present, "epoch_s": p.step_s if p else None,
-                          "samples": samples, "alone": len(present) < 2})
+                          "samples": samples, "alone": len(present) < 2, "waiting_at_end": waiting,
+                          "reunion_s": reunion_s})
     samples = sum(st["samples"] for st in stretches)
     lost = 0.0
     for t, i in kills:  # the killed peer's samples since the last round: half an epoch's share on average
@@ -741,7 +780,6 @@ def _predict_churn(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     risk = kill_in_round_risk(stretches, swarms, kills, roles, timeout_s, run_s)
     stalled = trained - risk["stall_samples"]
     in_round = risk["probability"] >= 0.5 and stalled > 0  # the more likely outcome is the prediction
-    full = _predict_swarm(profile, cluster, s, scale, list(range(s.workers)))
     epoch_s = run_s * s.target_batch_size / (stalled if in_round else trained)
     # a stale record's stall starts at the kill, as the predicted in-round stall does: the longer of the two counts
     expiration_s = float(s.options.get("progress_expiration_s") or METADATA_EXPIRATION_S)
@@ -864,6 +902,20 @@ def _samples_between(stretches: list[dict[str, Any]], start_s: float, end_s: flo
 def _stretch_of(stretches: list[dict[str, Any]], t: float, peer: int) -> int | None:
     """Index of the stretch in which ``peer`` trained at ``t`` seconds (its kill time), or None."""
     return next((k for k, st in enumerate(stretches) if st["from_s"] < t <= st["to_s"] and peer in st["peers"]), None)
+
+
+def lone_peer_waits_at_end(stretch_s: float, epoch_s: float, timeout_s: float) -> bool:
+    """Whether a peer alone for ``stretch_s`` seconds is waiting in a round at its end (see
+    :func:`lone_peer_samples`: half an epoch of training, then waits of ``timeout_s`` between whole
+    epochs); all three in seconds (``epoch_s`` > 0)."""
+    t, train_s = 0.0, epoch_s / 2
+    while True:
+        if stretch_s <= t + train_s:
+            return False
+        if stretch_s <= t + train_s + timeout_s:
+            return True
+        t += train_s + timeout_s
+        train_s = epoch_s
 
 
 def lone_peer_samples(stretch_s: float, samples_per_s: float, epoch_s: float, timeout_s: float) -> float:
