@@ -708,13 +708,12 @@ def _predict_churn(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
     full = _predict_swarm(profile, cluster, s, scale, list(range(s.workers)))
     trainers_all = [j for j in range(s.workers) if roles[j] != "auxiliary"]
 
+    acc = full.inputs["accumulate_s"]
+    in_steps = (acc + full.inputs["hivemind_in_steps_s"]) / acc if acc > 0 else 1.0
+
     def own_step_s(i: int) -> float:
         """A trainer's step in the whole swarm, with hivemind's work inside the steps (0 for an auxiliary peer)."""
-        if roles[i] == "auxiliary":
-            return 0.0
-        acc = full.inputs["accumulate_s"]
-        stretch = (acc + full.inputs["hivemind_in_steps_s"]) / acc if acc > 0 else 1.0
-        return full.inputs["peer_step_s"][trainers_all.index(i)] * stretch
+        return full.inputs["peer_step_s"][trainers_all.index(i)] * in_steps if roles[i] != "auxiliary" else 0.0
 
     # when each peer trains: [start, end) spans, a (re)join's start moved past its start-up, the step whose
     # gradients the state load discards, and the load itself
@@ -904,18 +903,25 @@ def _stretch_of(stretches: list[dict[str, Any]], t: float, peer: int) -> int | N
     return next((k for k, st in enumerate(stretches) if st["from_s"] < t <= st["to_s"] and peer in st["peers"]), None)
 
 
+def _lone_peer_schedule(stretch_s: float, epoch_s: float, timeout_s: float) -> tuple[float, bool]:
+    """A peer alone for ``stretch_s`` seconds (see :func:`lone_peer_samples`): the seconds it trains,
+    and whether the stretch ends while it waits in a round; all in seconds (``epoch_s`` > 0)."""
+    trained_s, t, train_s = 0.0, 0.0, epoch_s / 2
+    while t < stretch_s:
+        run = min(train_s, stretch_s - t)
+        trained_s += run
+        if t + run >= stretch_s:  # the stretch ends while it trains
+            return trained_s, False
+        t += run + timeout_s
+        train_s = epoch_s
+    return trained_s, stretch_s > 0
+
+
 def lone_peer_waits_at_end(stretch_s: float, epoch_s: float, timeout_s: float) -> bool:
     """Whether a peer alone for ``stretch_s`` seconds is waiting in a round at its end (see
     :func:`lone_peer_samples`: half an epoch of training, then waits of ``timeout_s`` between whole
     epochs); all three in seconds (``epoch_s`` > 0)."""
-    t, train_s = 0.0, epoch_s / 2
-    while True:
-        if stretch_s <= t + train_s:
-            return False
-        if stretch_s <= t + train_s + timeout_s:
-            return True
-        t += train_s + timeout_s
-        train_s = epoch_s
+    return _lone_peer_schedule(stretch_s, epoch_s, timeout_s)[1]
 
 
 def lone_peer_samples(stretch_s: float, samples_per_s: float, epoch_s: float, timeout_s: float) -> float:
@@ -928,13 +934,7 @@ def lone_peer_samples(stretch_s: float, samples_per_s: float, epoch_s: float, ti
     Args:
         stretch_s / epoch_s / timeout_s: seconds (>= 0, > 0, >= 0); samples_per_s: its pace alone.
     """
-    samples, t, train_s = 0.0, 0.0, epoch_s / 2
-    while t < stretch_s:
-        run = min(train_s, stretch_s - t)
-        samples += run * samples_per_s
-        t += run + timeout_s
-        train_s = epoch_s
-    return samples
+    return _lone_peer_schedule(stretch_s, epoch_s, timeout_s)[0] * samples_per_s
 
 
 def memory_collaborative(profile: WorkloadProfile, s: Setting) -> list[MemoryEstimate]:
