@@ -328,7 +328,8 @@ def test_ctrl_c_stops_every_peer_at_its_next_step(launched, tmp_path):
     assert record["reason"] == "interrupted by the user (Ctrl-C)"
     reasons = [w["reason"] for w in record["workers"]]
     # not "... (forced after grace period)"; a forced peer's log says where its main thread was
-    assert reasons == ["stopped by SIGTERM", "stopped by SIGTERM"], (reasons, _log_tails(run, 40))
+    logs = "\n".join(f"--- {name}\n{tail}" for name, tail in _log_tails(run, 40).items())
+    assert reasons == ["stopped by SIGTERM", "stopped by SIGTERM"], f"{reasons}\n{logs}"  # a string: shown whole
 
 
 def test_a_stop_ends_hivemind_s_state_download_instead_of_being_retried():
@@ -383,19 +384,62 @@ a_library_that_swallows_every_exception()
 """
 
 
-def test_a_worker_that_ignores_its_stop_says_where_it_was_and_is_killed():
-    proc = subprocess.Popen([sys.executable, "-c", STUCK_WORKER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # the backstop SIGKILLs its own process group
+def _sigterm_once_ready(script: str, *args: str) -> tuple[subprocess.Popen, str, str]:
+    """Run ``script`` (Python) in its own session (the backstop SIGKILLs its own process group), SIGTERM it once
+    it prints "ready", and return it ended with its stdout and stderr."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
+    return proc, out, err
+
+
+def test_a_worker_that_ignores_its_stop_says_where_it_was_and_is_killed():
+    proc, out, err = _sigterm_once_ready(STUCK_WORKER)
     assert proc.returncode == -signal.SIGKILL
     assert out.strip() == "recorded"  # the status is recorded before the kill
     assert "did not stop within 0.5 s of SIGTERM; its main thread was at:" in err, err
     assert err.rstrip().splitlines()[-1].endswith("in a_library_that_swallows_every_exception"), err  # innermost last
+
+
+SLOW_EXIT_WORKER = """
+import sys, time
+import ddlscope.train.worker as worker
+
+worker.GRACE_S = 0.5
+
+def train(store, run_id, worker_index, *args):  # stops at the signal and records it, as a strategy would
+    print("ready", flush=True)
+    try:
+        time.sleep(30)
+    except worker.Interrupted:
+        return worker._record(store, store.path, run_id, worker_index, "interrupted", "stopped by SIGTERM", 130,
+                              worker.LauncherWatch(None, None))
+
+worker._train = train
+code = worker.serve_worker(sys.argv[1], "r1", 0, 1, [0], [])
+print("returned", code, flush=True)
+time.sleep(30)  # an exit that outlasts the grace period (children, threads that will not end)
+"""
+
+
+def test_a_worker_that_recorded_its_stop_keeps_its_reason_when_its_exit_overruns(tmp_path):
+    """The grace period's backstop kills a worker whose exit overruns, but the stop it recorded in time stays:
+    not rewritten as "(forced after grace period)"."""
+    db = tmp_path / "ddlscope.db"
+    ResultsStore(db).close()
+    proc, out, err = _sigterm_once_ready(SLOW_EXIT_WORKER, str(db))
+    assert proc.returncode == -signal.SIGKILL, (out, err)
+    assert out.splitlines()[-1] == "returned 130", out
+    assert "status recorded" in err and "s after SIGTERM" in err, err
+    assert "recorded its stop within 0.5 s; its exit did not end in time" in err, err
+    with ResultsStore(db) as store:
+        (row,) = store.workers("r1")
+    assert (row["status"], row["reason"]) == ("interrupted", "stopped by SIGTERM")
 
 
 @slow

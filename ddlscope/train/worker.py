@@ -31,6 +31,7 @@ import socket
 import sqlite3
 import sys
 import threading
+import time
 import traceback
 
 from ddlscope.launch.processes import (die_with_parent, end_children, remove_run_temp_dir, route_hivemind_sockets,
@@ -64,6 +65,9 @@ def _stop_handler(on_deadline):
     code; so the first signal also arms a timer that, after ``GRACE_S``, writes where the main
     thread is to the worker's log, calls ``on_deadline`` (records the status) and SIGKILLs this
     worker's own process group — hivemind's averager processes and p2pd daemon included.
+
+    The handler carries ``stop_requested`` (an Event, set by the first signal), ``signal_name`` and
+    ``stopped_at`` (``time.monotonic()`` of the first signal, None before).
     """
     fired = threading.Event()
     owner_pid = os.getpid()
@@ -84,6 +88,7 @@ def _stop_handler(on_deadline):
         if fired.is_set():  # already stopping: a second signal (the parent's death seen twice) must not break the stop
             return
         handler.signal_name = signal.Signals(signum).name
+        handler.stopped_at = time.monotonic()
         fired.set()
         timer = threading.Timer(GRACE_S, _deadline)
         timer.daemon = True
@@ -92,6 +97,7 @@ def _stop_handler(on_deadline):
 
     handler.stop_requested = fired
     handler.signal_name = None
+    handler.stopped_at = None
     return handler
 
 
@@ -173,9 +179,13 @@ def serve_worker(db: str, run_id: str, worker_index: int, num_workers: int, core
     except StoreFullError:
         return _store_failed(db, OSError(errno.ENOSPC, "disk full"))
     watch = LauncherWatch(None, None)
+    recorded = threading.Event()  # the worker's own final status is in the store
 
     def record_interrupted():
         if not os.path.isfile(db):  # a removed store is not made again
+            return
+        if recorded.is_set():  # it stopped in time; only its exit (children, hivemind's threads) overran
+            _say(f"the worker recorded its stop within {GRACE_S:g} s; its exit did not end in time")
             return
         with ResultsStore(db) as late:
             late.upsert_worker(run_id, worker_index, status="interrupted", reason=_stop_reason(handler, watch) +
@@ -196,13 +206,18 @@ def serve_worker(db: str, run_id: str, worker_index: int, num_workers: int, core
         if watch_launcher and run is not None and run["host"] == socket.gethostname():
             watch = LauncherWatch(run["launcher_pid"], run["launcher_started_at"])
             watch.start()
-        return _train(store, run_id, worker_index, num_workers, cores, initial_peers, listen, local_rank, handler, watch)
+        code = _train(store, run_id, worker_index, num_workers, cores, initial_peers, listen, local_rank, handler,
+                      watch)
     except Interrupted:  # a stop before training began
-        return _record(store, db, run_id, worker_index, "interrupted", _stop_reason(handler, watch), 130, watch)
+        code = _record(store, db, run_id, worker_index, "interrupted", _stop_reason(handler, watch), 130, watch)
     except (sqlite3.OperationalError, OSError) as e:
         if is_disk_full(e, db):
             return _store_failed(db, e)
         raise
+    recorded.set()
+    if handler.stopped_at is not None:  # how much of the grace period the stop took, for the log
+        _say(f"status recorded {time.monotonic() - handler.stopped_at:.2f} s after {handler.signal_name}")
+    return code
 
 
 def _train(store, run_id: str, worker_index: int, num_workers: int, cores: list[int], initial_peers: list[str],
