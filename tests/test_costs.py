@@ -653,6 +653,8 @@ def test_collaborative_epoch_lasts_at_least_both_rounds_on_the_link():
     assert slow.inputs["link_busy_s"] == pytest.approx(rounds + 0.5)
     assert slow.inputs["link_wait_s"] > 0
     assert slow.step_s == pytest.approx(slow.inputs["link_busy_s"])  # the epoch is the link's busy time
+    # there, both peers' gradient matchmaking starts as the link frees: the join timeouts it risks are named
+    assert [n for n in slow.notes if "request_timeout" in n] and not [n for n in fast.notes if "request_timeout" in n]
     every2 = predict(prof, make_cluster(peers=[PeerSpec(compute_share=1.0, bandwidth_gb_per_s=0.001)] * 2)
                      .model_copy(update={"hivemind": fit}), Setting("collaborative", 2, 8, epoch_samples=3200,
                                                                   target_batch_size=64, matchmaking_time_s=0.5,

@@ -131,3 +131,12 @@ def test_a_swarms_failed_averaging_rounds_are_counted_once_per_round(tmp_path):
                                             averaging_succeeded=ok))
         store.finish_run(rid, "completed")
         assert measure_run(store, rid).averaging_rounds_failed == 2
+        # hivemind's partial rounds and join timeouts: unknown until every peer counted them, then the most of a peer
+        assert (measure_run(store, rid).averaging_rounds_partial, measure_run(store, rid).averaging_rounds_join_timeout) \
+            == (None, None)
+        for w in (0, 1):
+            store.add_event(rid, w, "strategy_details", partial_rounds_counted=True, join_timeouts_counted=True)
+        for w, epoch in ((0, 2), (1, 2), (1, 4)):
+            store.add_event(rid, w, "join_timeout", round="gradients", timeout_s=3.0, epoch=epoch)
+        m = measure_run(store, rid)
+        assert (m.averaging_rounds_partial, m.averaging_rounds_join_timeout) == (0, 2)

@@ -115,6 +115,23 @@ def test_matchmaking_counts_partial_peer_rounds_where_every_peer_counted_them(st
     assert "| 29% |" in a.markdown()
 
 
+def test_matchmaking_counts_peer_rounds_with_a_join_timeout_where_every_peer_counted_them(store):
+    run_id = _matchmaking_run(store)
+    assert analyze_matchmaking(store, [run_id]).join_timeout_share is None  # not counted: unknown, not 0
+    store.add_event(run_id, 0, "strategy_details", join_timeouts_counted=True)
+    assert analyze_matchmaking(store, [run_id]).join_timeout_share is None  # peer 1 did not count them
+    store.add_event(run_id, 1, "strategy_details", join_timeouts_counted=True)
+    clean = analyze_matchmaking(store, [run_id])
+    assert clean.join_timeout_share == 0 and "request_timeout" not in clean.verdict
+    # peer 1's round of epoch 3 timed out twice: one peer-round
+    for _ in range(2):
+        store.add_event(run_id, 1, "join_timeout", round="gradients", timeout_s=3.0, epoch=3)
+    a = analyze_matchmaking(store, [run_id])
+    assert a.join_timeout_share == pytest.approx(1 / 7)
+    assert "14% of peer-rounds began late" in a.verdict and "request_timeout (3 s)" in a.verdict
+    assert "| - | 14% |" in a.markdown()  # partial share unknown, join timeout share 14 %
+
+
 def test_matchmaking_too_long_and_floor(store):
     a = analyze_matchmaking(store, [_matchmaking_run(store, matchmaking_s=10.0)])
     # 43 % of peer-rounds solo: never a shorter window than the configured 10 s (issue 17); "too long" with few

@@ -255,6 +255,10 @@ def test_the_error_at_the_runs_compute_takes_forward_backward_and_optimizer_from
     [row] = cells_table([cell([slow], network="vgg11")])
     assert "(1 of 3 runs had a failed averaging round) (partial averaging rounds per run: 3 / - / 0) (peers ran" \
         in row["status"]
+    slow.join_timeouts_per_run = [0, None, 2]  # rounds begun 3 s late (hivemind's request_timeout) in the third run
+    [row] = cells_table([cell([slow], network="vgg11")])
+    assert "(partial averaging rounds per run: 3 / - / 0) (rounds begun late by a join timeout per run: 0 / - / 2) " \
+        "(peers ran" in row["status"]
     # fsdp's measured forward holds the all-gathers it waited for (on CPU): not taken at the run's compute
     sharded = out("fsdp", 40.0, 50.0)
     sharded.predicted_parts_s, sharded.measured_parts_s = dict(o.predicted_parts_s), dict(o.measured_parts_s)

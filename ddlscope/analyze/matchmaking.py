@@ -123,6 +123,7 @@ class MatchmakingAnalysis:
     recommended_s: float | None
     verdict: str
     partial_share: float | None = None  # None: some run's peers did not count partial rounds
+    join_timeout_share: float | None = None  # None: some run's peers did not count join timeouts
     rule: str = RULE
     rounds: list[RoundObservation] = field(default_factory=list)
 
@@ -139,11 +140,12 @@ class MatchmakingAnalysis:
         lines = [
             f"Runs: {', '.join(f'`{r}`' for r in self.run_ids)}; configured matchmaking_time_s: "
             f"{', '.join(f'{m:g}' for m in self.configured_matchmaking_s) or '-'}.", "",
-            "| peer-rounds | group sizes (size: count) | solo share | failed share | partial share | mean wait s | "
-            "max wait s | step s | global epoch s | arrival spread p90 s | recommended s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| peer-rounds | group sizes (size: count) | solo share | failed share | partial share | "
+            "join timeout share | mean wait s | max wait s | step s | global epoch s | arrival spread p90 s | "
+            "recommended s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
             f"| {self.peer_rounds} | {sizes or '-'} | {f(self.solo_share, '.0%')} | {f(self.failed_share, '.0%')} | "
-            f"{f(self.partial_share, '.0%')} | "
+            f"{f(self.partial_share, '.0%')} | {f(self.join_timeout_share, '.0%')} | "
             f"{f(self.mean_wait_s)} | {f(self.max_wait_s)} | {f(self.step_s, '.3f')} | {f(self.epoch_s)} | "
             f"{f(self.spread_s, '.3f')} | {f(self.recommended_s)} |", "",
             f"**Recommendation**: {self.verdict}", "", f"Rule: {self.rule}.", "",
@@ -249,7 +251,9 @@ def analyze_matchmaking(store: ResultsStore, run_ids: list[str]) -> MatchmakingA
         KeyError: an unknown run id.
     """
     rounds, peer_rows, step_times, gaps, configured, used = [], [], [], [], set(), []
-    partial: set[tuple[str, int, int]] | None = set()  # (run, peer, epoch) of the partial peer-rounds
+    # (run, peer, epoch) of the peer-rounds with a partial round, and with a join request that timed out
+    partial: set[tuple[str, int, int]] | None = set()
+    stalled: set[tuple[str, int, int]] | None = set()
     for run_id in run_ids:
         cfg = store.run_config(run_id)  # KeyError for an unknown run
         strategy = store.run(run_id)["strategy"]
@@ -262,7 +266,8 @@ def analyze_matchmaking(store: ResultsStore, run_ids: list[str]) -> MatchmakingA
         rounds += rounds_of_run(run_id, steps, round_checksums(events))
         mine = [s for s in steps if s["averaging_round"]]
         peer_rows += [dict(s, run_id=run_id) for s in mine]
-        partial = None if partial is None else _partial_peer_rounds(run_id, events, mine, partial)
+        partial = _peer_rounds_with(run_id, events, mine, partial, "partial_average")
+        stalled = _peer_rounds_with(run_id, events, mine, stalled, "join_timeout")
         step_times += [s["step_s"] for s in steps if not s["warmup"] and not s["averaging_round"] and s["step_s"]]
         gaps += _epoch_gaps(steps)
     sizes = Counter(s["averaging_group_size"] for s in peer_rows)
@@ -279,25 +284,33 @@ def analyze_matchmaking(store: ResultsStore, run_ids: list[str]) -> MatchmakingA
         mean_wait_s=statistics.fmean(waits) if waits else None, max_wait_s=max(waits) if waits else None,
         step_s=step_s, epoch_s=statistics.median(gaps) if gaps else None, spread_s=spread_s,
         recommended_s=None, verdict="", rounds=rounds,
-        partial_share=None if partial is None or not peer_rows else sum(
-            (s["run_id"], s["worker_index"], s["global_epoch"]) in partial for s in peer_rows) / len(peer_rows))
+        partial_share=_share_of(peer_rows, partial), join_timeout_share=_share_of(peer_rows, stalled))
     analysis.recommended_s = _recommended(analysis)
     analysis.verdict = _verdict(analysis)
     return analysis
 
 
-def _partial_peer_rounds(run_id: str, events: list[dict], rounds: list[dict],
-                         found: set[tuple[str, int, int]]) -> set[tuple[str, int, int]] | None:
-    """``found`` with ``(run_id, peer, epoch)`` of the run's ``partial_average`` events added; None where a
-    peer of ``rounds`` did not count them (its ``strategy_details`` does not say so)."""
+def _peer_rounds_with(run_id: str, events: list[dict], rounds: list[dict], found: set[tuple[str, int, int]] | None,
+                      kind: str) -> set[tuple[str, int, int]] | None:
+    """``found`` with ``(run_id, peer, epoch)`` of the run's ``kind`` events (``partial_average`` or
+    ``join_timeout``) added; None where ``found`` is None or a peer of ``rounds`` did not count them (its
+    ``strategy_details`` do not say so)."""
     import json
 
-    from ddlscope.analyze.swarm import partial_rounds
+    from ddlscope.analyze.swarm import join_timeouts, partial_rounds
 
-    if any(partial_rounds(events, w) is None for w in {s["worker_index"] for s in rounds}):
+    counted = {"partial_average": partial_rounds, "join_timeout": join_timeouts}[kind]
+    if found is None or any(counted(events, w) is None for w in {s["worker_index"] for s in rounds}):
         return None
     return found | {(run_id, e["worker_index"], json.loads(e["detail_json"] or "{}").get("epoch"))
-                    for e in events if e["kind"] == "partial_average"}
+                    for e in events if e["kind"] == kind}
+
+
+def _share_of(peer_rows: list[dict], found: set[tuple[str, int, int]] | None) -> float | None:
+    """The fraction of ``peer_rows`` (round steps with ``run_id``) whose ``(run, peer, epoch)`` is in ``found``."""
+    if found is None or not peer_rows:
+        return None
+    return sum((s["run_id"], s["worker_index"], s["global_epoch"]) in found for s in peer_rows) / len(peer_rows)
 
 
 def _too_solo(a: MatchmakingAnalysis) -> bool:
@@ -348,6 +361,10 @@ def _verdict(a: MatchmakingAnalysis) -> str:
                  "collaborative.next_chunk_timeout_s sets it, that timeout is the matchmaking time, so a shorter "
                  "matchmaking time drops more; set next_chunk_timeout_s above the longest wait for a chunk (on a "
                  "200/20 Mbit/s pair 5 s carried whole rounds, which took twice as long: docs/swarms.md).")
+    if a.join_timeout_share:
+        text += (f" {a.join_timeout_share:.0%} of peer-rounds began late because a join request went unanswered "
+                 "for hivemind's request_timeout (3 s): two peers asked each other to lead at once, as where their "
+                 "matchmaking starts together when a parameter round frees a slow link (docs/swarms.md).")
     if a.epoch_s is not None and a.recommended_s > 0.5 * a.epoch_s:
         text += (f" It exceeds half a global epoch ({a.epoch_s:.2f} s): averaging dominates; raise "
                  f"target_batch_size rather than lengthening matchmaking.")
@@ -370,14 +387,15 @@ def print_matchmaking(a: MatchmakingAnalysis, console=None) -> None:
     console.print(f"runs: {', '.join(a.run_ids) or '-'}; configured matchmaking_time_s: "
                   f"{', '.join(f'{m:g}' for m in a.configured_matchmaking_s) or '-'}")
     summary = Table(title="matchmaking")
-    cols = ["peer-rounds", "group sizes (size: count)", "solo share", "failed share", "partial share", "mean wait s",
-            "max wait s", "step s", "global epoch s", "arrival spread p90 s", "recommended s"]
+    cols = ["peer-rounds", "group sizes (size: count)", "solo share", "failed share", "partial share",
+            "join timeout share", "mean wait s", "max wait s", "step s", "global epoch s", "arrival spread p90 s",
+            "recommended s"]
     for col in cols:
         summary.add_column(col, justify="right", overflow="fold")
     sizes = ", ".join(f"{k}: {v}" for k, v in sorted(a.group_size_counts.items(), key=lambda kv: str(kv[0])))
     summary.add_row(str(a.peer_rounds), sizes or "-", f(a.solo_share, ".0%"), f(a.failed_share, ".0%"),
-                    f(a.partial_share, ".0%"), f(a.mean_wait_s), f(a.max_wait_s), f(a.step_s, ".3f"), f(a.epoch_s), f(a.spread_s, ".3f"),
-                    f(a.recommended_s))
+                    f(a.partial_share, ".0%"), f(a.join_timeout_share, ".0%"), f(a.mean_wait_s), f(a.max_wait_s),
+                    f(a.step_s, ".3f"), f(a.epoch_s), f(a.spread_s, ".3f"), f(a.recommended_s))
     console.print(summary)
     console.print(f"[bold]recommendation[/bold]: {escape(a.verdict)}")
     console.print(f"rule: {escape(a.rule)}.")

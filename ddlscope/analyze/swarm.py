@@ -39,8 +39,13 @@ gives:
   of the tensors because its next chunk did not arrive within ``next_chunk_timeout`` and averaged
   that part without it, or a peer got back only part of the averaged tensors. hivemind logs such a
   round as averaged with every peer, and says otherwise only in its averagers' warnings
-  (:class:`ddlscope.strategies.collaborative.PartialRoundLog`, stored as ``partial_average``
+  (:class:`ddlscope.strategies.collaborative.AveragerLog`, stored as ``partial_average``
   events). hivemind's default ``next_chunk_timeout`` is the matchmaking time;
+- **join timeouts** (:func:`join_timeouts`): rounds that began ``request_timeout`` (3 s) late because
+  the peer's request to a potential leader went unanswered, hivemind's way out of two peers asking
+  each other to lead (a DEBUG message of its averagers, caught by the same handler, stored as
+  ``join_timeout`` events). On 50 Mbit/s links (2 one-core peers, MobileNetV2, issue 14) 9 of 128
+  global epochs ran 3 s (one 6 s) long so, none of 54 at 200 Mbit/s (docs/validation.md, stop 68);
 - **when gradient rounds were pre-scheduled** (:func:`gradient_prescheduling`): rounds whose
   matchmaking hivemind started before the epoch's last step against those it did not, and what
   each kind waited;
@@ -106,6 +111,11 @@ class PeerFigures:
     #: rounds in which the peer averaged only part of the tensors (:func:`partial_rounds`), per round kind
     #: ("gradients" / "parameters"); None where they were not counted (a run from before they were)
     partial_rounds: dict[str, int] | None = None
+    #: rounds in which a join request of the peer's timed out (:func:`join_timeouts`), per round kind; None where
+    #: they were not counted
+    join_timeouts: dict[str, int] | None = None
+    #: seconds its averagers waited on those requests (hivemind's ``request_timeout`` each)
+    join_timeout_s: float = 0.0
     #: the parameter rounds hivemind's state averager ran in the background, seconds each from the epoch's
     #: transition to the round's end (``state_round`` events); None for a run from before they were timed
     state_round_s: list[float] | None = None
@@ -329,16 +339,36 @@ def partial_rounds(events: list[dict], peer: int) -> dict[str, int] | None:
     where the peer's ``strategy_details`` event does not say they were counted
     (``partial_rounds_counted``).
     """
+    return _rounds_with(events, peer, "partial_average", "partial_rounds_counted")
+
+
+def join_timeouts(events: list[dict], peer: int) -> dict[str, int] | None:
+    """Rounds of ``peer`` that lost a join request to hivemind's ``request_timeout``, per round kind, from a
+    run's event rows: one ``(round, epoch)`` of its ``join_timeout`` events (:class:`ddlscope.strategies.
+    collaborative.AveragerLog`). None where its ``strategy_details`` do not say they were counted
+    (``join_timeouts_counted``: runs from before they were)."""
+    return _rounds_with(events, peer, "join_timeout", "join_timeouts_counted")
+
+
+def join_timeout_s(events: list[dict], peer: int) -> float:
+    """Seconds ``peer``'s averagers waited on join requests that timed out (the sum of their ``timeout_s``)."""
+    return sum(float(json.loads(e["detail_json"] or "{}").get("timeout_s") or 0.0) for e in events
+               if e["kind"] == "join_timeout" and e["worker_index"] == peer)
+
+
+def _rounds_with(events: list[dict], peer: int, kind: str, counted: str) -> dict[str, int] | None:
+    """Distinct ``(round, epoch)`` of ``peer``'s ``kind`` events, counted per round kind; None where no
+    ``strategy_details`` event of the peer has ``counted`` true."""
     details = [json.loads(e["detail_json"] or "{}") for e in events
                if e["kind"] == "strategy_details" and e["worker_index"] == peer]
-    if not any(d.get("partial_rounds_counted") for d in details):
+    if not any(d.get(counted) for d in details):
         return None
     seen: dict[str, set] = {}
     for e in events:
-        if e["kind"] == "partial_average" and e["worker_index"] == peer:
+        if e["kind"] == kind and e["worker_index"] == peer:
             d = json.loads(e["detail_json"] or "{}")
             seen.setdefault(d.get("round", "unknown"), set()).add(d.get("epoch"))
-    return {kind: len(epochs) for kind, epochs in sorted(seen.items())}
+    return {k: len(epochs) for k, epochs in sorted(seen.items())}
 
 
 def state_rounds(events: list[dict], peer: int) -> dict[str, Any]:
@@ -491,6 +521,7 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
             background_cpu_training_s=_known_sum(s.get("background_cpu_s") for s in rows if not s.get("averaging_round")),
             background_cpu_rounds_s=_known_sum(s.get("background_cpu_s") for s in rows if s.get("averaging_round")),
             partial_rounds=partial_rounds(events, p), **state_rounds(events, p),
+            join_timeouts=join_timeouts(events, p), join_timeout_s=join_timeout_s(events, p),
             gradient_rounds_by_scheduling=gradient_prescheduling(events, rows, p)))
     times, sizes = swarm_size_timeline(segments)
     epochs = stored_global_epochs(run, steps)
@@ -512,15 +543,16 @@ def analyze_swarm(store, run_id: str) -> SwarmAnalysis:
 def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
     """A Markdown section: the per-peer table, the churn events and the figure (``figure``: its file name)."""
     lines = [f"### Run `{a.run_id}`", "",
-             "| peer | cores | samples | share | averaging rounds | partial rounds | in rounds s | sent MB | "
-             "traffic share | joins / leaves / kills | samples lost | samples discarded | state loads (futile) | "
-             "state load s, median |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peer | cores | samples | share | averaging rounds | partial rounds | join timeouts | in rounds s | "
+             "sent MB | traffic share | joins / leaves / kills | samples lost | samples discarded | "
+             "state loads (futile) | state load s, median |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in a.peers:
         partial = "-" if p.partial_rounds is None else str(sum(p.partial_rounds.values()))
+        joins = "-" if p.join_timeouts is None else str(sum(p.join_timeouts.values()))
         lines.append(
             f"| {p.peer} | {p.cores if p.cores is not None else '-'} | {p.samples:,} | {p.samples_share:.0%} | "
-            f"{p.averaging_rounds}{f' ({p.failed_rounds} failed)' if p.failed_rounds else ''} | {partial} | "
+            f"{p.averaging_rounds}{f' ({p.failed_rounds} failed)' if p.failed_rounds else ''} | {partial} | {joins} | "
             f"{p.averaging_s:.1f} | "
             f"{'unknown' if p.sent_bytes is None else f'{p.sent_bytes / 1e6:.1f}'} | "
             f"{'unknown' if p.traffic_share is None else f'{p.traffic_share:.0%}'} | {p.joins} / {p.leaves} / {p.kills} | "
@@ -606,6 +638,15 @@ def swarm_markdown(a: SwarmAnalysis, figure: str | None = None) -> str:
     elif any(p.partial_rounds is None for p in a.peers):
         lines += ["", "Partial rounds: not counted for every peer (\"-\": a peer still training, whose count is "
                   "stored at its end, a run from before ddlscope counted them, or averagers that were not forked)."]
+    stalled = [p for p in a.peers if p.join_timeouts]
+    if stalled:
+        lines += ["", "Join timeouts: " + "; ".join(
+            f"peer {p.peer} " + ", ".join(f"{n} {kind}" for kind, n in p.join_timeouts.items())
+            + f" ({p.join_timeout_s:.1f} s)" for p in stalled)
+            + ". In each such round the peer asked another to lead its group and heard nothing within hivemind's "
+            "request_timeout (3 s by default), then looked again: the round began that much later. hivemind breaks "
+            "this way the deadlock of two peers that ask each other to lead at the same moment, as when both "
+            "peers' gradient matchmaking starts as a parameter round frees a slow link."]
     futile = [p for p in a.peers if p.futile_state_loads]
     if futile:
         lines += ["", "Futile state loads: " + ", ".join(f"peer {p.peer} {p.futile_state_loads} of "

@@ -671,6 +671,11 @@ def _predict_swarm(profile: WorkloadProfile, cluster: ClusterSpec, s: Setting, s
         notes.append(f"collaborative: hivemind's overhead and overshoot were calibrated at {at}, this setting uses "
                      f"{s.matchmaking_time_s:g} s; both depend on it (calibrate --hivemind --matchmaking-time-s "
                      f"{s.matchmaking_time_s:g} measures them there)")
+    if link_wait > 0 and not s.use_local_updates:
+        notes.append("collaborative: the link bounds the epoch, so the peers' gradient matchmaking starts together "
+                     "when the parameter round frees it; two peers that ask each other to lead wait hivemind's "
+                     "request_timeout (3 s) before the round forms, which this prediction does not price (seen in "
+                     "9 of 128 epochs at 50 Mbit/s: docs/swarms.md, join timeouts)")
     if hm is not None and not alone and hm.reference_network not in (None, profile.network):
         notes.append(f"collaborative: hivemind's overshoot was calibrated on {hm.reference_network}, not "
                      f"{profile.network}; it depends on the network (calibrate --hivemind --swarm-network "

@@ -57,6 +57,9 @@ class Measurement:
             averaged part of the tensors without a peer whose chunks came too late:
             :func:`ddlscope.analyze.swarm.partial_rounds`), the most any worker recorded; None for
             models without hivemind's rounds and where a worker did not count them.
+        averaging_rounds_join_timeout: rounds that began ``request_timeout`` late because a join request
+            went unanswered (:func:`ddlscope.analyze.swarm.join_timeouts`), the most any worker recorded;
+            None as for ``averaging_rounds_partial``.
     """
 
     step_s: float
@@ -70,6 +73,7 @@ class Measurement:
     runtime_bytes: int | None = None
     averaging_rounds_failed: int = 0
     averaging_rounds_partial: int | None = None
+    averaging_rounds_join_timeout: int | None = None
 
 
 def memory_split(store: ResultsStore, run_id: str) -> tuple[int | None, int | None]:
@@ -250,16 +254,21 @@ def measure_run(store: ResultsStore, run_id: str) -> Measurement | None:
                                                                   memory_split(store, run_id))),
         averaging_rounds_failed=max(sum(1 for s in steps if s["worker_index"] == w and s["averaging_succeeded"] == 0)
                                     for w in {s["worker_index"] for s in steps}),
-        averaging_rounds_partial=_partial_rounds(store, run_id, steps) if model.averages_with_hivemind else None)
+        **(_hivemind_round_counts(store, run_id, steps) if model.averages_with_hivemind else {}))
 
 
-def _partial_rounds(store: ResultsStore, run_id: str, steps: list[dict]) -> int | None:
-    """The most partial averaging rounds any worker of the run recorded; None where one did not count them."""
-    from ddlscope.analyze.swarm import partial_rounds
+def _hivemind_round_counts(store: ResultsStore, run_id: str, steps: list[dict]) -> dict[str, int | None]:
+    """``averaging_rounds_partial`` and ``averaging_rounds_join_timeout`` of a run: the most partial rounds, and
+    rounds with a join timeout, that any worker recorded; None where a worker did not count them."""
+    from ddlscope.analyze.swarm import join_timeouts, partial_rounds
 
     events = store.rows("events", run_id)
-    counts = [partial_rounds(events, w) for w in sorted({s["worker_index"] for s in steps})]
-    return None if any(c is None for c in counts) else max(sum(c.values()) for c in counts)
+    workers = sorted({s["worker_index"] for s in steps})
+    out = {}
+    for name, counted in (("averaging_rounds_partial", partial_rounds), ("averaging_rounds_join_timeout", join_timeouts)):
+        counts = [counted(events, w) for w in workers]
+        out[name] = None if any(c is None for c in counts) else max(sum(c.values()) for c in counts)
+    return out
 
 
 def speedup(baseline_s: float | None, run_s: float | None) -> float | None:

@@ -805,6 +805,7 @@ def _repeated_outcome(grid: ValidationGrid, db_path: Path, tries: list[_Try]) ->
         outcome.measured_repeats_epoch_s = [o.measured_epoch_s for o, _ in tried if o.measured]
         outcome.failed_rounds_per_run = [n for o, _ in tried if o.measured for n in o.failed_rounds_per_run]
         outcome.partial_rounds_per_run = [n for o, _ in tried if o.measured for n in o.partial_rounds_per_run]
+        outcome.join_timeouts_per_run = [n for o, _ in tried if o.measured for n in o.join_timeouts_per_run]
         outcome.overshoot_steps_per_run = [x for o, _ in tried if o.measured for x in o.overshoot_steps_per_run]
         if own or _churns(grid, tries[0].candidate.setting.strategy):
             outcome.predicted_repeats_epoch_s = [o.predicted_epoch_s for o, _ in tried if o.measured]
@@ -845,6 +846,7 @@ def _outcome(db_path: Path, cand: Candidate, run: tuple[str | None, str, str | N
         outcome.failed_rounds_per_run = [measured.averaging_rounds_failed]
         if measured.averaging_rounds_partial is not None or swarm:
             outcome.partial_rounds_per_run = [measured.averaging_rounds_partial]
+            outcome.join_timeouts_per_run = [measured.averaging_rounds_join_timeout]
         if swarm:
             outcome.overshoot_steps_per_run = [] if overshoot is None else [overshoot]
     else:  # failed, interrupted, or completed without a measured step

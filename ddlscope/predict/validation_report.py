@@ -107,6 +107,8 @@ class StrategyOutcome:
     failed_rounds_per_run: list[int] = field(default_factory=list)
     # hivemind's partial averaging rounds in each completed run, in the same order (None: not counted in that run)
     partial_rounds_per_run: list[int | None] = field(default_factory=list)
+    # rounds that began hivemind's request_timeout late (a join request unanswered) in each completed run, same order
+    join_timeouts_per_run: list[int | None] = field(default_factory=list)
     # collaborative: steps per peer per global epoch past the target batch size, as predicted (the hivemind fit's
     # overshoot, None for other models) and in each completed run (ddlscope.analyze.swarm.global_epochs), in the
     # order of measured_repeats_epoch_s; a run without a whole global epoch is left out
@@ -719,6 +721,9 @@ def cells_table(cells: list[ValidationCell]) -> list[dict]:
             if any(o.partial_rounds_per_run):
                 status += (" (partial averaging rounds per run: "
                            + " / ".join("-" if n is None else str(n) for n in o.partial_rounds_per_run) + ")")
+            if any(o.join_timeouts_per_run):
+                status += (" (rounds begun late by a join timeout per run: "
+                           + " / ".join("-" if n is None else str(n) for n in o.join_timeouts_per_run) + ")")
             if o.overshoot_steps_per_run:
                 status += (" (peers ran " + " / ".join(f"{x:.2f}" for x in o.overshoot_steps_per_run)
                            + " steps past the target batch per global epoch"

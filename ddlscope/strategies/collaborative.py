@@ -65,6 +65,7 @@ _FAILED = ("Averaging gradients failed", "Averaging failed with")
 _EPOCH = re.compile(r"Transitioning to epoch (\d+)")
 _PRESCHEDULED = re.compile(r"Pre-scheduling (gradient|state) averaging round in ([0-9.]+) sec")
 _PARTIAL = re.compile(r"^(Reducer|Averaging): received ([0-9.]+)% (?:of input tensors|results)")
+_JOIN_TIMEOUT = re.compile(r"potential leader \S+ did not respond within ([0-9.]+)")
 SHUTDOWN_S = 5.0
 AUX_POLL_S = 0.2
 """Seconds between two optimizer steps of an auxiliary peer (each checks whether a round is due)."""
@@ -200,40 +201,78 @@ def forked(process) -> bool:
     return getattr(getattr(process, "_popen", None), "method", None) == "fork"
 
 
-class PartialRoundLog(logging.Handler):
-    """hivemind's warnings of a *partial* averaging round, caught in the averagers' own processes.
+class AveragerLog(logging.Handler):
+    """What hivemind's averagers say only in their own processes, caught there: *partial* averaging rounds
+    and join requests that timed out.
 
     hivemind 1.1.12 runs each averager (gradients, parameters) in a process forked from the peer's,
-    and says that a round was partial only in that process's log (``hivemind.averaging.partition``,
-    WARNING), while the peer's optimizer still logs "Averaged ... with N peers":
+    and says these things only in that process's log, while the peer's optimizer still logs
+    "Averaged ... with N peers":
 
-    - "Reducer: received X% of input tensors": this peer averaged its part of the tensors without
+    - ``hivemind.averaging.partition`` (WARNING), a partial round:
+      "Reducer: received X% of input tensors": this peer averaged its part of the tensors without
       some other peer's chunks (that sender was dropped when its next chunk did not arrive within
       ``next_chunk_timeout``, hivemind's default: the matchmaking time);
-    - "Averaging: received X% results": this peer got back only X % of the averaged tensors; the
+      "Averaging: received X% results": this peer got back only X % of the averaged tensors; the
       rest keep the peer's own values.
+    - ``hivemind.averaging.matchmaking`` (DEBUG), a join request that timed out: "potential leader
+      P did not respond within T": this peer asked P to lead its group and heard nothing for
+      ``request_timeout`` (hivemind's default 3 s) before it looked again. hivemind's matchmaking
+      says it breaks this way the deadlock of two peers that each asked the other to lead; on
+      50 Mbit/s links (2 one-core peers, MobileNetV2, issue 14) 9 of 128 global epochs ran 3 s longer so.
 
-    Added to that logger before the averagers start, the handler is inherited by their processes
-    and appends one JSON line per such warning to ``path``: ``at`` (wall time, s), ``pid`` (the
-    averager's process), ``side`` (``"inputs"`` or ``"results"``) and ``received_percent``.
-    :meth:`take` reads the lines written since its last call. Nothing is caught from averagers
-    started another way than by fork (:func:`forked`).
+    :meth:`install` adds the handler to both loggers before the averagers start; their processes
+    inherit it and append one JSON line per such message to ``path``: ``at`` (wall time, s),
+    ``pid`` (the averager's process) and ``kind``: ``"partial"`` with ``side`` (``"inputs"`` or
+    ``"results"``) and ``received_percent``, or ``"join_timeout"`` with ``timeout_s``. To see the
+    matchmaking's DEBUG message, :meth:`install` lowers that logger's level to DEBUG and passes only
+    its INFO and above on to hivemind's own log (:meth:`remove` undoes both). :meth:`take` reads the
+    lines written since its last call. Nothing is caught from averagers started another way than by
+    fork (:func:`forked`).
     """
 
-    LOGGER = "hivemind.averaging.partition"
+    PARTITION = "hivemind.averaging.partition"
+    MATCHMAKING = "hivemind.averaging.matchmaking"
 
     def __init__(self, path: str) -> None:
-        super().__init__(level=logging.WARNING)
+        super().__init__(level=logging.DEBUG)
         self.path = path
         self._offset = 0
+        self._forward = _ToParentLog(self.MATCHMAKING)
+        self._matchmaking_before: tuple[int, bool] | None = None
+
+    def install(self) -> None:
+        """Catch both loggers' messages (before the averagers fork)."""
+        logging.getLogger(self.PARTITION).addHandler(self)
+        mm = logging.getLogger(self.MATCHMAKING)
+        if self._matchmaking_before is None:
+            self._matchmaking_before = (mm.level, mm.propagate)
+        mm.setLevel(logging.DEBUG)
+        mm.propagate = False
+        mm.addHandler(self)
+        mm.addHandler(self._forward)
+
+    def remove(self) -> None:
+        """Stop catching; the matchmaking logger's level and propagation as before :meth:`install`."""
+        logging.getLogger(self.PARTITION).removeHandler(self)
+        mm = logging.getLogger(self.MATCHMAKING)
+        mm.removeHandler(self)
+        mm.removeHandler(self._forward)
+        if self._matchmaking_before is not None:
+            mm.setLevel(self._matchmaking_before[0])
+            mm.propagate = self._matchmaking_before[1]
+            self._matchmaking_before = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        m = _PARTIAL.search(record.getMessage())
-        if m is None:
+        message = record.getMessage()
+        if record.name == self.PARTITION and (m := _PARTIAL.search(message)) is not None:
+            caught = {"kind": "partial", "side": "inputs" if m.group(1) == "Reducer" else "results",
+                      "received_percent": float(m.group(2))}
+        elif record.name == self.MATCHMAKING and (m := _JOIN_TIMEOUT.search(message)) is not None:
+            caught = {"kind": "join_timeout", "timeout_s": float(m.group(1))}
+        else:
             return
-        line = json.dumps({"at": record.created, "pid": os.getpid(),
-                           "side": "inputs" if m.group(1) == "Reducer" else "results",
-                           "received_percent": float(m.group(2))}) + "\n"
+        line = json.dumps({"at": record.created, "pid": os.getpid(), **caught}) + "\n"
         try:  # one write of a short line with O_APPEND: lines of two averagers never interleave
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
@@ -244,7 +283,7 @@ class PartialRoundLog(logging.Handler):
             pass
 
     def take(self) -> list[dict]:
-        """The warnings written since the last call, oldest first (a line still being written waits)."""
+        """The messages written since the last call, oldest first (a line still being written waits)."""
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
@@ -254,6 +293,18 @@ class PartialRoundLog(logging.Handler):
         end = data.rfind(b"\n") + 1
         self._offset += end
         return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+
+class _ToParentLog(logging.Handler):
+    """Passes the INFO-and-above records of a logger that no longer propagates to its parent's handlers, so
+    that lowering the logger's level (:class:`AveragerLog`) adds nothing to hivemind's own log."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(level=logging.INFO)
+        self.parent = name.rpartition(".")[0]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger(self.parent).handle(record)
 
 
 class _RoundLog(logging.Handler):
@@ -418,7 +469,7 @@ class CollaborativeStrategy(Strategy):
         self.dht = None
         self.hm_opt = None
         self._log = _RoundLog()
-        self._partial: PartialRoundLog | None = None
+        self._averager_log: AveragerLog | None = None
         self._averager_rounds: dict[int, str] = {}  # averager process id -> "gradients" / "parameters"
         self._loggers = [logging.getLogger("hivemind.optim.optimizer"), logging.getLogger("hivemind.optim.state_averager")]
         self._update_s = 0.0
@@ -470,10 +521,10 @@ class CollaborativeStrategy(Strategy):
             skip_non_finite_steps(optimizer, functools.partial(
                 self._record_non_finite, "non_finite_average", "gradients", "its optimizer step is skipped"))
         comp = _compression(c.gradient_compression)
-        fd, path = tempfile.mkstemp(prefix="ddlscope-partial-rounds-", suffix=".jsonl")  # in the run's folder
+        fd, path = tempfile.mkstemp(prefix="ddlscope-averager-log-", suffix=".jsonl")  # in the run's folder
         os.close(fd)
-        self._partial = PartialRoundLog(path)
-        logging.getLogger(PartialRoundLog.LOGGER).addHandler(self._partial)  # before the averagers fork
+        self._averager_log = AveragerLog(path)
+        self._averager_log.install()  # before the averagers fork
         # Moshpit-style groups, and the bandwidth this peer declares for hivemind's load balancing
         groups = {"target_group_size": c.target_group_size, "initial_group_bits": c.initial_group_bits,
                   "bandwidth": c.declared_bandwidth_mbit_per_s(self.ctx.worker_index, self.cfg.network)}
@@ -512,6 +563,7 @@ class CollaborativeStrategy(Strategy):
         c = self.cfg.collaborative
         i = self.ctx.worker_index
         averagers = [getattr(self.hm_opt, a, None) for a in ("state_averager", "grad_averager")] if self.hm_opt else []
+        caught = self._averager_log is not None and bool(averagers) and all(forked(a) for a in averagers if a is not None)
         return {"role": "auxiliary" if self.assists_only else "client" if i in c.client_mode_peers else "trainer",
                 "declared_bandwidth_mbit_per_s": c.declared_bandwidth_mbit_per_s(i, self.cfg.network),
                 # what hivemind's averagers hold (read back: the value their load balancing gathers)
@@ -522,9 +574,9 @@ class CollaborativeStrategy(Strategy):
                 "load_state_timeout_s": getattr(self.hm_opt, "load_state_timeout", None),
                 "skipped_non_finite_updates": self._skipped["non_finite_average"],
                 "skipped_non_finite_state_rounds": self._skipped["non_finite_state_average"],
-                # whether hivemind's partial rounds were caught (partial_average events; False: not counted)
-                "partial_rounds_counted": self._partial is not None and bool(averagers)
-                and all(forked(a) for a in averagers if a is not None)}
+                # whether hivemind's partial rounds and join timeouts were caught (partial_average and join_timeout
+                # events; False: not counted)
+                "partial_rounds_counted": caught, "join_timeouts_counted": caught}
 
     def _key(self, what: str) -> str:
         return f"ddlscope-{self.ctx.run_id}-{what}"
@@ -586,18 +638,24 @@ class CollaborativeStrategy(Strategy):
         if self.ctx.store is not None:
             self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, kind, epoch=epoch)
 
-    def _store_partial_rounds(self) -> None:
-        """Store a ``partial_average`` event per partial-round warning of this peer's averagers since the last
-        call (:class:`PartialRoundLog`): ``round`` (gradients / parameters), ``side``, ``received_percent``,
-        ``at`` (when hivemind logged it) and the peer's global epoch when it was read."""
-        if self._partial is None:
+    def _store_averager_log(self) -> None:
+        """Store what this peer's averagers said since the last call (:class:`AveragerLog`), each with its
+        ``round`` (gradients / parameters), ``at`` (when hivemind logged it) and the peer's global epoch when
+        it was read: a ``partial_average`` event per partial-round warning (``side``, ``received_percent``),
+        a ``join_timeout`` event per join request that timed out (``timeout_s``)."""
+        if self._averager_log is None:
             return
-        for w in self._partial.take():
-            if self.ctx.store is not None:
-                self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, "partial_average",
-                                         round=self._averager_rounds.get(w["pid"], "unknown"), side=w["side"],
-                                         received_percent=w["received_percent"], at=w["at"],
-                                         epoch=self.hm_opt.local_epoch if self.hm_opt is not None else None)
+        for w in self._averager_log.take():
+            if self.ctx.store is None:
+                continue
+            common = dict(round=self._averager_rounds.get(w["pid"], "unknown"), at=w["at"],
+                          epoch=self.hm_opt.local_epoch if self.hm_opt is not None else None)
+            if w["kind"] == "partial":
+                self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, "partial_average", side=w["side"],
+                                         received_percent=w["received_percent"], **common)
+            else:
+                self.ctx.store.add_event(self.ctx.run_id, self.ctx.worker_index, "join_timeout",
+                                         timeout_s=w["timeout_s"], **common)
 
     def _time_local_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         inner_step = optimizer.step
@@ -716,7 +774,7 @@ class CollaborativeStrategy(Strategy):
             self._update_s = 0.0
             self.hm_opt.step()
             happened, group, ok, epoch = parse_round(self._log.take())
-            self._store_partial_rounds()
+            self._store_averager_log()
             self._store_state_rounds()
             if happened:
                 rounds += 1
@@ -765,7 +823,7 @@ class CollaborativeStrategy(Strategy):
         messages = self._log.take()
         happened, group, ok, epoch = parse_round(messages)
         self._store_prescheduling(messages, accumulating, happened)
-        self._store_partial_rounds()
+        self._store_averager_log()
         self._store_state_rounds()
         averaging_s = max(0.0, self._update_s - self._local_step_s) if happened else 0.0
         before, self._background_cpu_s = self._background_cpu_s, self._read_background_cpu()
@@ -792,14 +850,14 @@ class CollaborativeStrategy(Strategy):
         stopping = self.ctx.stop_requested is not None and self.ctx.stop_requested.is_set()
         # a dead daemon cannot say goodbye, and a stopped run's peers are all stopping: do not wait for them
         shutdown_hivemind(self.hm_opt, self.dht, 0.0 if self._daemon_lost else STOP_SHUTDOWN_S if stopping else SHUTDOWN_S)
-        if self._partial is not None:  # the rounds that ended since the last step, then the file
-            logging.getLogger(PartialRoundLog.LOGGER).removeHandler(self._partial)
+        if self._averager_log is not None:  # the rounds that ended since the last step, then the file
+            self._averager_log.remove()
             try:
-                self._store_partial_rounds()
+                self._store_averager_log()
                 self._store_state_rounds()
             except Exception:  # a store that fails here must not hide why the run ended
                 pass
             try:
-                os.unlink(self._partial.path)
+                os.unlink(self._averager_log.path)
             except OSError:
                 pass
