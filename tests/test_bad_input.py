@@ -92,7 +92,8 @@ for field, value in [("batch_size", "0"), ("batch_size", "-1"), ("batch_size", "
                      ("loader_workers", "100"), ("gradient_accumulation_steps", "0"), ("eval_every_steps", "0"),
                      ("time_limit_s", "0"), ("time_limit_s", "1e12"), ("host_sample_interval_s", "0"),
                      ("target_accuracy", "1.5"), ("warmup_steps", "-1"), ("vcpus_per_peer", "0"),
-                     ("distributed.rendezvous_port", "70000"), ("distributed.microbatches", "0")]:
+                     ("distributed.rendezvous_port", "70000"), ("distributed.microbatches", "0"),
+                     ("collaborative.request_timeout_s", "0"), ("collaborative.request_timeout_s", "-1")]:
     case(f"range-{field}={value}", ["run", *TINY, "--set", f"{field}={value}"], field)
 for field, value in [("batch_size", "abc"), ("batch_size", "true"), ("batch_size", "3.5"), ("batch_size", "[1]"),
                      ("learning_rate", "'fast'"), ("learning_rate", "false"), ("peers", "true"), ("strategy", "5"),

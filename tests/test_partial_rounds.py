@@ -148,7 +148,7 @@ def test_a_real_swarm_over_a_slow_link_stores_its_partial_rounds(env_data, db_pa
         model="moe_cnn", strategy="collaborative", peers=2, share_cores=True, sample_budget=None, time_limit_s=15,
         network=dict(emulate=True, bandwidth_mbit_per_s=200, links=[dict(peer=1, bandwidth_mbit_per_s=2)]),
         collaborative=dict(target_batch_size=64, matchmaking_time_s=1.0, averaging_timeout_s=10.0,
-                           next_chunk_timeout_s=0.5)))
+                           next_chunk_timeout_s=0.5, request_timeout_s=0.5)))
     run_id = run_local(cfg, db_path, progress=False)
     with ResultsStore(db_path) as store:
         assert store.run(run_id)["status"] == "completed", store.run(run_id)["reason"]
@@ -161,5 +161,7 @@ def test_a_real_swarm_over_a_slow_link_stores_its_partial_rounds(env_data, db_pa
     assert any(p.partial_rounds for p in analysis.peers)
     # the same handler counts the join requests that timed out (none need have), and hivemind's log gains no DEBUG
     assert all(p.join_timeouts is not None for p in analysis.peers), [p.join_timeouts for p in analysis.peers]
+    details = [json.loads(e["detail_json"]) for e in events if e["kind"] == "strategy_details"]
+    assert [d["averager_request_timeouts_s"] for d in details] == [[0.5, 0.5]] * 2  # both averagers of both peers
     logs = sorted((db_path.parent / "logs" / run_id).glob("worker-*.log"))
     assert len(logs) == 2 and not [line for log in logs for line in log.read_text(errors="replace").splitlines() if "[DEBUG]" in line]

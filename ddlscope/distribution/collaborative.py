@@ -153,6 +153,11 @@ class CollaborativeConfig(BaseModel):
         "does not arrive within this many seconds is dropped from that part, which is then averaged without it "
         "(a partial round, stored as a partial_average event); default: hivemind's, matchmaking_time_s. On a slow "
         "link a chunk can wait behind the other round's bytes for longer than a short matchmaking time")
+    request_timeout_s: float | None = Field(
+        None, gt=0, le=3600, description="hivemind's request_timeout: a peer that asks another to lead its averaging "
+        "group waits this many seconds for the answer before it looks again. Two peers that ask each other at once "
+        "(on stale expiration times, e.g. behind a busy slow link) both wait it out (a join timeout, stored as a "
+        "join_timeout event); hivemind recommends it below matchmaking_time_s. Default: hivemind's, 3 s")
     progress_expiration_s: float = Field(
         METADATA_EXPIRATION_S, gt=0, le=3600, description="hivemind's metadata_expiration: how long a peer's progress record (its "
         "epoch and samples) stays in the DHT after its last report; peers report every half of it. A peer killed "

@@ -527,7 +527,8 @@ class CollaborativeStrategy(Strategy):
         self._averager_log.install()  # before the averagers fork
         # Moshpit-style groups, and the bandwidth this peer declares for hivemind's load balancing
         groups = {"target_group_size": c.target_group_size, "initial_group_bits": c.initial_group_bits,
-                  "bandwidth": c.declared_bandwidth_mbit_per_s(self.ctx.worker_index, self.cfg.network)}
+                  "bandwidth": c.declared_bandwidth_mbit_per_s(self.ctx.worker_index, self.cfg.network),
+                  **({"request_timeout": c.request_timeout_s} if c.request_timeout_s is not None else {})}
         self.hm_opt = hivemind.Optimizer(
             dht=self.dht, run_id=f"ddlscope-{self.ctx.run_id}", optimizer=optimizer,
             target_batch_size=c.target_batch_size,
@@ -568,6 +569,9 @@ class CollaborativeStrategy(Strategy):
                 "declared_bandwidth_mbit_per_s": c.declared_bandwidth_mbit_per_s(i, self.cfg.network),
                 # what hivemind's averagers hold (read back: the value their load balancing gathers)
                 "averager_bandwidths": [a.bandwidth for a in averagers if a is not None],
+                # how long a join request waits for a potential leader (read back: hivemind's request_timeout)
+                "averager_request_timeouts_s": [a.matchmaking_kwargs.get("request_timeout") for a in averagers
+                                                if a is not None],
                 "target_group_size": c.target_group_size,
                 # how long its progress record outlasts it: read back from hivemind's progress tracker
                 "progress_expiration_s": getattr(getattr(self.hm_opt, "tracker", None), "metadata_expiration", None),
