@@ -140,8 +140,10 @@ class HivemindFit(BaseModel):
             overshoot depend on it (:mod:`ddlscope.profiling.swarm`); a prediction at another
             matchmaking time says so in its notes. ``None``: a file from before it was recorded.
         peer_startup_s: seconds from starting a peer's process to its first step, beyond loading
-            the swarm's state: a fresh interpreter importing torch and hivemind, joining the DHT
-            and making the ``hivemind.Optimizer`` (:func:`ddlscope.profiling.swarm.fit_peer_startup`);
+            the swarm's state: a fresh interpreter importing torch, hivemind and ddlscope's worker and
+            building a network and its first optimizer (:data:`ddlscope.profiling.swarm.PEER_PROCESS`),
+            joining the DHT and making the ``hivemind.Optimizer``
+            (:func:`ddlscope.profiling.swarm.fit_peer_startup`);
             what a joining or rejoining peer takes before it trains. ``None``: not measured.
     """
 

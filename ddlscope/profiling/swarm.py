@@ -45,8 +45,9 @@ draws a line through them:
 - ``epoch_cpu_s``: median CPU seconds of hivemind's processes and threads per epoch
   (:func:`ddlscope.measure.host.background_cpu_s`), for the record;
 - ``peer_startup_s``: what a peer that joins a running swarm takes before its first step, beside
-  loading the swarm's state (:func:`fit_peer_startup`): a fresh interpreter importing torch and
-  hivemind, joining the DHT, making the ``hivemind.Optimizer``. A rejoining peer in a churn
+  loading the swarm's state (:func:`fit_peer_startup`): a fresh interpreter importing torch,
+  hivemind and ddlscope's worker and building its network and first optimizer
+  (:data:`PEER_PROCESS`), joining the DHT, making the ``hivemind.Optimizer``. A rejoining peer in a churn
   validation run took 7.6 s from its start to its first step.
 
 These figures depend on ``matchmaking_time_s`` too: hivemind pre-schedules the gradient round
@@ -72,6 +73,18 @@ from ddlscope.measure.host import BackgroundCpu
 from ddlscope.measure.stats import time_call, time_repeats, trimmed_mean
 from ddlscope.modeling.cluster import HivemindFit
 
+PEER_PROCESS = """
+import torch, hivemind
+import ddlscope.strategies.collaborative, ddlscope.train.loop, ddlscope.train.worker
+from ddlscope.workloads.models import build_model
+from ddlscope.workloads.step import build_optimizer
+build_optimizer(build_model({network!r}, {dataset!r}).parameters(), "sgd")
+"""
+"""What a peer's fresh process does before it joins the swarm, timed as ``import_s``: import torch, hivemind and
+ddlscope's worker, build its network and its optimizer. A process's first torch optimizer imports
+``torch._dynamo`` (torch 2.13: 0.78-0.81 s on one core of a 2-core Xeon, 2026-12-06), which a rejoining
+peer in a churn run pays; timing only ``import torch, hivemind`` had such a peer predicted 1.3-2.7 s early
+(docs/validation.md, stop 68)."""
 #: (network, dataset shape): thesis 000's network on MNIST-shaped inputs
 REFERENCE = ("resnet18", "mnist")
 #: samples per step of the reference swarms, one swarm each (about 0.8 and 0.25 s steps on one core)
@@ -104,8 +117,8 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
         ``param_bytes``, ``matchmaking_time_s`` and ``swarms``: per batch size ``batch_size``,
         ``compute_alone_s`` (median step compute before the optimizer existed, seconds) and
         ``steps``: per step ``[compute s, hivemind step s, local epoch after, background CPU s]``,
-        ``optimizer_init_s`` (seconds to make its ``hivemind.Optimizer``); ``import_s`` (a fresh
-        interpreter importing torch and hivemind, seconds) and ``join_s`` (joining the DHT through
+        ``optimizer_init_s`` (seconds to make its ``hivemind.Optimizer`` around a torch optimizer made
+        before); ``import_s`` (a fresh interpreter running :data:`PEER_PROCESS`, seconds) and ``join_s`` (joining the DHT through
         worker 0's address; None on worker 0, which starts it).
     """
     import subprocess
@@ -119,7 +132,8 @@ def measure_swarm(rank: int, workers: int, epochs: int, deadline_s: float, say: 
 
     param_bytes = sum(p.numel() * p.element_size() for p in build_model(*reference).parameters())
     t0 = time.perf_counter()  # what a new peer's process does before anything of the swarm
-    subprocess.run([sys.executable, "-c", "import torch, hivemind"], check=True, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, "-c", PEER_PROCESS.format(network=reference[0], dataset=reference[1])], check=True,
+                   capture_output=True, timeout=300)
     import_s = time.perf_counter() - t0
     join_s = None
     maddrs: list[Any] = [None]
@@ -172,10 +186,10 @@ def _one_swarm(hivemind, dht, rank: int, batch: int, workers: int, epochs: int, 
     model.zero_grad()
     alone = statistics.median(time_repeats(compute, 5))
     model.zero_grad()
+    local = build_optimizer(model.parameters(), "sgd")  # a process's first one imports torch._dynamo: not hivemind's
     t0 = time.perf_counter()
     opt = hivemind.Optimizer(
-        dht=dht, run_id=f"ddlscope-calibrate-swarm-b{batch}", batch_size_per_step=batch,
-        optimizer=build_optimizer(model.parameters(), "sgd"),
+        dht=dht, run_id=f"ddlscope-calibrate-swarm-b{batch}", batch_size_per_step=batch, optimizer=local,
         target_batch_size=STEPS_PER_EPOCH * workers * batch, matchmaking_time=matchmaking_time_s,
         averaging_timeout=ROUND_TIMEOUT_S, verbose=False)
     optimizer_init_s = time.perf_counter() - t0
@@ -252,11 +266,12 @@ def swarm_epochs(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def fit_peer_startup(raw: list[dict[str, Any]]) -> float | None:
-    """A joining peer's start-up, seconds: the median over workers of a fresh interpreter's imports,
-    plus the median DHT join (workers other than 0), plus the median ``hivemind.Optimizer``
-    creation (every worker and swarm), from :func:`measure_swarm`'s results ``raw``. The peer's
-    own workload (building its network and data loaders) is not in it. None when a part is missing
-    (a result from before these were measured)."""
+    """A joining peer's start-up, seconds: the median over workers of a fresh interpreter's start
+    (:data:`PEER_PROCESS`: imports, the reference network and its first optimizer), plus the median
+    DHT join (workers other than 0), plus the median ``hivemind.Optimizer`` creation (every worker
+    and swarm), from :func:`measure_swarm`'s results ``raw``. Reading the peer's own dataset is not
+    in it (milliseconds for the validation's synthetic MNIST). None when a part is missing (a result
+    from before these were measured)."""
     imports = [w["import_s"] for w in raw if w.get("import_s") is not None]
     joins = [w["join_s"] for w in raw if w.get("join_s") is not None]
     inits = [sw["optimizer_init_s"] for w in raw for sw in w["swarms"] if sw.get("optimizer_init_s") is not None]
