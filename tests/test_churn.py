@@ -139,7 +139,7 @@ def _stepping_peer(opt: OutOfSyncOptimizer, events: list):
     from types import SimpleNamespace
 
     peer = bare_peer(1, opt.local_epoch, events)
-    peer.hm_opt, peer._daemon_lost, peer._partial, peer._state_rounds = opt, None, None, []
+    peer.hm_opt, peer._daemon_lost, peer._averager_log, peer._state_rounds = opt, None, None, []
     peer.ctx.stop_requested = None
     peer._log = SimpleNamespace(take=lambda: [])  # no round in these steps
     peer._background_cpu_s, peer._read_background_cpu = None, lambda: None
