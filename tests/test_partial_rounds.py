@@ -14,7 +14,7 @@ from ddlscope.analyze.swarm import analyze_swarm, join_timeouts, partial_rounds,
 from ddlscope.config import validate_config
 from ddlscope.launch.local import run_local
 from ddlscope.store.db import ResultsStore
-from ddlscope.strategies.collaborative import AveragerLog, forked
+from ddlscope.strategies.collaborative import AveragerLog, _RoundLog, forked
 from tests.conftest import bare_peer, can_emulate, stored_swarm_run, tiny_run
 
 PARTITION = logging.getLogger(AveragerLog.PARTITION)
@@ -30,22 +30,11 @@ def _log_in_child(warnings: list[str], debug: list[str]) -> None:
         MATCHMAKING.debug(m)
 
 
-class _Seen(logging.Handler):
-    """Keeps the messages of the records that reach the logger it is added to."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.NOTSET)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def test_averager_messages_reach_the_peer_from_a_forked_averager_process(tmp_path):
     from hivemind.utils.logging import get_logger
 
     hivemind_log = get_logger("hivemind")  # where hivemind's own log handler sits (in a peer: its stderr)
-    seen = _Seen()
+    seen = _RoundLog()  # keeps the messages that reach it
     hivemind_log.addHandler(seen)
     level, propagate = MATCHMAKING.level, MATCHMAKING.propagate
     catcher = AveragerLog(str(tmp_path / "averagers.jsonl"))

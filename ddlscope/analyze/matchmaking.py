@@ -297,10 +297,9 @@ def _peer_rounds_with(run_id: str, events: list[dict], rounds: list[dict], found
     ``strategy_details`` do not say so)."""
     import json
 
-    from ddlscope.analyze.swarm import join_timeouts, partial_rounds
+    from ddlscope.analyze.swarm import rounds_with
 
-    counted = {"partial_average": partial_rounds, "join_timeout": join_timeouts}[kind]
-    if found is None or any(counted(events, w) is None for w in {s["worker_index"] for s in rounds}):
+    if found is None or any(rounds_with(events, w, kind) is None for w in {s["worker_index"] for s in rounds}):
         return None
     return found | {(run_id, e["worker_index"], json.loads(e["detail_json"] or "{}").get("epoch"))
                     for e in events if e["kind"] == kind}

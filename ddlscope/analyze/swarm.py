@@ -339,7 +339,7 @@ def partial_rounds(events: list[dict], peer: int) -> dict[str, int] | None:
     where the peer's ``strategy_details`` event does not say they were counted
     (``partial_rounds_counted``).
     """
-    return _rounds_with(events, peer, "partial_average", "partial_rounds_counted")
+    return rounds_with(events, peer, "partial_average")
 
 
 def join_timeouts(events: list[dict], peer: int) -> dict[str, int] | None:
@@ -347,7 +347,7 @@ def join_timeouts(events: list[dict], peer: int) -> dict[str, int] | None:
     run's event rows: one ``(round, epoch)`` of its ``join_timeout`` events (:class:`ddlscope.strategies.
     collaborative.AveragerLog`). None where its ``strategy_details`` do not say they were counted
     (``join_timeouts_counted``: runs from before they were)."""
-    return _rounds_with(events, peer, "join_timeout", "join_timeouts_counted")
+    return rounds_with(events, peer, "join_timeout")
 
 
 def join_timeout_s(events: list[dict], peer: int) -> float:
@@ -356,12 +356,17 @@ def join_timeout_s(events: list[dict], peer: int) -> float:
                if e["kind"] == "join_timeout" and e["worker_index"] == peer)
 
 
-def _rounds_with(events: list[dict], peer: int, kind: str, counted: str) -> dict[str, int] | None:
-    """Distinct ``(round, epoch)`` of ``peer``'s ``kind`` events, counted per round kind; None where no
-    ``strategy_details`` event of the peer has ``counted`` true."""
+#: the averagers' events a peer counts (:class:`ddlscope.strategies.collaborative.AveragerLog`) -> the key of its
+#: ``strategy_details`` that says it counted them
+COUNTED_EVENTS = {"partial_average": "partial_rounds_counted", "join_timeout": "join_timeouts_counted"}
+
+
+def rounds_with(events: list[dict], peer: int, kind: str) -> dict[str, int] | None:
+    """Distinct ``(round, epoch)`` of ``peer``'s ``kind`` events (a key of :data:`COUNTED_EVENTS`), counted per
+    round kind; None where no ``strategy_details`` event of the peer says it counted them."""
     details = [json.loads(e["detail_json"] or "{}") for e in events
                if e["kind"] == "strategy_details" and e["worker_index"] == peer]
-    if not any(d.get(counted) for d in details):
+    if not any(d.get(COUNTED_EVENTS[kind]) for d in details):
         return None
     seen: dict[str, set] = {}
     for e in events:

@@ -260,13 +260,13 @@ def measure_run(store: ResultsStore, run_id: str) -> Measurement | None:
 def _hivemind_round_counts(store: ResultsStore, run_id: str, steps: list[dict]) -> dict[str, int | None]:
     """``averaging_rounds_partial`` and ``averaging_rounds_join_timeout`` of a run: the most partial rounds, and
     rounds with a join timeout, that any worker recorded; None where a worker did not count them."""
-    from ddlscope.analyze.swarm import join_timeouts, partial_rounds
+    from ddlscope.analyze.swarm import rounds_with
 
     events = store.rows("events", run_id)
     workers = sorted({s["worker_index"] for s in steps})
     out = {}
-    for name, counted in (("averaging_rounds_partial", partial_rounds), ("averaging_rounds_join_timeout", join_timeouts)):
-        counts = [counted(events, w) for w in workers]
+    for name, kind in (("averaging_rounds_partial", "partial_average"), ("averaging_rounds_join_timeout", "join_timeout")):
+        counts = [rounds_with(events, w, kind) for w in workers]
         out[name] = None if any(c is None for c in counts) else max(sum(c.values()) for c in counts)
     return out
 
