@@ -33,13 +33,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 from ddlscope.errors import UserError
-from ddlscope.experiments.validate import calibration_options, load_grid, run_validation
+from ddlscope.experiments.validate import calibration_options, load_grid, missing_fits, run_validation
 from ddlscope.modeling.cluster import load_cluster
 from ddlscope.modeling.recommend import candidate_settings, recommend
 from ddlscope.predict.validation_report import summarize, write_validation_report
@@ -99,6 +100,9 @@ def main() -> None:
     db = args.db or tmp / "ddlscope.db"
     if args.cluster:
         cluster = load_cluster(args.cluster)
+        lacking = missing_fits(grid, cluster, args.cluster)
+        if lacking:
+            print(f"warning: {lacking}", file=sys.stderr)
     else:
         from ddlscope.profiling.calibrate import calibrate
 

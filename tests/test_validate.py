@@ -15,7 +15,8 @@ from ddlscope.errors import UserError
 from ddlscope.distribution.collaborative import DEFAULT_MATCHMAKING_TIME_S
 from ddlscope.modeling.links import over_links
 from ddlscope.network.emulated import BUCKET_MIN_BYTES
-from ddlscope.experiments.validate import ValidationGrid, load_grid, predicted_models, run_validation, validation_cell
+from ddlscope.experiments.validate import (ValidationGrid, load_grid, missing_fits, predicted_models, run_validation,
+                                          validation_cell)
 from ddlscope.modeling.prediction import Setting
 from ddlscope.store.db import ResultsStore
 from tests.test_costs import make_cluster, make_profile
@@ -369,6 +370,20 @@ def test_uneven_links_give_each_worker_its_rate_and_loopback_can_be_left_out(tmp
         ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], loopback=False)
 
 
+def test_a_cluster_file_without_the_fits_the_grid_s_models_read_is_named_with_them():
+    grid = ValidationGrid(datasets=["mnist"], networks=["tiny_cnn"], strategies=["ddp", "collaborative", "diloco"])
+    bare = make_cluster()
+    line = missing_fits(grid, bare, "here.toml")
+    assert line.startswith("the cluster file here.toml has no hivemind fit, which collaborative reads:")
+    assert "`ddlscope calibrate --hivemind --out FILE`" in line and "dmoe" not in line
+    assert missing_fits(grid.model_copy(update={"strategies": ["ddp", "fsdp"]}), bare, "here.toml") is None
+    with_fit = bare.model_copy(update={"hivemind": object()})  # any fit: only its presence is asked
+    assert missing_fits(grid, with_fit, "here.toml") is None
+    moe = ValidationGrid(datasets=["mnist"], networks=["moe_cnn"], strategies=["dmoe", "collaborative"])
+    assert "no hivemind fit, which collaborative reads; no dmoe fit, which dmoe reads" in missing_fits(moe, bare, "c")
+    assert "`ddlscope calibrate --hivemind --dmoe --out FILE`" in missing_fits(moe, bare, "c")
+
+
 @pytest.mark.slow
 def test_validate_tiny_stores_predictions_next_to_real_runs(tmp_path):
     db = tmp_path / "r" / "ddlscope.db"
@@ -419,6 +434,8 @@ def test_validate_cli_hands_rerun_to_the_runs(tmp_path, monkeypatch, flag, rerun
     result = CliRunner().invoke(app, ["validate", *grid, *flag, "--cluster", str(LOCAL), "--db",
                                       str(tmp_path / "r.db"), "--no-progress"])
     assert result.exit_code == 130, result.output
+    # the example cluster file has no hivemind fit: the links grid's collaborative is warned of first
+    assert ("warning: the cluster file" in result.output) is bool(flag and flag[0] == "links"), result.output
     assert seen["rerun"] is rerun and seen["run_real"] is True and seen["grid"].profile_each_repeat is each
     assert seen["grid"].hivemind_each_repeat is hivemind and seen["grid"].hivemind_per_workload is per_workload
 

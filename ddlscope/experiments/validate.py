@@ -297,6 +297,31 @@ def calibration_options(grid: ValidationGrid) -> dict[str, Any]:
     return options
 
 
+def missing_fits(grid: ValidationGrid, cluster: ClusterSpec, source: str) -> str | None:
+    """What a given cluster file lacks for ``grid``: one line naming each fit
+    (:data:`ddlscope.distribution.CALIBRATIONS`) that the grid's models read (their ``calibrations``)
+    and ``cluster`` (read from ``source``) does not have, the models it leaves uncosted and how to
+    add it; None when nothing is missing.
+
+    Without its fit a model is predicted from the cluster's links alone (its prediction says so in
+    a note), which the validation then measures as the model's error: a dmoe pass with a cluster
+    file that had no dmoe fit read -92 % and -81 % where the next pass, calibrated, read single
+    digits (docs/validation.md, stop 70).
+    """
+    lacking = {fit: sorted(name for name in grid.strategies if fit in distribution.get(name).calibrations)
+               for fit in distribution.CALIBRATIONS if getattr(cluster, fit) is None}
+    lacking = {fit: names for fit, names in lacking.items() if names}
+    if not lacking:
+        return None
+    what = "; ".join(f"no {fit} fit, which {', '.join(names)} read{'s' if len(names) == 1 else ''}"
+                     for fit, names in lacking.items())
+    flags = " ".join(f"--{fit}" for fit in lacking)
+    return (f"the cluster file {source} has {what}: a model's prediction without its fit leaves out what the "
+            f"fit measures, and the validation counts that as the model's error; measure it with "
+            f"`ddlscope calibrate {flags} --out FILE` and pass that file, or leave out --cluster to calibrate this "
+            f"machine now")
+
+
 def workload_swarm_options(grid: ValidationGrid, network: str, dataset: str) -> dict[str, Any]:
     """The swarm options of :func:`ddlscope.profiling.calibrate.calibrate_hivemind` for a hivemind fit
     of one workload of ``grid``: ``swarm_reference`` ``(network, dataset)``, ``swarm_batch_sizes`` the

@@ -343,7 +343,7 @@ def register(app: typer.Typer) -> None:
     ):
         """Predict every cell of a grid, run it for real here, and report error, recommendation correctness and regret."""
         from ddlscope.cli import echo_json, stdout_to_stderr
-        from ddlscope.experiments.validate import calibration_options, load_grid, run_validation
+        from ddlscope.experiments.validate import calibration_options, load_grid, missing_fits, run_validation
         from ddlscope.modeling.devices import check_profile_device
         from ddlscope.predict.validation_report import print_validation, write_validation_report
         from ddlscope.launch.processes import sigterm_as_interrupt
@@ -368,6 +368,9 @@ def register(app: typer.Typer) -> None:
         db_path = Path(db) if db else default_db_path()
         with stdout_to_stderr(as_json):
             cl = _local_cluster(cluster, db_path, spec.workers, spec.threads, calibration_options(spec))
+            lacking = missing_fits(spec, cl, str(cluster)) if cluster is not None else None
+            if lacking:  # said before anything runs: the pass would measure the missing fit as the models' error
+                typer.echo(f"warning: {lacking}", err=True)
             # SIGTERM as Ctrl-C: the running cell or probe stops its processes, namespaces and temporary folders
             try:
                 with sigterm_as_interrupt():
