@@ -694,6 +694,25 @@ def test_a_worker_stopped_before_torchrun_stopped_the_others_is_named_not_the_ag
         "interrupted", "torchrun agent (pid 10) was stopped (exit code 1, not by the launcher); its workers: "
                        "stopped by SIGTERM")
 
+
+def test_a_worker_that_failed_before_torchrun_stopped_the_other_is_named_as_the_runs_failure(tmp_path):
+    """Seen in CI (2026-12-06): worker 1 raised, and torchrun's agent stopped worker 0 with SIGTERM before worker
+    0's next collective failed. The run failed with worker 1's reason; a worker stopped first still wins."""
+    from types import SimpleNamespace
+
+    from ddlscope.launch.local import _first_failure
+
+    rows = [{"worker_index": 0, "status": "interrupted", "reason": "stopped by SIGTERM", "failed_at": 102.5},
+            {"worker_index": 1, "status": "failed", "reason": "ValueError: injected failure on rank 1",
+             "failed_at": 102.1}]
+    log = tmp_path / "agent.log"
+    log.write_text("WARNING:torch.distributed.elastic.multiprocessing.api:Sending process 11 closing signal SIGTERM\n")
+    agent = SimpleNamespace(popen=SimpleNamespace(returncode=1, pid=10), log_path=log)
+    assert _first_failure(rows, 2, agent) == ("failed", "worker 1 failed: ValueError: injected failure on rank 1")
+    rows[1]["failed_at"] = 102.9  # the stop came first: the failure was the lost peer's
+    assert _first_failure(rows, 2, agent) == (
+        "interrupted", "worker 0 stopped by SIGTERM (not sent by the launcher); the others stopped with it")
+
 _SHARER = """
 import subprocess, psutil, torch, torch.multiprocessing as mp
 from ddlscope.launch.processes import SHM_MANAGER, end_children

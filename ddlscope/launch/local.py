@@ -620,12 +620,16 @@ def _interrupt_reason(err: KeyboardInterrupt) -> str:
 def _first_failure(rows, peers: int, agent: WorkerProcess) -> tuple[str, str]:
     """``(status, reason)`` of a torchrun run whose agent exited non-zero: a worker that died without a word,
     else the agent stopped by a signal from outside (its log says it received one; it stopped every worker),
-    else a worker stopped by a signal from outside (the first to stop; the agent stopped the others after it),
-    else the first recorded failure."""
+    else a worker stopped by a signal from outside (the first to stop; the agent stopped the others after it)
+    unless a worker failed before it (then torchrun's agent stopped the survivors: a CI run, 2026-12-06, had
+    worker 0 stopped by it before it saw worker 1's failure), else the first recorded failure."""
     silent = [r for r in rows if r["status"] in ("starting", "training")]
     # the first to stop or fail, by the time its training raised (a peer it took down stops or fails later)
-    stopped = sorted((r for r in rows if r["status"] == "interrupted"), key=lambda r: r["failed_at"] or float("inf"))
-    failed = sorted((r for r in rows if r["status"] == "failed"), key=lambda r: r["failed_at"] or float("inf"))
+    def at(row) -> float:
+        return row["failed_at"] or float("inf")
+
+    stopped = sorted((r for r in rows if r["status"] == "interrupted"), key=at)
+    failed = sorted((r for r in rows if r["status"] == "failed"), key=at)
     code = agent.popen.returncode
     if len(rows) < peers:
         return "failed", f"only {len(rows)} of {peers} workers started: {_log_tail(agent.log_path)}"
@@ -638,7 +642,8 @@ def _first_failure(rows, peers: int, agent: WorkerProcess) -> tuple[str, str]:
     if stopped and len(stopped) == len(rows) and _agent_was_signalled(agent.log_path):
         return "interrupted", (f"torchrun agent (pid {agent.popen.pid}) was stopped (exit code {code}, not by the "
                                f"launcher); its workers: {stopped[0]['reason']}")
-    if stopped:
+    # a worker that failed before the first one was stopped is the cause: torchrun then stops the others itself
+    if stopped and not (failed and at(failed[0]) < at(stopped[0])):
         return "interrupted", (f"worker {stopped[0]['worker_index']} {stopped[0]['reason']} (not sent by the "
                                f"launcher); the others stopped with it")
     if failed:
