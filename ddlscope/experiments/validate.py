@@ -308,9 +308,8 @@ def missing_fits(grid: ValidationGrid, cluster: ClusterSpec, source: str) -> str
     file that had no dmoe fit read -92 % and -81 % where the next pass, calibrated, read single
     digits (docs/validation.md, stop 70).
     """
-    lacking = {fit: sorted(name for name in grid.strategies if fit in distribution.get(name).calibrations)
-               for fit in distribution.CALIBRATIONS if getattr(cluster, fit) is None}
-    lacking = {fit: names for fit, names in lacking.items() if names}
+    lacking = {fit: names for fit in distribution.CALIBRATIONS if getattr(cluster, fit) is None
+               if (names := sorted(n for n in grid.strategies if fit in distribution.get(n).calibrations))}
     if not lacking:
         return None
     what = "; ".join(f"no {fit} fit, which {', '.join(names)} read{'s' if len(names) == 1 else ''}"

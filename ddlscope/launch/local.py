@@ -624,10 +624,10 @@ def _first_failure(rows, peers: int, agent: WorkerProcess) -> tuple[str, str]:
     unless a worker failed before it (then torchrun's agent stopped the survivors: a CI run, 2026-12-06, had
     worker 0 stopped by it before it saw worker 1's failure), else the first recorded failure."""
     silent = [r for r in rows if r["status"] in ("starting", "training")]
-    # the first to stop or fail, by the time its training raised (a peer it took down stops or fails later)
     def at(row) -> float:
         return row["failed_at"] or float("inf")
 
+    # the first to stop or fail, by the time its training raised (a peer it took down stops or fails later)
     stopped = sorted((r for r in rows if r["status"] == "interrupted"), key=at)
     failed = sorted((r for r in rows if r["status"] == "failed"), key=at)
     code = agent.popen.returncode
